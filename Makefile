@@ -1,0 +1,44 @@
+# zbroker: every target creates .venv and installs what it needs on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NODE_STAMP := clients/node/node_modules/.installed
+DURATION ?= 1800
+
+.PHONY: up test test-fast bench chaos node clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+$(NODE_STAMP): clients/node/package.json
+	cd clients/node && npm install --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+node: $(NODE_STAMP)
+
+## Run a single-node broker in the foreground on its embedded defaults.
+up: $(STAMP)
+	$(VENV)/bin/zbroker up
+
+## The whole suite, PostgreSQL and Node.js tests included.
+test: $(STAMP) $(NODE_STAMP)
+	$(PY) -m pytest -q
+
+## Unit tests only (no processes, no services).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+## Side-by-side benchmark against RabbitMQ, NATS JetStream, Redis Streams and raw ZeroMQ.
+bench: $(STAMP)
+	$(PY) -m bench
+
+## The long chaos run: make chaos DURATION=1800
+chaos: $(STAMP)
+	$(PY) -m pytest -q tests/chaos -m chaos --chaos-duration=$(DURATION) -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) clients/node/node_modules build *.egg-info

@@ -1,0 +1,240 @@
+"""Record batches: the client payload and the stored (and fetched) batch layout.
+
+Theory of operation
+-------------------
+A producer sends one *payload* per produce request: a msgpack array of
+records, each record itself an array ``[timestamp_ms, key, value, headers]``
+(``key`` bin or nil, ``value`` bin, ``headers`` map str->bin or nil).
+
+The partition log never decodes that payload record by record. It reads the
+msgpack array header to learn the record count, assigns the base offset, and
+writes ``BATCH_HEADER + payload`` to the segment file as it is. A fetch reply
+carries those stored bytes verbatim, so the on-disk layout below *is* part of
+the wire protocol (docs/PROTOCOL.md, "Stored batch").
+
+Stored batch, all integers big-endian::
+
+    0   4  magic            b"ZBB1"
+    4   4  crc32            zlib/IEEE CRC-32 of bytes 8 .. end of payload
+    8   4  payload_length   bytes of payload that follow the header
+    12  8  base_offset      offset of the first record (u64)
+    20  4  record_count     records in the payload (u32, >= 1)
+    24  8  append_time_ms   broker wall clock when appended (i64)
+    32  8  producer_id      idempotent producer id, 0 when none (i64)
+    40  4  producer_seq     producer's batch sequence, -1 when none (i32)
+    44     payload          msgpack array of records
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Iterator, NamedTuple
+
+import msgpack
+
+from protocol.errors import CorruptBatch
+
+BATCH_MAGIC = b"ZBB1"
+BATCH_HEADER = struct.Struct(">4sIIQIqqi")
+BATCH_HEADER_SIZE = BATCH_HEADER.size  # 44
+# The part of the header covered by the CRC starts after the crc field.
+_CRC_START = 8
+
+
+class BatchHeader(NamedTuple):
+    crc: int
+    payload_length: int
+    base_offset: int
+    record_count: int
+    append_time_ms: int
+    producer_id: int
+    producer_seq: int
+
+    @property
+    def total_size(self) -> int:
+        return BATCH_HEADER_SIZE + self.payload_length
+
+    @property
+    def next_offset(self) -> int:
+        return self.base_offset + self.record_count
+
+
+class Record:
+    """One record as a consumer sees it."""
+
+    __slots__ = ("topic", "partition", "offset", "timestamp_ms", "key", "value", "headers")
+
+    def __init__(self, topic: str, partition: int, offset: int, timestamp_ms: int,
+                 key: bytes | None, value: bytes, headers: dict[str, bytes] | None) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        self.timestamp_ms = timestamp_ms
+        self.key = key
+        self.value = value
+        self.headers = headers
+
+    def __repr__(self) -> str:
+        return (f"Record({self.topic}/{self.partition}@{self.offset}, key={self.key!r:.40}, "
+                f"value={self.value!r:.40}, headers={self.headers!r:.80})")
+
+
+# -- client side: building a payload -------------------------------------------------
+
+_packer_default = msgpack.Packer(use_bin_type=True)
+
+
+def encode_records(records: list[list]) -> bytes:
+    """Pack ``[[timestamp_ms, key, value, headers], ...]`` into a batch payload."""
+    return _packer_default.pack(records)
+
+
+def encode_values(values: list[bytes], timestamp_ms: int) -> bytes:
+    """Fast path for key-less, header-less records that share one timestamp."""
+    return _packer_default.pack([[timestamp_ms, None, v, None] for v in values])
+
+
+# -- broker side: validating a payload without decoding its records ------------------
+
+
+def payload_record_count(payload: bytes | memoryview) -> int:
+    """Read the record count from the payload's msgpack array header.
+
+    This is all the partition log learns about a payload before storing it.
+    A payload that does not start with an array header is rejected; the
+    records themselves are checked by `validate_payload` where wanted.
+    """
+    n = len(payload)
+    if n == 0:
+        raise CorruptBatch("empty batch payload")
+    first = payload[0]
+    if 0x90 <= first <= 0x9F:
+        count = first & 0x0F
+    elif first == 0xDC and n >= 3:
+        count = int.from_bytes(payload[1:3], "big")
+    elif first == 0xDD and n >= 5:
+        count = int.from_bytes(payload[1:5], "big")
+    else:
+        raise CorruptBatch("batch payload is not a msgpack array of records", first_byte=first)
+    if count == 0:
+        raise CorruptBatch("batch payload holds no records")
+    # Each record is at least a 1-byte fixarray header plus 4 one-byte fields.
+    if count * 5 > n:
+        raise CorruptBatch("batch payload declares more records than it can hold",
+                           declared=count, payload_bytes=n)
+    return count
+
+
+def validate_payload(payload: bytes) -> int:
+    """Fully decode a payload and check every record's shape. Returns the count.
+
+    Used by tests, fuzzers and the strict mode of the partition actor; the hot
+    path relies on `payload_record_count` plus the client's own encoder.
+    """
+    try:
+        records = msgpack.unpackb(payload, raw=False, strict_map_key=True,
+                                  ext_hook=_reject_ext, use_list=True)
+    except CorruptBatch:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise CorruptBatch(f"batch payload is not valid msgpack: {exc}") from exc
+    if not isinstance(records, list) or not records:
+        raise CorruptBatch("batch payload must be a non-empty array")
+    for i, rec in enumerate(records):
+        if not (isinstance(rec, list) and len(rec) == 4):
+            raise CorruptBatch("record must be [timestamp_ms, key, value, headers]", index=i)
+        ts, key, value, headers = rec
+        if not isinstance(ts, int) or isinstance(ts, bool):
+            raise CorruptBatch("record timestamp must be an integer", index=i)
+        if key is not None and not isinstance(key, bytes):
+            raise CorruptBatch("record key must be bin or nil", index=i)
+        if not isinstance(value, bytes):
+            raise CorruptBatch("record value must be bin", index=i)
+        if headers is not None:
+            if not isinstance(headers, dict) or not all(
+                isinstance(k, str) and isinstance(v, bytes) for k, v in headers.items()
+            ):
+                raise CorruptBatch("record headers must be a map of str to bin", index=i)
+    return len(records)
+
+
+def _reject_ext(code: int, data: bytes) -> None:
+    raise CorruptBatch("msgpack ext types are not allowed", ext_code=code)
+
+
+# -- the stored batch -------------------------------------------------------------------
+
+
+def build_batch_header(payload: bytes | memoryview, *, base_offset: int, record_count: int,
+                       append_time_ms: int, producer_id: int = 0, producer_seq: int = -1) -> bytes:
+    """Header for a payload about to be appended. CRC covers header tail + payload."""
+    tail = struct.pack(">IQIqqi", len(payload), base_offset, record_count, append_time_ms,
+                       producer_id, producer_seq)
+    crc = zlib.crc32(payload, zlib.crc32(tail))
+    return BATCH_MAGIC + crc.to_bytes(4, "big") + tail
+
+
+def parse_batch_header(buf: bytes | memoryview, pos: int = 0) -> BatchHeader:
+    """Parse the header at ``pos``. Raises CorruptBatch on a bad magic or short buffer."""
+    if len(buf) - pos < BATCH_HEADER_SIZE:
+        raise CorruptBatch("short batch header", position=pos)
+    magic, crc, length, base, count, ts, pid, seq = BATCH_HEADER.unpack_from(buf, pos)
+    if magic != BATCH_MAGIC:
+        raise CorruptBatch("bad batch magic", position=pos)
+    if count == 0:
+        raise CorruptBatch("batch with zero records", position=pos)
+    return BatchHeader(crc, length, base, count, ts, pid, seq)
+
+
+def batch_crc_ok(buf: bytes | memoryview, pos: int, header: BatchHeader) -> bool:
+    end = pos + header.total_size
+    if end > len(buf):
+        return False
+    view = memoryview(buf)
+    crc = zlib.crc32(view[pos + BATCH_HEADER_SIZE:end], zlib.crc32(view[pos + _CRC_START:pos + BATCH_HEADER_SIZE]))
+    return crc == header.crc
+
+
+def iter_stored_batches(blob: bytes | memoryview, *, verify_crc: bool = True
+                        ) -> Iterator[tuple[BatchHeader, memoryview]]:
+    """Walk concatenated stored batches (a fetch reply frame). Yields (header, payload)."""
+    view = memoryview(blob)
+    pos = 0
+    n = len(view)
+    while pos < n:
+        header = parse_batch_header(view, pos)
+        end = pos + header.total_size
+        if end > n:
+            raise CorruptBatch("batch runs past the end of the frame", position=pos)
+        if verify_crc and not batch_crc_ok(view, pos, header):
+            raise CorruptBatch("batch CRC mismatch", position=pos, base_offset=header.base_offset)
+        yield header, view[pos + BATCH_HEADER_SIZE:end]
+        pos = end
+
+
+def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from_offset: int = 0,
+                   until_offset: int | None = None, verify_crc: bool = True) -> list[Record]:
+    """Decode a fetch reply's batches into records with offsets in [from_offset, until_offset)."""
+    out: list[Record] = []
+    append = out.append
+    for header, payload in iter_stored_batches(blob, verify_crc=verify_crc):
+        base = header.base_offset
+        if until_offset is not None and base >= until_offset:
+            break
+        if header.next_offset <= from_offset:
+            continue
+        try:
+            records = msgpack.unpackb(payload, raw=False, use_list=False, ext_hook=_reject_ext)
+        except Exception as exc:
+            raise CorruptBatch(f"stored payload is not valid msgpack: {exc}", base_offset=base) from exc
+        if len(records) != header.record_count:
+            raise CorruptBatch("record count does not match header", base_offset=base)
+        for i, (ts, key, value, headers) in enumerate(records):
+            off = base + i
+            if off < from_offset:
+                continue
+            if until_offset is not None and off >= until_offset:
+                break
+            append(Record(topic, partition, off, ts, key, value, headers))
+    return out

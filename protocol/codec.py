@@ -1,0 +1,189 @@
+"""Frame codec: the only place where zbroker frames are packed and unpacked.
+
+A message is a ZeroMQ multipart message. Frame 0 is a msgpack map, the
+*header*; any further frames are opaque payloads (a produce batch, fetched
+batches). Requests carry ``v`` (protocol version), ``op`` and ``id`` (a
+correlation id chosen by the sender, echoed in the reply) beside their
+fields. Replies carry ``v``, ``op``, ``id`` and ``ok``; an error reply has
+``ok: false`` and an ``error`` map instead of fields.
+
+Decoding never raises anything but `ProtocolError` (or a subclass) for what
+a peer sent, so a shell can turn every failure into an error reply. The
+exception carries ``corr_id`` and ``op`` when they could be read, so the error
+reply can still be matched to its request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+
+from protocol import messages as m
+from protocol.errors import ProtocolError, TooLarge, UnknownOp, UnsupportedVersion, ZBrokerError
+
+MAX_HEADER_BYTES = 1 << 20
+MAX_FRAMES = 4
+_RESERVED = ("v", "op", "id", "ok", "error")
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+@dataclass(slots=True)
+class Envelope:
+    """A decoded request or reply."""
+
+    op: str
+    corr_id: Any
+    msg: m.Message | None = None
+    error: ZBrokerError | None = None
+    frames: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def is_tell(self) -> bool:
+        return self.op in m.TELLS
+
+
+def _reject_ext(code: int, data: bytes) -> None:
+    raise ProtocolError("msgpack ext types are not allowed", ext_code=code)
+
+
+def _unpack_header(frame: bytes | memoryview) -> dict:
+    if len(frame) > MAX_HEADER_BYTES:
+        raise TooLarge("header frame too large", limit=MAX_HEADER_BYTES, got=len(frame))
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                                 ext_hook=_reject_ext)
+    except ZBrokerError:
+        raise
+    except Exception as exc:  # ExtraData, FormatError, StackError, ValueError, UnicodeDecodeError...
+        raise ProtocolError(f"header is not a valid msgpack map: {type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header must be a msgpack map", got=type(header).__name__)
+    return header
+
+
+def _fail(exc: ProtocolError, corr_id: Any, op: Any) -> ProtocolError:
+    exc.corr_id = corr_id if _valid_id(corr_id) else None
+    exc.op = op if isinstance(op, str) and len(op) <= 64 else None
+    return exc
+
+
+def _valid_id(corr_id: Any) -> bool:
+    return corr_id is None or (isinstance(corr_id, int) and not isinstance(corr_id, bool)
+                               and 0 <= corr_id < 1 << 64)
+
+
+def _check_envelope(frames: Sequence[bytes]) -> tuple[dict, Any, Any]:
+    if not frames:
+        raise _fail(ProtocolError("empty message"), None, None)
+    if len(frames) > MAX_FRAMES:
+        raise _fail(ProtocolError("too many frames", limit=MAX_FRAMES, got=len(frames)), None, None)
+    try:
+        header = _unpack_header(frames[0])
+    except ProtocolError as exc:
+        raise _fail(exc, None, None)
+    except TooLarge as exc:
+        err = ProtocolError(exc.message, **exc.data)
+        err.code = exc.code
+        raise _fail(err, None, None)
+    corr_id = header.get("id")
+    op = header.get("op")
+    if not _valid_id(corr_id):
+        raise _fail(ProtocolError("'id' must be an unsigned 64-bit integer or nil"), None, op)
+    version = header.get("v")
+    if version not in m.SUPPORTED_VERSIONS:
+        raise _fail(UnsupportedVersion(f"protocol version {version!r} is not supported",
+                                       supported=list(m.SUPPORTED_VERSIONS)), corr_id, op)
+    if not isinstance(op, str):
+        raise _fail(ProtocolError("'op' must be a string"), corr_id, None)
+    return header, corr_id, op
+
+
+# -- requests ---------------------------------------------------------------------------
+
+def encode_request(msg: m.Message, corr_id: int | None, frames: Sequence[bytes] = ()) -> list:
+    header = msg.to_fields()
+    header["v"] = m.PROTOCOL_VERSION
+    header["op"] = msg.op
+    header["id"] = corr_id
+    return [_packer.pack(header), *frames]
+
+
+def decode_request(frames: Sequence[bytes]) -> Envelope:
+    header, corr_id, op = _check_envelope(frames)
+    cls = m.REQUESTS.get(op)
+    if cls is None:
+        raise _fail(UnknownOp(f"unknown op {op!r:.64}", op=op[:64]), corr_id, op)
+    try:
+        msg = m.build(cls, header)
+    except ProtocolError as exc:
+        raise _fail(exc, corr_id, op)
+    return Envelope(op, corr_id, msg=msg, frames=list(frames[1:]))
+
+
+# -- replies ----------------------------------------------------------------------------
+
+def encode_reply(msg: m.Message, corr_id: Any, frames: Sequence[bytes] = ()) -> list:
+    header = msg.to_fields()
+    header["v"] = m.PROTOCOL_VERSION
+    header["op"] = msg.op
+    header["id"] = corr_id
+    header["ok"] = True
+    return [_packer.pack(header), *frames]
+
+
+def encode_error(op: str | None, corr_id: Any, error: ZBrokerError) -> list:
+    return [_packer.pack({"v": m.PROTOCOL_VERSION, "op": op, "id": corr_id, "ok": False,
+                          "error": error.to_wire()})]
+
+
+def decode_reply(frames: Sequence[bytes]) -> Envelope:
+    header, corr_id, op = _check_envelope(frames)
+    ok = header.get("ok")
+    if ok is False:
+        return Envelope(op, corr_id, error=ZBrokerError.from_wire(header.get("error")))
+    if ok is not True:
+        raise _fail(ProtocolError("reply must carry 'ok'"), corr_id, op)
+    cls = m.REPLIES.get(op)
+    if cls is None:
+        raise _fail(UnknownOp(f"unknown reply op {op!r:.64}"), corr_id, op)
+    try:
+        msg = m.build(cls, header)
+    except ProtocolError as exc:
+        raise _fail(exc, corr_id, op)
+    return Envelope(op, corr_id, msg=msg, frames=list(frames[1:]))
+
+
+def decode_any(frames: Sequence[bytes]) -> tuple[bool, Envelope]:
+    """Decode a request or a reply, for sockets that carry both directions.
+
+    Returns ``(is_reply, envelope)``. Replies are told apart by their ``ok`` key.
+    """
+    header_is_reply = False
+    if frames and len(frames[0]) <= MAX_HEADER_BYTES:
+        try:
+            header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, ext_hook=_reject_ext)
+            header_is_reply = isinstance(header, dict) and "ok" in header
+        except Exception:
+            header_is_reply = False
+    if header_is_reply:
+        return True, decode_reply(frames)
+    return False, decode_request(frames)
+
+
+def pack_value(value: Any) -> bytes:
+    """Pack a plain value (used for JSON-like files such as topic metadata snapshots)."""
+    return _packer.pack(value)
+
+
+def unpack_value(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_reject_ext)
+    except Exception as exc:
+        raise ProtocolError(f"not valid msgpack: {type(exc).__name__}") from None

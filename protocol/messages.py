@@ -1,0 +1,581 @@
+"""Typed messages of wire protocol v1.
+
+Each request and reply is a small dataclass registered under its ``op`` name.
+`protocol.codec` turns frames into these objects and back; nothing else in
+the code base packs or unpacks frames. Field types are checked on decode, so
+an actor never sees a ``partition`` that is a string or a negative offset
+where a count is expected: that becomes a BAD_REQUEST reply instead.
+
+Range lists (acks, deliveries, advances) travel as msgpack arrays rather than
+maps because a single frame may carry thousands of them; their element order
+is given in each class's docstring and in docs/PROTOCOL.md.
+"""
+
+import dataclasses
+import types
+from typing import Any, ClassVar, get_type_hints
+
+from protocol.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+REQUESTS: dict[str, type["Message"]] = {}
+REPLIES: dict[str, type["Message"]] = {}
+# Ops for which the sender expects no reply (fire and forget, "tell").
+TELLS: set[str] = set()
+
+_MISSING = dataclasses.MISSING
+
+
+class Message:
+    """Base of every typed message. Subclasses are slotted dataclasses."""
+
+    op: ClassVar[str]
+    _fields: ClassVar[tuple[tuple[str, Any, bool, Any], ...]]
+
+    def check(self) -> None:
+        """Structural checks beyond field types; raise ProtocolError."""
+
+    def to_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name, _t, _r, _d in self._fields}
+
+
+def _compile_fields(cls: type) -> tuple[tuple[str, Any, bool, Any], ...]:
+    hints = get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        required = f.default is _MISSING and f.default_factory is _MISSING
+        if f.default is not _MISSING:
+            default = f.default
+        elif f.default_factory is not _MISSING:
+            default = f.default_factory
+        else:
+            default = None
+        out.append((f.name, hints[f.name], required, default))
+    return tuple(out)
+
+
+def _register(table: dict[str, type], op: str, tell: bool = False):
+    def wrap(cls):
+        cls = dataclasses.dataclass(slots=True)(cls)
+        cls.op = op
+        cls._fields = _compile_fields(cls)
+        table[op] = cls
+        if tell:
+            TELLS.add(op)
+        return cls
+    return wrap
+
+
+def request(op: str, *, tell: bool = False):
+    return _register(REQUESTS, op, tell)
+
+
+def reply(op: str):
+    return _register(REPLIES, op)
+
+
+def _type_ok(value: Any, expected: Any) -> bool:
+    if expected is Any:
+        return True
+    if isinstance(expected, types.UnionType):
+        return any(_type_ok(value, t) for t in expected.__args__)
+    if expected is type(None):
+        return value is None
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    origin = getattr(expected, "__origin__", None)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, expected)
+
+
+def build(cls: type[Message], fields: dict[str, Any]) -> Message:
+    """Construct and type-check a message from a decoded field map."""
+    kwargs = {}
+    for name, ftype, required, default in cls._fields:
+        if name in fields:
+            value = fields[name]
+            if not _type_ok(value, ftype):
+                raise ProtocolError(f"field {name!r} of {cls.op!r} has the wrong type",
+                                    op=cls.op, field=name, expected=_type_name(ftype),
+                                    got=type(value).__name__)
+            kwargs[name] = value
+        elif required:
+            raise ProtocolError(f"{cls.op!r} is missing field {name!r}", op=cls.op, field=name)
+        else:
+            kwargs[name] = default() if callable(default) else default
+    msg = cls(**kwargs)
+    msg.check()
+    return msg
+
+
+def _type_name(t: Any) -> str:
+    return getattr(t, "__name__", None) or str(t)
+
+
+# -- helpers for structured fields -------------------------------------------------------
+
+def _nonneg(op: str, **values: int) -> None:
+    for name, v in values.items():
+        if v < 0:
+            raise ProtocolError(f"field {name!r} of {op!r} must be >= 0", op=op, field=name, got=v)
+
+
+def check_lease_ranges(op: str, ranges: list, limit: int = 100_000) -> None:
+    """Each item is [topic:str, partition:int, lease_id:int, start:int, end:int], start < end."""
+    if len(ranges) > limit:
+        raise ProtocolError(f"{op!r} carries too many ranges", op=op, limit=limit, got=len(ranges))
+    for i, item in enumerate(ranges):
+        if not (isinstance(item, list) and len(item) == 5):
+            raise ProtocolError("range must be [topic, partition, lease_id, start, end]", op=op, index=i)
+        topic, partition, lease, start, end = item
+        if not isinstance(topic, str) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in (partition, lease, start, end)
+        ):
+            raise ProtocolError("range has wrong element types", op=op, index=i)
+        if partition < 0 or start < 0 or end <= start:
+            raise ProtocolError("range must have partition >= 0 and 0 <= start < end", op=op, index=i)
+
+
+# ======================================================================================
+# Common
+# ======================================================================================
+
+@request("hello")
+class Hello(Message):
+    versions: list
+    client: str = ""
+    token: str = ""
+
+    def check(self) -> None:
+        if not self.versions or not all(isinstance(v, int) for v in self.versions):
+            raise ProtocolError("'versions' must be a non-empty list of integers", op="hello")
+
+
+@reply("hello")
+class HelloReply(Message):
+    version: int
+    server: str
+    actor: str
+    limits: dict
+
+
+@request("status")
+class Status(Message):
+    pass
+
+
+@reply("status")
+class StatusReply(Message):
+    actors: list
+    healthy: bool = True
+
+
+# ======================================================================================
+# Topics (coordinator)
+# ======================================================================================
+
+@request("metadata")
+class Metadata(Message):
+    topics: list | None = None
+
+
+@reply("metadata")
+class MetadataReply(Message):
+    """topics: [{"name", "partitions": [{"partition", "endpoint", "actor_id"}], "config"}]"""
+    topics: list
+
+
+@request("create_topic")
+class CreateTopic(Message):
+    topic: str
+    partitions: int = 1
+    config: dict | None = None
+
+    def check(self) -> None:
+        if not (1 <= self.partitions <= 10_000):
+            raise ProtocolError("'partitions' must be between 1 and 10000", op="create_topic",
+                                field="partitions", got=self.partitions)
+
+
+@reply("create_topic")
+class CreateTopicReply(Message):
+    topic: str
+    partitions: int
+    created: bool = True
+
+
+@request("list_topics")
+class ListTopics(Message):
+    pass
+
+
+@reply("list_topics")
+class ListTopicsReply(Message):
+    topics: list
+
+
+@request("describe_topic")
+class DescribeTopic(Message):
+    topic: str
+
+
+@reply("describe_topic")
+class DescribeTopicReply(Message):
+    """partitions: [{"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint"}]"""
+    topic: str
+    partitions: list
+    config: dict
+
+
+# ======================================================================================
+# Partition data plane (partition-log actors)
+# ======================================================================================
+
+@request("produce")
+class Produce(Message):
+    """Frame 1 is the batch payload (see protocol.batch)."""
+    topic: str
+    partition: int
+    producer_id: int = 0
+    sequence: int = -1
+
+    def check(self) -> None:
+        _nonneg("produce", partition=self.partition, producer_id=self.producer_id)
+
+
+@reply("produce")
+class ProduceReply(Message):
+    base_offset: int
+    count: int
+    duplicate: bool = False
+
+
+@request("fetch")
+class Fetch(Message):
+    topic: str
+    partition: int
+    offset: int
+    max_bytes: int = 1 << 20
+    max_wait_ms: int = 0
+
+    def check(self) -> None:
+        _nonneg("fetch", partition=self.partition, offset=self.offset, max_bytes=self.max_bytes,
+                max_wait_ms=self.max_wait_ms)
+
+
+@reply("fetch")
+class FetchReply(Message):
+    """Frame 1 holds zero or more stored batches back to back."""
+    log_start: int
+    log_end: int
+
+
+# ======================================================================================
+# Consumer groups (coordinator)
+# ======================================================================================
+
+@request("join")
+class Join(Message):
+    group: str
+    topics: list
+    member_id: str = ""
+    session_timeout_ms: int = 10_000
+
+    def check(self) -> None:
+        if not self.group:
+            raise ProtocolError("'group' must not be empty", op="join", field="group")
+        if not self.topics or not all(isinstance(t, str) and t for t in self.topics):
+            raise ProtocolError("'topics' must be a non-empty list of names", op="join", field="topics")
+        if not (100 <= self.session_timeout_ms <= 3_600_000):
+            raise ProtocolError("'session_timeout_ms' must be between 100 and 3600000", op="join",
+                                field="session_timeout_ms", got=self.session_timeout_ms)
+
+
+@reply("join")
+class JoinReply(Message):
+    """assignment: [[topic, partition], ...] (every subscribed partition in shared mode)."""
+    member_id: str
+    generation: int
+    mode: str
+    assignment: list
+    ack_timeout_ms: int
+
+
+@request("heartbeat")
+class Heartbeat(Message):
+    group: str
+    member_id: str
+    generation: int
+
+
+@reply("heartbeat")
+class HeartbeatReply(Message):
+    generation: int
+    assignment: list
+
+
+@request("leave")
+class Leave(Message):
+    group: str
+    member_id: str
+    generation: int
+
+
+@reply("leave")
+class LeaveReply(Message):
+    pass
+
+
+@request("poll")
+class Poll(Message):
+    group: str
+    member_id: str
+    generation: int
+    max_records: int = 1000
+    max_wait_ms: int = 0
+
+    def check(self) -> None:
+        if not (1 <= self.max_records <= 1_000_000):
+            raise ProtocolError("'max_records' must be between 1 and 1000000", op="poll")
+        _nonneg("poll", max_wait_ms=self.max_wait_ms)
+
+
+@reply("poll")
+class PollReply(Message):
+    """deliveries: [[topic, partition, lease_id, start, end, attempt, reason, endpoint], ...]
+
+    Each item leases offsets [start, end) of one partition. ``attempt`` counts
+    deliveries including this one; ``reason`` is "new", "timeout", "nack",
+    "rebalance" or "restart"; ``endpoint`` is the partition actor to fetch from.
+    """
+    generation: int
+    deliveries: list
+    ack_timeout_ms: int
+
+
+@request("ack")
+class Ack(Message):
+    """ranges: [[topic, partition, lease_id, start, end], ...]"""
+    group: str
+    member_id: str
+    generation: int
+    ranges: list
+
+    def check(self) -> None:
+        check_lease_ranges("ack", self.ranges)
+
+
+@request("nack")
+class Nack(Message):
+    group: str
+    member_id: str
+    generation: int
+    ranges: list
+    delay_ms: int = 0
+    reason: str = ""
+
+    def check(self) -> None:
+        check_lease_ranges("nack", self.ranges)
+        _nonneg("nack", delay_ms=self.delay_ms)
+
+
+@request("extend")
+class Extend(Message):
+    group: str
+    member_id: str
+    generation: int
+    ranges: list
+    extend_ms: int = 0
+
+    def check(self) -> None:
+        check_lease_ranges("extend", self.ranges)
+        _nonneg("extend", extend_ms=self.extend_ms)
+
+
+@request("reject")
+class Reject(Message):
+    group: str
+    member_id: str
+    generation: int
+    ranges: list
+    reason: str = ""
+
+    def check(self) -> None:
+        check_lease_ranges("reject", self.ranges)
+
+
+@reply("ack")
+class AckReply(Message):
+    applied: int
+
+
+@reply("nack")
+class NackReply(Message):
+    applied: int
+
+
+@reply("extend")
+class ExtendReply(Message):
+    applied: int
+    deadline_in_ms: int = 0
+
+
+@reply("reject")
+class RejectReply(Message):
+    applied: int
+
+
+@request("list_groups")
+class ListGroups(Message):
+    pass
+
+
+@reply("list_groups")
+class ListGroupsReply(Message):
+    groups: list
+
+
+@request("describe_group")
+class DescribeGroup(Message):
+    group: str
+
+
+@reply("describe_group")
+class DescribeGroupReply(Message):
+    group: dict
+
+
+@request("configure_group")
+class ConfigureGroup(Message):
+    group: str
+    mode: str | None = None
+    ack_timeout_ms: int | None = None
+    max_deliveries: int | None = None
+    max_in_flight: int | None = None
+    dlq: str | None = None
+    start: str | None = None
+
+    def check(self) -> None:
+        if self.mode is not None and self.mode not in ("exclusive", "shared"):
+            raise ProtocolError("'mode' must be 'exclusive' or 'shared'", op="configure_group", got=self.mode)
+        if self.start is not None and self.start not in ("earliest", "latest"):
+            raise ProtocolError("'start' must be 'earliest' or 'latest'", op="configure_group", got=self.start)
+        for name in ("ack_timeout_ms", "max_deliveries", "max_in_flight"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ProtocolError(f"{name!r} must be >= 1", op="configure_group", field=name, got=v)
+
+
+@reply("configure_group")
+class ConfigureGroupReply(Message):
+    config: dict
+
+
+@request("reset_group")
+class ResetGroup(Message):
+    group: str
+    topic: str
+    to: str | int
+
+    def check(self) -> None:
+        if isinstance(self.to, str) and self.to not in ("earliest", "latest"):
+            raise ProtocolError("'to' must be 'earliest', 'latest' or an offset", op="reset_group")
+        if isinstance(self.to, int) and self.to < 0:
+            raise ProtocolError("'to' offset must be >= 0", op="reset_group")
+
+
+@reply("reset_group")
+class ResetGroupReply(Message):
+    """partitions: [[partition, new_committed_offset], ...]"""
+    partitions: list
+    reset_epoch: int
+
+
+# ======================================================================================
+# Internal: partition actors <-> coordinator
+# ======================================================================================
+
+@request("register")
+class Register(Message):
+    """A partition actor announces itself. partitions: [[topic, partition, log_start, log_end, bytes]]"""
+    actor_id: str
+    endpoint: str
+    storage_id: str
+    pid: int
+    partitions: list
+
+
+@reply("register")
+class RegisterReply(Message):
+    """assignment: [[topic, partition, config], ...] the actor should own."""
+    assignment: list
+
+
+@request("report", tell=True)
+class Report(Message):
+    """Log-end report. partitions: [[topic, partition, log_start, log_end, bytes], ...]"""
+    actor_id: str
+    partitions: list
+
+
+@request("assign")
+class Assign(Message):
+    """Coordinator -> partition actor: the full set it should own. [[topic, partition, config]]"""
+    assignment: list
+
+
+@reply("assign")
+class AssignReply(Message):
+    partitions: list
+
+
+# ======================================================================================
+# Internal: coordinator <-> commit writer
+# ======================================================================================
+
+@request("writer_status", tell=True)
+class WriterStatus(Message):
+    """Writer -> coordinator, every second: health and counters."""
+    pid: int
+    healthy: bool
+    metrics: dict
+
+
+@request("advance")
+class Advance(Message):
+    """Coordinator -> writer.
+
+    advances: [[group, topic, partition, committed_offset, holes, generation, reset_epoch], ...]
+    where holes is [[start, end], ...], acked ranges above committed_offset.
+    """
+    advances: list
+
+    def check(self) -> None:
+        for i, a in enumerate(self.advances):
+            if not (isinstance(a, list) and len(a) == 7 and isinstance(a[0], str) and isinstance(a[1], str)
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in (a[2], a[3], a[5], a[6]))
+                    and isinstance(a[4], list)):
+                raise ProtocolError("advance must be [group, topic, partition, committed, holes, "
+                                    "generation, reset_epoch]", op="advance", index=i)
+
+
+@reply("advance")
+class AdvanceReply(Message):
+    """durable: [[group, topic, partition, committed_offset, reset_epoch], ...] now on disk."""
+    durable: list
+
+
+@request("load_offsets")
+class LoadOffsets(Message):
+    pass
+
+
+@reply("load_offsets")
+class LoadOffsetsReply(Message):
+    """rows: [[group, topic, partition, committed_offset, holes, generation, reset_epoch], ...]"""
+    rows: list
