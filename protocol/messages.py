@@ -347,11 +347,12 @@ class Poll(Message):
 
 @reply("poll")
 class PollReply(Message):
-    """deliveries: [[topic, partition, lease_id, start, end, attempt, reason, endpoint], ...]
+    """deliveries: [[topic, partition, lease_id, start, end, attempt, reason], ...]
 
     Each item leases offsets [start, end) of one partition. ``attempt`` counts
     deliveries including this one; ``reason`` is "new", "timeout", "nack",
-    "rebalance" or "restart"; ``endpoint`` is the partition actor to fetch from.
+    "rebalance", "restart" or "nack:<text>". The records themselves are
+    fetched from the partition actor named in `metadata`.
     """
     generation: int
     deliveries: list
