@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import msgpack
 
@@ -214,9 +214,14 @@ def iter_stored_batches(blob: bytes | memoryview, *, verify_crc: bool = True
 
 
 def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from_offset: int = 0,
-                   until_offset: int | None = None, verify_crc: bool = True) -> list[Record]:
-    """Decode a fetch reply's batches into records with offsets in [from_offset, until_offset)."""
-    out: list[Record] = []
+                   until_offset: int | None = None, verify_crc: bool = True,
+                   make: Callable[..., Any] = Record, extra: tuple = ()) -> list:
+    """Decode a fetch reply's batches into records with offsets in [from_offset, until_offset).
+
+    ``make(topic, partition, offset, timestamp_ms, key, value, headers, *extra)``
+    builds each record (a `Record` unless told otherwise).
+    """
+    out: list = []
     append = out.append
     for header, payload in iter_stored_batches(blob, verify_crc=verify_crc):
         base = header.base_offset
@@ -236,5 +241,5 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
                 continue
             if until_offset is not None and off >= until_offset:
                 break
-            append(Record(topic, partition, off, ts, key, value, headers))
+            append(make(topic, partition, off, ts, key, value, headers, *extra))
     return out

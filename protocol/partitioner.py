@@ -17,16 +17,3 @@ def partition_for_key(key: bytes, partitions: int) -> int:
         raise ValueError("partitions must be positive")
     return zlib.crc32(key) % partitions
 
-
-class RoundRobin:
-    """Key-less records rotate over partitions, one batch at a time."""
-
-    __slots__ = ("_next",)
-
-    def __init__(self, start: int = 0) -> None:
-        self._next = start
-
-    def next(self, partitions: int) -> int:
-        p = self._next % partitions
-        self._next = p + 1
-        return p

@@ -1,2 +1,336 @@
-def main() -> None:  # replaced by the real CLI
-    raise SystemExit("zbroker CLI not built yet")
+"""``zbroker``: run the broker, manage topics and groups, produce, fetch and consume.
+
+Every command that talks to a broker takes ``--broker URL`` (default
+``$ZBROKER_URL`` or tcp://127.0.0.1:7400). ``--json`` prints machine-readable
+output. Errors print ``error: CODE: message`` on stderr and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from protocol.errors import ZBrokerError
+
+DEFAULT_URL = os.environ.get("ZBROKER_URL", "tcp://127.0.0.1:7400")
+
+
+def _b(value: bytes | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value.hex()
+
+
+def _record_json(rec: Any) -> dict:
+    out = {"topic": rec.topic, "partition": rec.partition, "offset": rec.offset, "timestamp_ms": rec.timestamp_ms,
+           "key": _b(rec.key), "value": _b(rec.value),
+           "headers": {k: _b(v) for k, v in (rec.headers or {}).items()}}
+    if hasattr(rec, "attempt"):
+        out["attempt"] = rec.attempt
+        out["reason"] = rec.reason
+    return out
+
+
+def _print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c) for c in columns}
+    print("  ".join(c.upper().ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns))
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from zbroker.supervisor import BrokerConfig, serve
+    return serve(BrokerConfig(data_dir=args.data, host=args.host, port=args.port,
+                              partition_actors=args.partition_actors, fsync=args.fsync,
+                              offsets_url=args.offsets, log_level=args.log_level))
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    from actors.partition_log.core import FsyncPolicy
+    from actors.partition_log.shell import run
+    FsyncPolicy.parse(args.fsync)
+    actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
+    run(actor_id, args.broker, args.data, bind=args.bind, fsync=args.fsync, log_level=args.log_level)
+    return 0
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from zbroker.client import Admin
+    with Admin(args.broker) as admin:
+        if args.topics_cmd == "create":
+            config = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("retention_bytes", args.retention_bytes),
+                                        ("retention_ms", args.retention_ms)) if v is not None}
+            result = admin.create_topic(args.name, partitions=args.partitions, config=config or None)
+            print(json.dumps(result) if args.json else f"created topic {args.name} with {args.partitions} partition(s)")
+        elif args.topics_cmd == "list":
+            topics = admin.list_topics()
+            print(json.dumps(topics) if args.json else "\n".join(topics))
+        elif args.topics_cmd == "describe":
+            result = admin.describe_topic(args.name)
+            if args.json:
+                print(json.dumps(result))
+            else:
+                print(f"topic {result['topic']}  config {json.dumps(result['config'])}")
+                _print_table(result["partitions"], ["partition", "log_start", "log_end", "bytes", "actor_id", "endpoint"])
+    return 0
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    from zbroker.client import Producer
+    key = args.key.encode() if args.key is not None else None
+    started = time.perf_counter()
+    count = 0
+    with Producer(args.broker, linger_ms=args.linger_ms, batch_size=args.batch_size) as producer:
+        if args.count is not None:
+            value = b"x" * args.size
+            if key is None and args.partition is None:
+                remaining = args.count
+                while remaining > 0:
+                    n = min(remaining, args.batch_size)
+                    producer.send_many(args.topic, [value] * n)
+                    remaining -= n
+            else:
+                for _ in range(args.count):
+                    producer.send(args.topic, value, key=key, partition=args.partition)
+            count = args.count
+        else:
+            for line in sys.stdin.buffer:
+                producer.send(args.topic, line.rstrip(b"\n"), key=key, partition=args.partition)
+                count += 1
+        producer.flush()
+        stats = dict(producer.stats)
+    elapsed = time.perf_counter() - started
+    summary = {"topic": args.topic, "records": count, "seconds": round(elapsed, 4),
+               "records_per_s": round(count / elapsed, 1) if elapsed > 0 else None,
+               "batches": stats["batches"], "retries": stats["retries"], "duplicates": stats["duplicates"]}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"produced {count} record(s) to {args.topic} in {elapsed:.3f}s "
+              f"({summary['records_per_s']} records/s, {stats['batches']} batches)")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from zbroker.client import Connection, fetch
+    conn = Connection(args.broker)
+    try:
+        offset = args.offset
+        printed = 0
+        while args.max is None or printed < args.max:
+            records, _start, end = fetch(conn, args.topic, args.partition, offset, max_wait_ms=0)
+            if not records:
+                break
+            for rec in records:
+                if args.max is not None and printed >= args.max:
+                    break
+                print(json.dumps(_record_json(rec)) if args.json else
+                      f"{rec.partition}@{rec.offset} key={_b(rec.key)} value={_b(rec.value)}")
+                printed += 1
+                offset = rec.offset + 1
+            if offset >= end:
+                break
+    finally:
+        conn.close()
+    return 0
+
+
+def cmd_consume(args: argparse.Namespace) -> int:
+    from zbroker.client import Consumer
+    consumed = 0
+    idle_deadline = time.monotonic() + args.timeout if args.timeout else None
+    with Consumer(args.broker, group=args.group, topics=[args.topic]) as consumer:
+        while args.max is None or consumed < args.max:
+            want = 500 if args.max is None else min(500, args.max - consumed)
+            records = consumer.poll(max_records=want, timeout=0.5)
+            if not records:
+                if idle_deadline is not None and time.monotonic() > idle_deadline:
+                    break
+                continue
+            if args.timeout:
+                idle_deadline = time.monotonic() + args.timeout
+            for rec in records:
+                print(json.dumps(_record_json(rec)) if args.json else
+                      f"{rec.partition}@{rec.offset} key={_b(rec.key)} value={_b(rec.value)}", flush=True)
+                consumer.ack(rec)  # acked once printed
+                consumed += 1
+        consumer.flush_acks()
+    return 0
+
+
+def cmd_groups(args: argparse.Namespace) -> int:
+    from zbroker.client import Admin
+    with Admin(args.broker) as admin:
+        if args.groups_cmd == "list":
+            groups = admin.list_groups()
+            if args.json:
+                print(json.dumps(groups))
+            else:
+                _print_table(groups, ["group", "mode", "members", "generation"])
+        elif args.groups_cmd == "configure":
+            fields = {"mode": args.mode, "ack_timeout_ms": None if args.ack_timeout is None else int(args.ack_timeout * 1000),
+                      "max_deliveries": args.max_deliveries, "max_in_flight": args.max_in_flight, "dlq": args.dlq,
+                      "start": args.start}
+            config = admin.configure_group(args.group, **{k: v for k, v in fields.items() if v is not None})
+            print(json.dumps(config) if args.json else f"group {args.group}: {json.dumps(config)}")
+        elif args.groups_cmd == "describe":
+            group = admin.describe_group(args.group)
+            if args.json:
+                print(json.dumps(group))
+            else:
+                _print_group(group)
+        elif args.groups_cmd == "reset":
+            to: str | int = args.to if args.to in ("earliest", "latest") else int(args.to)
+            result = admin.reset_group(args.group, args.topic, to)
+            print(json.dumps(result) if args.json else
+                  f"reset {args.group} on {args.topic} (epoch {result['reset_epoch']}): {result['partitions']}")
+    return 0
+
+
+def _print_group(group: dict) -> None:
+    members = group.get("members", [])
+    print(f"group {group.get('group')}  mode {group.get('mode')}  generation {group.get('generation')}  "
+          f"members {len(members)}")
+    for member in members:
+        print(f"  member {member}")
+    rows = []
+    for p in group.get("partitions", []):
+        blocker = p.get("blocker") or {}
+        rows.append({**p, "blocker": f"{blocker.get('offset')} {blocker.get('state')} {blocker.get('member') or ''}"
+                     .strip() if blocker else ""})
+    _print_table(rows, ["topic", "partition", "committed", "log_end", "lag", "in_flight",
+                        "oldest_unfinished_age_ms", "redeliveries", "dead_letters", "blocker"])
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from zbroker.client import Admin
+    with Admin(args.broker) as admin:
+        status = admin.status()
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    rows = [{"kind": a["kind"], "actor_id": a.get("actor_id"), "pid": a.get("pid"), "endpoint": a.get("endpoint") or "",
+             "healthy": a.get("healthy"), "partitions": len(a.get("partitions", []) or [])} for a in status["actors"]]
+    print(f"broker {'healthy' if status['healthy'] else 'UNHEALTHY'}")
+    _print_table(rows, ["kind", "actor_id", "pid", "endpoint", "healthy", "partitions"])
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zbroker", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def client_cmd(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--broker", default=DEFAULT_URL, help="coordinator URL (env ZBROKER_URL)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    up = sub.add_parser("up", help="run a single-node broker in the foreground")
+    up.add_argument("--data", default="./data", help="data directory (default ./data)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=7400, help="coordinator port; partition actors use the next ones")
+    up.add_argument("--partition-actors", type=int, default=1)
+    up.add_argument("--fsync", default="interval:1000", help="always | never | interval:MS (default interval:1000)")
+    up.add_argument("--offsets", default=None, help="sqlite:///path (default <data>/offsets.sqlite3) or postgresql://…")
+    up.add_argument("--log-level", default="info")
+    up.set_defaults(func=cmd_up)
+
+    part = sub.add_parser("partition", help="start an extra partition-log actor that joins a broker")
+    part.add_argument("--broker", default=DEFAULT_URL)
+    part.add_argument("--data", default="./data/partitions", help="partition data directory")
+    part.add_argument("--bind", default="tcp://127.0.0.1:0", help="data-plane endpoint (port 0 = any free port)")
+    part.add_argument("--actor-id", default=None)
+    part.add_argument("--fsync", default="interval:1000")
+    part.add_argument("--log-level", default="info")
+    part.set_defaults(func=cmd_partition)
+
+    topics = client_cmd("topics", "create, list and describe topics")
+    tsub = topics.add_subparsers(dest="topics_cmd", required=True)
+    create = tsub.add_parser("create")
+    create.add_argument("name")
+    create.add_argument("--partitions", type=int, default=1)
+    create.add_argument("--segment-bytes", type=int)
+    create.add_argument("--retention-bytes", type=int)
+    create.add_argument("--retention-ms", type=int)
+    tsub.add_parser("list")
+    describe = tsub.add_parser("describe")
+    describe.add_argument("name")
+    topics.set_defaults(func=cmd_topics)
+
+    produce = client_cmd("produce", "produce lines from stdin, or synthetic records")
+    produce.add_argument("topic")
+    produce.add_argument("--count", type=int, help="produce N synthetic records instead of reading stdin")
+    produce.add_argument("--size", type=int, default=100, help="bytes per synthetic record")
+    produce.add_argument("--key", default=None)
+    produce.add_argument("--partition", type=int, default=None)
+    produce.add_argument("--linger-ms", type=float, default=5.0)
+    produce.add_argument("--batch-size", type=int, default=1000)
+    produce.set_defaults(func=cmd_produce)
+
+    fetch = client_cmd("fetch", "read records of one partition from an offset")
+    fetch.add_argument("topic")
+    fetch.add_argument("--partition", type=int, required=True)
+    fetch.add_argument("--offset", type=int, default=0)
+    fetch.add_argument("--max", type=int, default=None)
+    fetch.set_defaults(func=cmd_fetch)
+
+    consume = client_cmd("consume", "consume as a group member, acking each record once printed")
+    consume.add_argument("topic")
+    consume.add_argument("--group", required=True)
+    consume.add_argument("--max", type=int, default=None)
+    consume.add_argument("--timeout", type=float, default=None, help="stop after this many idle seconds")
+    consume.set_defaults(func=cmd_consume)
+
+    groups = client_cmd("groups", "list, configure, describe and reset consumer groups")
+    gsub = groups.add_subparsers(dest="groups_cmd", required=True)
+    gsub.add_parser("list")
+    conf = gsub.add_parser("configure")
+    conf.add_argument("group")
+    conf.add_argument("--mode", choices=["exclusive", "shared"])
+    conf.add_argument("--ack-timeout", type=float, help="seconds")
+    conf.add_argument("--max-deliveries", type=int)
+    conf.add_argument("--max-in-flight", type=int)
+    conf.add_argument("--dlq")
+    conf.add_argument("--start", choices=["earliest", "latest"])
+    gdesc = gsub.add_parser("describe")
+    gdesc.add_argument("group")
+    reset = gsub.add_parser("reset")
+    reset.add_argument("group")
+    reset.add_argument("--topic", required=True)
+    reset.add_argument("--to", required=True, help="earliest | latest | OFFSET")
+    groups.set_defaults(func=cmd_groups)
+
+    status = client_cmd("status", "list the actors with their pids, endpoints, partitions and health")
+    status.set_defaults(func=cmd_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except ZBrokerError as err:
+        print(f"error: {err.code.value}: {err.message}" + (f" {json.dumps(err.data, default=str)}" if err.data else ""),
+              file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except BrokenPipeError:
+        code = 0
+    sys.exit(code)
+
+
+__all__ = ["main", "build_parser"]

@@ -1,0 +1,465 @@
+"""Group-coordinator process: one ROUTER, two pure cores, and the plumbing between them.
+
+Everything dials this actor: clients (topics, groups), partition-log actors
+(``partition:<id>`` identities: register, report; they serve ``assign``,
+``fetch`` and ``produce`` sent back to them), and the commit writer
+(identity ``writer``: writer_status; it serves ``advance`` and
+``load_offsets``). Decisions live in `TopicRegistry` (placement) and
+`GroupCoordinatorCore` (groups, leases, commits); this module only routes
+messages, reads the clock once per turn, persists metadata files, and runs
+the two multi-step effects that need other actors:
+
+* committed-offset persistence: `PersistOffsets` effects are coalesced per key
+  and sent to the writer as one ``advance`` per turn; the writer's reply says
+  what is durable and goes back to the core via ``on_durable``. Unconfirmed
+  advances are resent when the writer restarts or stays silent.
+* dead letters: fetch the record from its partition actor, append it with
+  provenance headers to the DLQ topic (created on demand) with an idempotent
+  producer id, then tell the core it is done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from actors import runtime
+from actors.group_coordinator import effects as fx
+from actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
+from actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
+from protocol import codec
+from protocol import messages as m
+from protocol.batch import decode_fetched, encode_records
+from protocol.errors import (ProtocolError, ShuttingDown, TopicExists, Unavailable, UnknownOp,
+                             ZBrokerError)
+
+TURN_BUDGET = 512
+WRITER_IDENTITY = b"writer"
+ADVANCE_RESEND_MS = 3000
+LOAD_RETRY_MS = 1000
+WRITER_SILENT_MS = 3000
+REQUEST_TIMEOUT_MS = 5000
+GROUP_OPS = {"join", "heartbeat", "leave", "poll", "ack", "nack", "extend", "reject", "list_groups",
+             "describe_group", "configure_group", "reset_group"}
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class MetaFiles:
+    """Topic placement and group configs, as msgpack files written atomically."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.topics_path = data_dir / "meta" / "topics.msgpack"
+        self.groups_path = data_dir / "meta" / "groups.msgpack"
+
+    def load(self, path: Path) -> Any:
+        if not path.exists():
+            return None
+        return codec.unpack_value(path.read_bytes())
+
+    def save(self, path: Path, value: Any) -> None:
+        _atomic_write(path, codec.pack_value(value))
+
+
+class Outbound:
+    """Requests this actor sends to other actors, matched to replies by id."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.pending: dict[int, tuple[int, Callable[[codec.Envelope | None], None]]] = {}
+
+    def new(self, now_ms: int, on_reply: Callable[[codec.Envelope | None], None]) -> int:
+        corr = next(self._ids)
+        self.pending[corr] = (now_ms + REQUEST_TIMEOUT_MS, on_reply)
+        return corr
+
+    def resolve(self, env: codec.Envelope) -> None:
+        entry = self.pending.pop(env.corr_id, None) if isinstance(env.corr_id, int) else None
+        if entry is not None:
+            entry[1](env)
+
+    def expire(self, now_ms: int) -> None:
+        expired = [c for c, (deadline, _cb) in self.pending.items() if deadline <= now_ms]
+        for corr in expired:
+            _deadline, callback = self.pending.pop(corr)
+            callback(None)
+
+
+class CoordinatorShell:
+    def __init__(self, router: zmq.Socket, data_dir: Path, log: Any) -> None:
+        self.router = router
+        self.log = log
+        self.meta = MetaFiles(data_dir)
+        self.topics = TopicRegistry()
+        snapshot = self.meta.load(self.meta.topics_path)
+        if snapshot:
+            self.topics.restore(snapshot)
+        # Lease ids must never repeat across coordinator incarnations: a stale ack
+        # from before a restart must not match a lease handed out after it.
+        base = (time.time_ns() // 1_000_000) << 20
+        self.core = GroupCoordinatorCore(lease_id_base=base)
+        for name, topic in self.topics.topics.items():
+            self.core.set_topic(name, topic["partitions"])
+        for group, config in (self.meta.load(self.meta.groups_path) or {}).items():
+            self.core.restore_group_config(group, GroupConfig.from_dict(config))
+        self.group_configs: dict[str, dict] = dict(self.meta.load(self.meta.groups_path) or {})
+        self.outbound = Outbound()
+        self.writer: dict[str, Any] = {"pid": None, "healthy": False, "metrics": {}, "last_seen_ms": None}
+        self.offsets_loaded = False
+        self.next_load_ms = 0
+        self.load_in_flight = False
+        self.unconfirmed: dict[tuple[str, str, int], list] = {}  # newest advance per key not yet durable
+        self.to_send: dict[tuple[str, str, int], list] = {}
+        self.last_advance_sent_ms = 0
+        self.dead_letter_producer_id = random.getrandbits(62) | 1
+        self.dead_letter_seq: dict[tuple[str, int], int] = {}
+        self.open_polls: set[int] = set()
+        self.tokens: dict[int, runtime.RouterToken] = {}
+
+    # -- inbound ----------------------------------------------------------------------------
+
+    def on_message(self, identity: bytes, frames: list, now: int) -> None:
+        if identity == WRITER_IDENTITY or identity.startswith(b"partition:"):
+            try:
+                is_reply, env = codec.decode_any(frames)
+            except ProtocolError as err:
+                self.log.warning("actor.bad_frame", peer=identity.decode(errors="replace"), reason=err.message)
+                return
+            if is_reply:
+                self.outbound.resolve(env)
+                return
+            self.on_request(identity, env, now)
+            return
+        env, error = runtime.decode_or_error(frames, self.log)
+        if error is not None:
+            runtime.send_reply(self.router, identity, error)
+            return
+        self.on_request(identity, env, now)
+
+    def on_request(self, identity: bytes, env: codec.Envelope, now: int) -> None:
+        token = runtime.RouterToken(identity, env.corr_id, env.op)
+        op, msg = env.op, env.msg
+        try:
+            if op in GROUP_OPS:
+                self.group_request(token, op, msg, now)
+            elif op == "register":
+                self.apply(self.topics.register(msg.actor_id, msg.endpoint, msg.storage_id, msg.pid,
+                                                msg.partitions, now), now)
+                self.feed_ranges(self.topics.on_report(msg.actor_id, msg.partitions, now), now)
+                self.reply(token, m.RegisterReply(assignment=self.topics.assignment_for(msg.actor_id)))
+            elif op == "report":
+                self.feed_ranges(self.topics.on_report(msg.actor_id, msg.partitions, now), now)
+            elif op == "writer_status":
+                self.on_writer_status(msg, now)
+            elif op == "hello":
+                self.reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
+                                               actor="group-coordinator",
+                                               limits={"max_header_bytes": codec.MAX_HEADER_BYTES}))
+            elif op == "metadata":
+                self.reply(token, m.MetadataReply(topics=self.topics.metadata(msg.topics)))
+            elif op == "list_topics":
+                self.reply(token, m.ListTopicsReply(topics=sorted(self.topics.topics)))
+            elif op == "describe_topic":
+                self.reply(token, m.DescribeTopicReply(topic=msg.topic, partitions=self.topics.describe(msg.topic),
+                                                       config=self.topics.require_topic(msg.topic)["config"]))
+            elif op == "create_topic":
+                self.create_topic(msg.topic, msg.partitions, msg.config, now)
+                self.reply(token, m.CreateTopicReply(topic=msg.topic, partitions=msg.partitions))
+            elif op == "status":
+                self.reply(token, m.StatusReply(actors=self.status(now), healthy=self.healthy(now)))
+            else:
+                raise UnknownOp(f"op {op!r} is not served by the coordinator", op=op)
+        except ZBrokerError as err:
+            self.reply_error(token, err)
+
+    def group_request(self, token: runtime.RouterToken, op: str, msg: m.Message, now: int) -> None:
+        key = id(token)
+        self.tokens[key] = token
+        if op == "poll":
+            self.open_polls.add(key)
+        handler = getattr(self.core, op)
+        self.apply(handler(key, msg, now), now)
+
+    def create_topic(self, name: str, partitions: int, config: dict | None, now: int) -> None:
+        self.apply(self.topics.create_topic(name, partitions, config, now), now)
+        self.core.set_topic(name, partitions)
+        self.log.info("topic.created", topic=name, partitions=partitions)
+
+    def feed_ranges(self, ranges: list, now: int) -> None:
+        for topic, partition, start, end in ranges:
+            self.apply(self.core.on_log_range(topic, partition, start, end, now), now)
+
+    # -- effects ----------------------------------------------------------------------------
+
+    def apply(self, effects: list, now: int) -> None:
+        for effect in effects:
+            if isinstance(effect, fx.Reply):
+                self.reply(self.tokens.pop(effect.token), effect.msg)
+                self.open_polls.discard(effect.token)
+            elif isinstance(effect, fx.ReplyError):
+                self.reply_error(self.tokens.pop(effect.token), effect.error)
+                self.open_polls.discard(effect.token)
+            elif isinstance(effect, fx.PersistOffsets):
+                row = [effect.group, effect.topic, effect.partition, effect.committed,
+                       [list(h) for h in effect.holes], effect.generation, effect.reset_epoch]
+                key = (effect.group, effect.topic, effect.partition)
+                self.unconfirmed[key] = row
+                self.to_send[key] = row
+            elif isinstance(effect, fx.DeadLetter):
+                self.start_dead_letter(effect, now)
+            elif isinstance(effect, fx.PersistGroupConfig):
+                self.group_configs[effect.group] = effect.config
+                self.meta.save(self.meta.groups_path, self.group_configs)
+            elif isinstance(effect, fx.Log):
+                self.log.info(effect.event, **effect.fields)
+            elif isinstance(effect, PersistTopics):
+                self.meta.save(self.meta.topics_path, self.topics.snapshot())
+            elif isinstance(effect, AssignActor):
+                self.send_assign(effect.actor_id, now)
+            else:  # pragma: no cover
+                raise TypeError(f"unknown effect {effect!r}")
+
+    def reply(self, token: runtime.RouterToken, msg: m.Message) -> None:
+        runtime.send_reply(self.router, token.identity, codec.encode_reply(msg, token.corr_id))
+
+    def reply_error(self, token: runtime.RouterToken, err: ZBrokerError) -> None:
+        runtime.send_reply(self.router, token.identity, codec.encode_error(token.op, token.corr_id, err))
+
+    def request(self, identity: bytes, msg: m.Message, now: int, on_reply: Callable,
+                frames: tuple = ()) -> None:
+        corr = self.outbound.new(now, on_reply)
+        runtime.send_reply(self.router, identity, codec.encode_request(msg, corr, frames))
+
+    def send_assign(self, actor_id: str, now: int) -> None:
+        assignment = self.topics.assignment_for(actor_id)
+        self.log.info("placement.assign", actor_id=actor_id, partitions=[[t, p] for t, p, _c in assignment])
+        self.request(f"partition:{actor_id}".encode(), m.Assign(assignment=assignment), now, lambda env: None)
+
+    # -- commit writer ----------------------------------------------------------------------
+
+    def on_writer_status(self, msg: m.WriterStatus, now: int) -> None:
+        restarted = self.writer["pid"] != msg.pid
+        self.writer.update(pid=msg.pid, healthy=msg.healthy, metrics=msg.metrics, last_seen_ms=now)
+        if restarted:
+            self.log.info("writer.seen", pid=msg.pid)
+            # Whatever the previous writer had not confirmed may be lost: resend it.
+            self.to_send.update(self.unconfirmed)
+
+    def pump_writer(self, now: int) -> None:
+        if not self.offsets_loaded:
+            if self.writer["last_seen_ms"] is not None and not self.load_in_flight and now >= self.next_load_ms:
+                self.load_in_flight = True
+                self.request(WRITER_IDENTITY, m.LoadOffsets(), now, lambda env: self.on_offsets_loaded(env))
+            return
+        if not self.to_send and self.unconfirmed and now - self.last_advance_sent_ms > ADVANCE_RESEND_MS:
+            self.to_send.update(self.unconfirmed)
+        if not self.to_send:
+            return
+        batch, self.to_send = list(self.to_send.values()), {}
+        self.last_advance_sent_ms = now
+        self.request(WRITER_IDENTITY, m.Advance(advances=batch), now, self.on_advance_reply)
+
+    def on_offsets_loaded(self, env: codec.Envelope | None) -> None:
+        self.load_in_flight = False
+        now = runtime.now_ms()
+        if env is None or env.error is not None or env.msg is None:
+            self.next_load_ms = now + LOAD_RETRY_MS
+            self.log.warning("offsets.load_failed", reason=None if env is None or env.error is None
+                             else env.error.message)
+            return
+        rows = [tuple(r) for r in env.msg.rows]
+        self.offsets_loaded = True
+        self.log.info("offsets.loaded", rows=len(rows))
+        self.apply(self.core.load_offsets(rows, now), now)
+        for (topic, partition), part in self.topics.partitions.items():
+            if part.owner is not None and part.log_end:
+                self.apply(self.core.on_log_range(topic, partition, part.log_start, part.log_end, now), now)
+
+    def on_advance_reply(self, env: codec.Envelope | None) -> None:
+        if env is None or env.error is not None or env.msg is None:
+            return  # resent after ADVANCE_RESEND_MS
+        now = runtime.now_ms()
+        durable = [tuple(d) for d in env.msg.durable]
+        for group, topic, partition, committed, reset_epoch in durable:
+            key = (group, topic, partition)
+            row = self.unconfirmed.get(key)
+            if row is not None and (reset_epoch, committed) >= (row[6], row[3]):
+                del self.unconfirmed[key]
+        self.apply(self.core.on_durable(durable, now), now)
+
+    # -- dead letters -----------------------------------------------------------------------
+
+    def start_dead_letter(self, effect: fx.DeadLetter, now: int) -> None:
+        def failed(reason: str) -> None:
+            self.log.warning("dead_letter.retry", group=effect.group, topic=effect.topic,
+                             partition=effect.partition, offset=effect.offset, reason=reason)
+            self.apply(self.core.on_dead_letter_failed(effect.group, effect.topic, effect.partition,
+                                                       effect.offset, runtime.now_ms()), runtime.now_ms())
+
+        owner = self.topics.partitions.get((effect.topic, effect.partition))
+        if owner is None or owner.owner is None:
+            failed("source partition has no owner")
+            return
+        if effect.dlq_topic not in self.topics.topics:
+            try:
+                self.create_topic(effect.dlq_topic, 1, None, now)
+            except TopicExists:
+                pass
+
+        def on_fetched(env: codec.Envelope | None) -> None:
+            if env is None or env.error is not None:
+                failed("fetch failed" if env is None else env.error.message)
+                return
+            records = decode_fetched(env.frames[0] if env.frames else b"", effect.topic, effect.partition,
+                                     from_offset=effect.offset, until_offset=effect.offset + 1)
+            if not records:
+                # Gone through retention: nothing left to copy, the record is finished.
+                self.log.warning("dead_letter.source_gone", topic=effect.topic, partition=effect.partition,
+                                 offset=effect.offset)
+                self.apply(self.core.on_dead_letter_done(effect.group, effect.topic, effect.partition,
+                                                         effect.offset, runtime.now_ms()), runtime.now_ms())
+                return
+            rec = records[0]
+            headers = dict(rec.headers or {})
+            headers.update({
+                "zb-dlq-source-topic": effect.topic.encode(),
+                "zb-dlq-source-partition": str(effect.partition).encode(),
+                "zb-dlq-source-offset": str(effect.offset).encode(),
+                "zb-dlq-attempts": str(effect.attempts).encode(),
+                "zb-dlq-reason": str(effect.last_reason).encode(),
+                "zb-dlq-group": effect.group.encode(),
+            })
+            payload = encode_records([[rec.timestamp_ms, rec.key, rec.value, headers]])
+            self.append_dead_letter(effect, payload, failed)
+
+        self.request(f"partition:{owner.owner}".encode(),
+                     m.Fetch(topic=effect.topic, partition=effect.partition, offset=effect.offset,
+                             max_bytes=1 << 20), now, on_fetched)
+
+    def append_dead_letter(self, effect: fx.DeadLetter, payload: bytes, failed: Callable) -> None:
+        now = runtime.now_ms()
+        dlq = self.topics.partitions.get((effect.dlq_topic, 0))
+        if dlq is None or dlq.owner is None:
+            failed("dead-letter topic has no owner yet")
+            return
+        seq_key = (effect.dlq_topic, 0)
+        seq = self.dead_letter_seq.get(seq_key, 0)
+        self.dead_letter_seq[seq_key] = seq + 1
+
+        def on_appended(env: codec.Envelope | None) -> None:
+            if env is None or env.error is not None:
+                failed("append failed" if env is None else env.error.message)
+                return
+            self.log.info("dead_letter.appended", group=effect.group, topic=effect.topic,
+                          partition=effect.partition, offset=effect.offset, dlq=effect.dlq_topic,
+                          dlq_offset=env.msg.base_offset, attempts=effect.attempts)
+            self.apply(self.core.on_dead_letter_done(effect.group, effect.topic, effect.partition,
+                                                     effect.offset, runtime.now_ms()), runtime.now_ms())
+
+        self.request(f"partition:{dlq.owner}".encode(),
+                     m.Produce(topic=effect.dlq_topic, partition=0, producer_id=self.dead_letter_producer_id,
+                               sequence=seq), now, on_appended, (payload,))
+
+    # -- status -----------------------------------------------------------------------------
+
+    def healthy(self, now: int) -> bool:
+        seen = self.writer["last_seen_ms"]
+        return bool(seen is not None and now - seen < WRITER_SILENT_MS and self.writer["healthy"])
+
+    def status(self, now: int) -> list[dict]:
+        seen = self.writer["last_seen_ms"]
+        writer = {"kind": "commit-writer", "actor_id": "writer", "pid": self.writer["pid"], "endpoint": None,
+                  "healthy": self.healthy(now), "last_seen_ms_ago": None if seen is None else now - seen,
+                  "metrics": self.writer["metrics"], "unconfirmed_advances": len(self.unconfirmed)}
+        coordinator = {"kind": "group-coordinator", "actor_id": "coordinator", "pid": os.getpid(),
+                       "endpoint": None, "healthy": True, "offsets_loaded": self.offsets_loaded,
+                       "statistics": self.core.statistics()}
+        return [coordinator, writer, *self.topics.actor_status(now)]
+
+    # -- time -------------------------------------------------------------------------------
+
+    def tick(self, now: int) -> None:
+        self.outbound.expire(now)
+        self.apply(self.topics.tick(now), now)
+        self.apply(self.core.tick(now), now)
+        self.pump_writer(now)
+
+    def next_timeout_ms(self, now: int) -> int:
+        deadline = self.core.next_deadline()
+        timeout = 100  # metadata and writer housekeeping run at least this often
+        if deadline is not None:
+            timeout = min(timeout, max(0, deadline - now))
+        if self.to_send:
+            timeout = 0
+        return timeout
+
+    def shutdown(self) -> None:
+        """Answer every parked poll instead of leaving clients to time out."""
+        for key in list(self.open_polls):
+            token = self.tokens.pop(key, None)
+            self.core.cancel_parked(key)
+            if token is not None:
+                self.reply_error(token, ShuttingDown("coordinator is stopping; retry"))
+        self.open_polls.clear()
+
+
+def run(endpoint: str, data_dir: str, *, log_level: str = "info") -> None:
+    """Process main for the group coordinator."""
+    log = runtime.configure_logging(log_level, actor="group-coordinator")
+    stop = runtime.StopFlag().install()
+    data = Path(data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    ctx = zmq.Context()
+    router = runtime.make_socket(ctx, zmq.ROUTER)
+    try:
+        bound = runtime.bind_endpoint(router, endpoint)
+        shell = CoordinatorShell(router, data, log)
+        log.info("actor.started", endpoint=bound, data_dir=str(data), topics=len(shell.topics.topics))
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while not stop.stopping:
+            now = runtime.now_ms()
+            try:
+                ready = poller.poll(shell.next_timeout_ms(now))
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EINTR:
+                    continue
+                raise
+            now = runtime.now_ms()
+            if ready:
+                for _ in range(TURN_BUDGET):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) < 2:
+                        continue
+                    shell.on_message(frames[0], frames[1:], now)
+            shell.tick(now)
+        shell.shutdown()
+        log.info("actor.stopped", signal=stop.signal)
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
+__all__ = ["run", "CoordinatorShell", "Unavailable"]

@@ -1,0 +1,404 @@
+"""Partition-log actor core: decisions for the topic-partitions one process owns.
+
+Theory of operation
+-------------------
+The coordinator tells this actor which partitions it owns (`on_assign`). For
+each owned partition the core holds a `PartitionLog` (storage/log), opened
+through an injected `open_log` callable so that tests can hand it a log on a
+temporary directory; the core itself touches no socket and reads no clock.
+
+produce
+    Checked in this order: ownership (NOT_OWNER, retriable: the client
+    refreshes metadata), size (TOO_LARGE), payload shape (the msgpack array
+    header gives the record count; records are never decoded one by one),
+    idempotence (a retried (producer_id, sequence) gets its original offsets
+    back with ``duplicate=True``), then the append. With ``fsync=always`` the
+    reply is held until `end_turn`, which fsyncs every log written in this
+    loop turn once: group commit across all the produce requests the shell
+    drained in that turn.
+fetch
+    Reads whole stored batches from the batch holding ``offset``. A fetch at
+    the log end with ``max_wait_ms`` is parked and answered by the next
+    append to that partition, or empty at its deadline.
+reports
+    The coordinator must learn log ends quickly (consumers long-poll on it),
+    so every turn that appended produces a report of the changed partitions,
+    and every second a full report doubles as a heartbeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from typing import Any, Callable, Iterable
+
+import structlog
+
+from protocol import messages as m
+from protocol.batch import payload_record_count
+from protocol.errors import NotOwner, OffsetOutOfRange, ProtocolError, TooLarge, UnknownOp, ZBrokerError
+from storage.log.partition_log import LogConfig, PartitionLog
+
+log = structlog.get_logger("zbroker.partition")
+
+REPORT_INTERVAL_MS = 1000
+RETENTION_CHECK_MS = 30_000
+RETRY_OPEN_MS = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class FsyncPolicy:
+    """``always`` | ``interval:MS`` | ``never``."""
+
+    mode: str = "interval"
+    interval_ms: int = 1000
+
+    @classmethod
+    def parse(cls, text: str) -> "FsyncPolicy":
+        text = text.strip().lower()
+        if text in ("always", "never"):
+            return cls(mode=text, interval_ms=0)
+        if text.startswith("interval:"):
+            try:
+                ms = int(text.split(":", 1)[1])
+            except ValueError:
+                ms = -1
+            if ms > 0:
+                return cls(mode="interval", interval_ms=ms)
+        raise ValueError(f"--fsync must be 'always', 'never' or 'interval:MS' (MS > 0), not {text!r}")
+
+    def __str__(self) -> str:
+        return f"interval:{self.interval_ms}" if self.mode == "interval" else self.mode
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_batch_bytes: int = 8 << 20
+    max_fetch_bytes: int = 16 << 20
+
+    def to_dict(self) -> dict:
+        from protocol.codec import MAX_HEADER_BYTES
+        return {"max_batch_bytes": self.max_batch_bytes, "max_fetch_bytes": self.max_fetch_bytes,
+                "max_header_bytes": MAX_HEADER_BYTES}
+
+
+# -- effects -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    token: Any
+    msg: m.Message
+    frames: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplyError:
+    token: Any
+    op: str | None
+    error: ZBrokerError
+
+
+@dataclasses.dataclass(slots=True)
+class _ParkedFetch:
+    deadline_ms: int
+    seq: int
+    token: Any
+    msg: m.Fetch
+    done: bool = False
+
+    def __lt__(self, other: "_ParkedFetch") -> bool:
+        return (self.deadline_ms, self.seq) < (other.deadline_ms, other.seq)
+
+
+class OpenFailed(Exception):
+    """The log could not be opened yet (e.g. its previous owner still holds the lock)."""
+
+
+LogOpener = Callable[[str, int, LogConfig, int], PartitionLog]
+
+
+class PartitionActorCore:
+    def __init__(self, actor_id: str, *, open_log: LogOpener, fsync: FsyncPolicy = FsyncPolicy(),
+                 limits: Limits = Limits()) -> None:
+        self.actor_id = actor_id
+        self.fsync = fsync
+        self.limits = limits
+        self._open_log = open_log
+        self.logs: dict[tuple[str, int], PartitionLog] = {}
+        self._wanted: dict[tuple[str, int], LogConfig] = {}  # assigned but not open yet
+        self._next_open_retry_ms = 0
+        self._dirty_since_sync: set[tuple[str, int]] = set()
+        self._held_replies: list[Reply] = []
+        self._changed: set[tuple[str, int]] = set()
+        self._parked: dict[tuple[str, int], list[_ParkedFetch]] = {}
+        self._parked_heap: list[_ParkedFetch] = []
+        self._seq = itertools.count()
+        self._next_fsync_ms: int | None = None
+        self._next_full_report_ms = 0
+        self._next_retention_ms = 0
+        self.counters = {"produce_requests": 0, "records_appended": 0, "bytes_appended": 0,
+                         "duplicates": 0, "fetch_requests": 0, "errors": 0, "fsyncs": 0}
+
+    # -- assignment -------------------------------------------------------------------------
+
+    def on_assign(self, assignment: Iterable, now_ms: int) -> list:
+        """Own exactly the partitions in ``assignment`` ([[topic, partition, config], ...])."""
+        wanted: dict[tuple[str, int], LogConfig] = {}
+        for item in assignment:
+            topic, partition, config = item[0], item[1], item[2] if len(item) > 2 else None
+            wanted[(topic, int(partition))] = LogConfig.from_dict(config)
+        effects: list = []
+        for key in list(self.logs):
+            if key not in wanted:
+                effects += self._release(key, now_ms)
+        self._wanted = {k: c for k, c in wanted.items() if k not in self.logs}
+        self._open_wanted(now_ms)
+        return effects
+
+    def _open_wanted(self, now_ms: int) -> None:
+        for key, config in list(self._wanted.items()):
+            try:
+                plog = self._open_log(key[0], key[1], config, now_ms)
+            except OpenFailed as exc:
+                log.info("partition.open_deferred", topic=key[0], partition=key[1], reason=str(exc))
+                continue
+            del self._wanted[key]
+            self.logs[key] = plog
+            self._changed.add(key)
+            rec = plog.recovery
+            log.info("partition.opened", topic=key[0], partition=key[1], log_start=plog.log_start,
+                     log_end=plog.log_end, truncated_bytes=getattr(rec, "truncated_bytes", 0))
+        self._next_open_retry_ms = now_ms + RETRY_OPEN_MS
+
+    def _release(self, key: tuple[str, int], now_ms: int) -> list:
+        plog = self.logs.pop(key)
+        plog.close()
+        self._dirty_since_sync.discard(key)
+        effects = []
+        for parked in self._parked.pop(key, []):
+            if not parked.done:
+                parked.done = True
+                effects.append(ReplyError(parked.token, "fetch", NotOwner(
+                    "partition moved to another actor", topic=key[0], partition=key[1])))
+        log.info("partition.released", topic=key[0], partition=key[1])
+        return effects
+
+    def owned(self) -> list[list]:
+        return [[t, p] for (t, p) in sorted(self.logs)]
+
+    def assignment_reply(self) -> m.AssignReply:
+        return m.AssignReply(partitions=self.partition_reports(self.logs))
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def handle(self, token: Any, env, now_ms: int) -> list:
+        """Dispatch one decoded request envelope."""
+        op = env.op
+        try:
+            if op == "produce":
+                return self.produce(token, env.msg, env.frames, now_ms)
+            if op == "fetch":
+                return self.fetch(token, env.msg, now_ms)
+            if op == "hello":
+                return [Reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
+                                                   actor=f"partition-log:{self.actor_id}",
+                                                   limits=self.limits.to_dict()))]
+            if op == "status":
+                return [Reply(token, m.StatusReply(actors=[self.status(now_ms)]))]
+            if op == "assign":
+                effects = self.on_assign(env.msg.assignment, now_ms)
+                return effects + [Reply(token, self.assignment_reply())]
+            raise UnknownOp(f"op {op!r} is not served by a partition actor", op=op)
+        except ZBrokerError as err:
+            self.counters["errors"] += 1
+            return [ReplyError(token, op, err)]
+
+    def produce(self, token: Any, msg: m.Produce, frames: list, now_ms: int) -> list:
+        self.counters["produce_requests"] += 1
+        key = (msg.topic, msg.partition)
+        plog = self._owned_log(key)
+        if len(frames) != 1:
+            raise ProtocolError("produce carries exactly one payload frame", frames=len(frames))
+        payload = frames[0]
+        if len(payload) > self.limits.max_batch_bytes:
+            raise TooLarge("batch exceeds max_batch_bytes", limit=self.limits.max_batch_bytes,
+                           got=len(payload), topic=msg.topic, partition=msg.partition)
+        count = payload_record_count(payload)
+        if msg.producer_id:
+            earlier = plog.check_sequence(msg.producer_id, msg.sequence)
+            if earlier is not None:
+                self.counters["duplicates"] += 1
+                return self._produce_reply(token, m.ProduceReply(base_offset=earlier[0], count=earlier[1],
+                                                                 duplicate=True))
+        base = plog.append(payload, count, append_time_ms=now_ms, producer_id=msg.producer_id,
+                           producer_seq=msg.sequence)
+        self.counters["records_appended"] += count
+        self.counters["bytes_appended"] += len(payload)
+        self._dirty_since_sync.add(key)
+        self._changed.add(key)
+        return self._produce_reply(token, m.ProduceReply(base_offset=base, count=count)) + self._wake_parked(key)
+
+    def _produce_reply(self, token: Any, reply: m.ProduceReply) -> list:
+        effect = Reply(token, reply)
+        if self.fsync.mode == "always":
+            # Held until end_turn() has fsynced. A duplicate is held too: the original
+            # may have been written, but not yet fsynced, by this same turn.
+            self._held_replies.append(effect)
+            return []
+        return [effect]
+
+    def fetch(self, token: Any, msg: m.Fetch, now_ms: int) -> list:
+        self.counters["fetch_requests"] += 1
+        key = (msg.topic, msg.partition)
+        plog = self._owned_log(key)
+        if msg.offset == plog.log_end and msg.max_wait_ms > 0:
+            parked = _ParkedFetch(now_ms + msg.max_wait_ms, next(self._seq), token, msg)
+            self._parked.setdefault(key, []).append(parked)
+            heapq.heappush(self._parked_heap, parked)
+            return []
+        return [self._read_reply(token, plog, msg)]
+
+    def _read_reply(self, token: Any, plog: PartitionLog, msg: m.Fetch) -> Reply:
+        max_bytes = min(max(msg.max_bytes, 1), self.limits.max_fetch_bytes)
+        data = plog.read(msg.offset, max_bytes)
+        return Reply(token, m.FetchReply(log_start=plog.log_start, log_end=plog.log_end), (data,))
+
+    def _wake_parked(self, key: tuple[str, int]) -> list:
+        waiting = self._parked.pop(key, None)
+        if not waiting:
+            return []
+        plog = self.logs[key]
+        effects = []
+        for parked in waiting:
+            if parked.done:
+                continue
+            parked.done = True
+            try:
+                effects.append(self._read_reply(parked.token, plog, parked.msg))
+            except OffsetOutOfRange as err:
+                effects.append(ReplyError(parked.token, "fetch", err))
+        return effects
+
+    def _owned_log(self, key: tuple[str, int]) -> PartitionLog:
+        plog = self.logs.get(key)
+        if plog is None:
+            raise NotOwner("this actor does not own the partition; refresh metadata",
+                           topic=key[0], partition=key[1], actor_id=self.actor_id,
+                           opening=key in self._wanted)
+        return plog
+
+    # -- time -------------------------------------------------------------------------------
+
+    def end_turn(self, now_ms: int) -> list:
+        """Called once per loop turn after the shell drained its sockets."""
+        if not self._held_replies:
+            return []
+        self.sync_dirty()
+        held, self._held_replies = self._held_replies, []
+        return held
+
+    def sync_dirty(self) -> None:
+        for key in self._dirty_since_sync:
+            plog = self.logs.get(key)
+            if plog is not None:
+                plog.flush()
+                self.counters["fsyncs"] += 1
+        self._dirty_since_sync.clear()
+
+    def tick(self, now_ms: int) -> list:
+        effects: list = []
+        while self._parked_heap and self._parked_heap[0].deadline_ms <= now_ms:
+            parked = heapq.heappop(self._parked_heap)
+            if parked.done:
+                continue
+            parked.done = True
+            key = (parked.msg.topic, parked.msg.partition)
+            waiting = self._parked.get(key)
+            if waiting is not None:
+                waiting[:] = [p for p in waiting if not p.done]
+            plog = self.logs.get(key)
+            if plog is None:
+                effects.append(ReplyError(parked.token, "fetch", NotOwner("partition moved", topic=key[0],
+                                                                          partition=key[1])))
+            else:
+                effects.append(self._read_reply(parked.token, plog, parked.msg))
+        if self.fsync.mode == "interval" and self._dirty_since_sync:
+            if self._next_fsync_ms is None:
+                self._next_fsync_ms = now_ms + self.fsync.interval_ms
+            elif now_ms >= self._next_fsync_ms:
+                self.sync_dirty()
+                self._next_fsync_ms = None
+        if self._wanted and now_ms >= self._next_open_retry_ms:
+            self._open_wanted(now_ms)
+        if now_ms >= self._next_retention_ms:
+            self._next_retention_ms = now_ms + RETENTION_CHECK_MS
+            for key, plog in self.logs.items():
+                if plog.enforce_retention(now_ms):
+                    self._changed.add(key)
+                    log.info("partition.retention", topic=key[0], partition=key[1], log_start=plog.log_start)
+        return effects
+
+    def next_deadline(self) -> int | None:
+        candidates = [self._next_full_report_ms]
+        if self._parked_heap:
+            candidates.append(self._parked_heap[0].deadline_ms)
+        if self._next_fsync_ms is not None:
+            candidates.append(self._next_fsync_ms)
+        elif self.fsync.mode == "interval" and self._dirty_since_sync:
+            candidates.append(0)  # arm the fsync timer on the next tick
+        if self._wanted:
+            candidates.append(self._next_open_retry_ms)
+        return min(candidates)
+
+    # -- reports ----------------------------------------------------------------------------
+
+    def partition_reports(self, keys: Iterable[tuple[str, int]]) -> list[list]:
+        return [[t, p, self.logs[(t, p)].log_start, self.logs[(t, p)].log_end, self.logs[(t, p)].size_bytes]
+                for (t, p) in sorted(keys) if (t, p) in self.logs]
+
+    def heartbeat_due(self, now_ms: int) -> bool:
+        """Once a second the shell re-registers: a full report that doubles as a heartbeat."""
+        if now_ms < self._next_full_report_ms:
+            return False
+        self._next_full_report_ms = now_ms + REPORT_INTERVAL_MS
+        self._changed.clear()
+        return True
+
+    def registration(self, *, endpoint: str, storage_id: str, pid: int) -> m.Register:
+        return m.Register(actor_id=self.actor_id, endpoint=endpoint, storage_id=storage_id, pid=pid,
+                          partitions=self.partition_reports(self.logs))
+
+    def take_report(self) -> m.Report | None:
+        """Log ends of the partitions that changed since the last report, if any."""
+        if not self._changed:
+            return None
+        changed, self._changed = self._changed, set()
+        return m.Report(actor_id=self.actor_id, partitions=self.partition_reports(changed))
+
+    def status(self, now_ms: int) -> dict:
+        return {"kind": "partition-log", "actor_id": self.actor_id, "fsync": str(self.fsync),
+                "partitions": self.partition_reports(self.logs),
+                "opening": [[t, p] for (t, p) in sorted(self._wanted)],
+                "counters": dict(self.counters)}
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def close(self) -> list:
+        """Answer parked fetches, fsync and close every log."""
+        effects: list = []
+        for waiting in self._parked.values():
+            for parked in waiting:
+                if not parked.done:
+                    parked.done = True
+                    effects.append(Reply(parked.token, m.FetchReply(
+                        log_start=self.logs[(parked.msg.topic, parked.msg.partition)].log_start,
+                        log_end=self.logs[(parked.msg.topic, parked.msg.partition)].log_end), (b"",)))
+        self._parked.clear()
+        self._parked_heap.clear()
+        effects += self.end_turn(0)
+        for plog in self.logs.values():
+            plog.close()
+        self.logs.clear()
+        return effects
+

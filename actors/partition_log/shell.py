@@ -1,0 +1,205 @@
+"""Partition-log actor process: sockets, clock and signals around `PartitionActorCore`.
+
+One poll loop. Each turn drains up to ``TURN_BUDGET`` messages from the client
+ROUTER and the coordinator DEALER, hands them to the core, then calls
+``end_turn`` (group commit for ``--fsync always``), sends a log-end report if
+anything was appended, and re-registers once a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket as pysocket
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from actors import runtime
+from actors.partition_log.core import (FsyncPolicy, Limits, OpenFailed, PartitionActorCore, Reply,
+                                       ReplyError)
+from protocol import codec
+from protocol import messages as m
+from protocol.errors import ProtocolError
+from storage.log.partition_log import LogConfig, PartitionLog
+
+TURN_BUDGET = 512
+REGISTER_RETRY_MS = 1000
+
+
+def partition_dir(data_dir: Path, topic: str, partition: int) -> Path:
+    return data_dir / "logs" / topic / str(partition)
+
+
+class LockedLogOpener:
+    """Opens partition logs under an exclusive flock on the partition directory.
+
+    Two actors sharing a data directory can never write one log at once: the
+    new owner of a moved partition waits until the old owner released it (or
+    died, which releases the lock with its file descriptors).
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self._locks: dict[tuple[str, int], int] = {}
+
+    def __call__(self, topic: str, partition: int, config: LogConfig, now_ms: int) -> PartitionLog:
+        directory = partition_dir(self.data_dir, topic, partition)
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OpenFailed("partition directory is locked by another actor") from None
+        try:
+            plog = PartitionLog.open(directory, config, now_ms=now_ms)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._locks[(topic, partition)] = fd
+        original_close = plog.close
+
+        def close_and_unlock() -> None:
+            original_close()
+            lock_fd = self._locks.pop((topic, partition), None)
+            if lock_fd is not None:
+                os.close(lock_fd)
+        plog.close = close_and_unlock  # type: ignore[method-assign]
+        return plog
+
+
+def wall_ms() -> int:
+    # This actor's clock is the wall clock: batch append times are stored on disk
+    # and compared with it for age-based retention, across restarts.
+    return time.time_ns() // 1_000_000
+
+
+def storage_id_for(data_dir: Path) -> str:
+    return f"{pysocket.gethostname()}:{data_dir.resolve()}"
+
+
+def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://127.0.0.1:0",
+        advertise_host: str | None = None, fsync: str = "interval:1000", log_level: str = "info",
+        max_batch_bytes: int = Limits.max_batch_bytes) -> None:
+    """Process main. Runs until SIGTERM/SIGINT, then drains and exits 0."""
+    log = runtime.configure_logging(log_level, actor="partition-log", actor_id=actor_id)
+    stop = runtime.StopFlag().install()
+    data = Path(data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    core = PartitionActorCore(actor_id, open_log=LockedLogOpener(data), fsync=FsyncPolicy.parse(fsync),
+                              limits=Limits(max_batch_bytes=max_batch_bytes))
+    ctx = zmq.Context()
+    router = runtime.make_socket(ctx, zmq.ROUTER)
+    dealer = runtime.make_socket(ctx, zmq.DEALER, identity=f"partition:{actor_id}".encode())
+    try:
+        endpoint = runtime.bind_endpoint(router, bind)
+        if advertise_host:
+            endpoint = endpoint.replace("0.0.0.0", advertise_host).replace("127.0.0.1", advertise_host)
+        dealer.connect(coordinator)
+        log.info("actor.started", endpoint=endpoint, coordinator=coordinator, fsync=str(core.fsync),
+                 data_dir=str(data))
+        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log)
+        for effect in core.close():
+            _apply(effect, router, dealer, log)
+        log.info("actor.stopped", signal=stop.signal)
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()
+
+
+def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
+          storage_id: str, stop: runtime.StopFlag, log: Any) -> None:
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    poller.register(dealer, zmq.POLLIN)
+    corr = 0
+    pid = os.getpid()
+    while not stop.stopping:
+        now = wall_ms()
+        if core.heartbeat_due(now):
+            corr += 1
+            dealer.send_multipart(codec.encode_request(
+                core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid), corr), flags=zmq.NOBLOCK)
+        deadline = core.next_deadline()
+        timeout = 1000 if deadline is None else max(0, min(1000, deadline - now))
+        try:
+            ready = dict(poller.poll(timeout))
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EINTR:
+                continue
+            raise
+        now = wall_ms()
+        if router in ready:
+            for _ in range(TURN_BUDGET):
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if len(frames) < 2:
+                    continue
+                # Payload frames stay zero-copy views; the log writes them as they are.
+                _handle(core, (router, frames[0].bytes), [f.buffer for f in frames[1:]], now, router, dealer, log)
+        if dealer in ready:
+            for _ in range(TURN_BUDGET):
+                try:
+                    frames = dealer.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                _handle_from_coordinator(core, frames, now, router, dealer, log)
+        for effect in core.tick(now):
+            _apply(effect, router, dealer, log)
+        for effect in core.end_turn(now):
+            _apply(effect, router, dealer, log)
+        report = core.take_report()
+        if report is not None:
+            dealer.send_multipart(codec.encode_request(report, None), flags=zmq.NOBLOCK)
+
+
+def _handle(core: PartitionActorCore, route: tuple, frames: list, now: int, router: zmq.Socket,
+            dealer: zmq.Socket, log: Any) -> None:
+    env, error = runtime.decode_or_error(frames, log)
+    if error is not None:
+        _send(route, error)
+        return
+    token = (route, env.corr_id, env.op)
+    for effect in core.handle(token, env, now):
+        _apply(effect, router, dealer, log)
+
+
+def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, router: zmq.Socket,
+                             dealer: zmq.Socket, log: Any) -> None:
+    try:
+        is_reply, env = codec.decode_any(frames)
+    except ProtocolError as err:
+        log.warning("coordinator.bad_frame", reason=err.message)
+        return
+    if is_reply:
+        if env.op == "register" and env.msg is not None:
+            for effect in core.on_assign(env.msg.assignment, now):
+                _apply(effect, router, dealer, log)
+        elif env.error is not None:
+            log.warning("coordinator.error", op=env.op, code=env.error.code.value, reason=env.error.message)
+        return
+    token = ((dealer, None), env.corr_id, env.op)
+    for effect in core.handle(token, env, now):
+        _apply(effect, router, dealer, log)
+
+
+def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> None:
+    route, corr_id, op = effect.token
+    if isinstance(effect, Reply):
+        frames = codec.encode_reply(effect.msg, corr_id, effect.frames)
+    elif isinstance(effect, ReplyError):
+        frames = codec.encode_error(effect.op or op, corr_id, effect.error)
+    else:  # pragma: no cover - the core returns only the two kinds above
+        raise TypeError(f"unknown effect {effect!r}")
+    _send(route, frames)
+
+
+def _send(route: tuple, frames: list) -> None:
+    sock, identity = route
+    runtime.send_reply(sock, identity, frames)

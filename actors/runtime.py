@@ -1,0 +1,146 @@
+"""What every actor's process shell shares: logging, signals, the clock, sockets.
+
+Shells stay thin: they read the clock once per loop turn, pass it to their
+core, and carry out the effects it returns. The helpers here keep the
+ZeroMQ details (linger, ROUTER envelopes, error replies for undecodable
+frames) in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import structlog
+import zmq
+
+from protocol import codec
+from protocol.errors import ProtocolError, ZBrokerError
+
+# The largest message a socket accepts. Anything bigger is dropped by libzmq
+# before it costs memory (it closes that peer's connection).
+MAX_MESSAGE_BYTES = 64 << 20
+# Outgoing queue bound per peer: a consumer that never reads gets its replies
+# dropped at this mark instead of growing the actor's memory.
+SEND_HWM = 10_000
+RECV_HWM = 10_000
+
+
+def now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def configure_logging(level: str = "info", **bind: Any) -> structlog.stdlib.BoundLogger:
+    """structlog to stderr: JSON when stderr is not a terminal, readable otherwise."""
+    level_no = getattr(logging, level.upper(), logging.INFO)
+    renderer: Any
+    if sys.stderr.isatty():
+        renderer = structlog.dev.ConsoleRenderer(colors=True)
+    else:
+        renderer = structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.bind_contextvars(pid=os.getpid(), **bind)
+    return structlog.get_logger("zbroker")
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checks it every turn and drains."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.signal: int | None = None
+
+    def install(self) -> "StopFlag":
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stopping = True
+        self.signal = signum
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, identity: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+    sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        # Replies to a peer that went away are dropped rather than raising, and a
+        # restarted peer reusing its identity takes over the old connection.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    return sock
+
+
+def bind_endpoint(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind and return the concrete endpoint (resolves ``tcp://host:*``/``:0``)."""
+    if endpoint.endswith(":0"):
+        endpoint = endpoint[:-2] + ":*"
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class RouterToken:
+    """Where a reply to one request goes: the peer's routing id and the request id."""
+
+    __slots__ = ("identity", "corr_id", "op")
+
+    def __init__(self, identity: bytes, corr_id: Any, op: str | None) -> None:
+        self.identity = identity
+        self.corr_id = corr_id
+        self.op = op
+
+
+def split_router_message(frames: list) -> tuple[bytes | None, list]:
+    """A ROUTER message is [identity, *message]. Returns (None, []) when malformed."""
+    if len(frames) < 2:
+        return None, []
+    return frames[0], frames[1:]
+
+
+def decode_or_error(frames: list, log: Any) -> tuple[codec.Envelope | None, list | None]:
+    """Decode a request; on failure return the error reply frames to send back.
+
+    A frame a peer got wrong is answered and logged, never raised: an actor
+    keeps serving everyone else.
+    """
+    try:
+        return codec.decode_request(frames), None
+    except ProtocolError as err:
+        corr_id = getattr(err, "corr_id", None)
+        op = getattr(err, "op", None)
+        log.info("request.rejected", code=err.code.value, reason=err.message, op=op)
+        return None, codec.encode_error(op, corr_id, err)
+
+
+def send_reply(sock: zmq.Socket, identity: bytes | None, frames: list) -> None:
+    """Send without blocking; a full queue (slow peer) drops the reply."""
+    try:
+        if identity is None:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        else:
+            sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        structlog.get_logger("zbroker").warning("reply.dropped", reason="peer queue full")
+
+
+def error_frames(op: str | None, corr_id: Any, err: ZBrokerError) -> list:
+    return codec.encode_error(op, corr_id, err)

@@ -1,0 +1,221 @@
+"""The foundation on real processes and sockets: produce, fetch, crash recovery, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from protocol import codec
+from protocol import messages as m
+from protocol.batch import encode_records
+from protocol.errors import ErrorCode, UnknownTopic
+from zbroker.client import Admin, Connection, Producer, fetch
+from zbroker.supervisor import wait_ready
+
+pytestmark = pytest.mark.processes
+
+
+def fetch_all(conn: Connection, topic: str, partition: int, end: int) -> list:
+    out, offset = [], 0
+    while offset < end:
+        records, _start, _end = fetch(conn, topic, partition, offset, max_bytes=1 << 20)
+        assert records, f"no records at {topic}/{partition}@{offset} though log end is {end}"
+        out.extend(records)
+        offset = records[-1].offset + 1
+    return out
+
+
+def test_100k_records_over_4_partitions_come_back_complete_and_in_order(broker):
+    with Admin(broker.url) as admin:
+        admin.create_topic("orders", partitions=4)
+    sent: dict[int, list[bytes]] = {p: [] for p in range(4)}
+    with Producer(broker.url, linger_ms=2, batch_size=500) as producer:
+        for i in range(100_000):
+            key = f"customer-{i % 977}".encode()
+            value = f"order-{i}".encode()
+            handle = producer.send("orders", value, key=key)
+            sent[handle.partition].append(value)
+        producer.flush()
+    conn = Connection(broker.url)
+    try:
+        conn.refresh()
+        for p in range(4):
+            records = fetch_all(conn, "orders", p, len(sent[p]))
+            assert [r.offset for r in records] == list(range(len(sent[p])))
+            assert [r.value for r in records] == sent[p]
+        assert sum(len(v) for v in sent.values()) == 100_000
+    finally:
+        conn.close()
+    with Admin(broker.url) as admin:
+        described = admin.describe_topic("orders")
+    assert sum(p["log_end"] for p in described["partitions"]) == 100_000
+
+
+def test_assigned_offsets_are_returned_to_the_producer(broker):
+    with Admin(broker.url) as admin:
+        admin.create_topic("t", partitions=1)
+    with Producer(broker.url) as producer:
+        handles = producer.produce("t", [b"a", b"b", (b"k", b"c", {"h": b"1"})])
+    assert [h.offset for h in handles] == [0, 1, 2]
+
+
+def test_unknown_topic_is_a_clear_error(broker):
+    with Producer(broker.url) as producer:
+        with pytest.raises(UnknownTopic) as info:
+            producer.send("nope", b"x")
+    assert info.value.data["topic"] == "nope"
+
+
+def test_sigkill_of_a_partition_actor_loses_no_acknowledged_record_and_reuses_no_offset(broker):
+    with Admin(broker.url) as admin:
+        admin.create_topic("crash", partitions=1)
+    acked: list[tuple[int, bytes]] = []
+    killed = False
+    with Producer(broker.url, linger_ms=1, batch_size=100, request_timeout=2.0) as producer:
+        pending = []
+        for i in range(30_000):
+            value = f"v{i}".encode()
+            pending.append((producer.send("crash", value), value))
+            if i == 12_000 and not killed:
+                broker.kill("partition-0", signal.SIGKILL)
+                killed = True
+        producer.flush()
+        acked = [(h.offset, v) for h, v in pending if h.offset is not None]
+    assert killed
+    assert len(acked) == 30_000  # the producer retried through the restart
+    conn = Connection(broker.url)
+    try:
+        wait_ready(broker.url)
+        conn.refresh()
+        records = fetch_all(conn, "crash", 0, max(o for o, _ in acked) + 1)
+        by_offset = {r.offset: r.value for r in records}
+        for offset, value in acked:
+            assert by_offset[offset] == value, f"acknowledged record at {offset} lost or changed"
+        assert len({o for o, _ in acked}) == len(acked)  # no offset handed out twice
+        assert sorted(by_offset) == list(range(len(by_offset)))
+    finally:
+        conn.close()
+
+
+def test_a_torn_tail_is_recovered_on_restart(start, tmp_path):
+    data = tmp_path / "data"
+    broker = start(data)
+    with Admin(broker.url) as admin:
+        admin.create_topic("torn", partitions=1)
+    with Producer(broker.url, batch_size=50) as producer:
+        handles = producer.produce("torn", [f"r{i}".encode() for i in range(500)])
+    assert handles[-1].offset == 499
+    broker.stop()
+    segment = sorted((data / "partitions" / "logs" / "torn" / "0").glob("*.log"))[-1]
+    size = segment.stat().st_size
+    with open(segment, "r+b") as f:
+        f.truncate(size - 7)  # tear the last batch
+    broker = start(data, port=broker.config.port)
+    conn = Connection(broker.url)
+    try:
+        conn.refresh()
+        records, start_offset, end = fetch(conn, "torn", 0, 0, max_bytes=1 << 22)
+        assert end == 450  # the last batch of 50 was torn and dropped, all before it kept
+        assert [r.value for r in records] == [f"r{i}".encode() for i in range(450)]
+        with Producer(broker.url) as producer:
+            [h] = producer.produce("torn", [b"after"])
+        assert h.offset == 450
+    finally:
+        conn.close()
+    assert "log.truncated" in (tmp_path / "broker.log").read_text()
+
+
+def test_a_retried_produce_is_not_duplicated(broker):
+    with Admin(broker.url) as admin:
+        admin.create_topic("idem", partitions=1)
+        endpoint = admin.metadata(["idem"])[0]["partitions"][0]["endpoint"]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        payload = encode_records([[1, None, b"once", None], [1, None, b"twice?", None]])
+        request = m.Produce(topic="idem", partition=0, producer_id=4242, sequence=0)
+        replies = []
+        for corr in (1, 2, 3):  # the same batch, sent as a client would retry it
+            sock.send_multipart(codec.encode_request(request, corr, [payload]))
+            assert sock.poll(5000)
+            replies.append(codec.decode_reply(sock.recv_multipart()).msg)
+        assert [r.base_offset for r in replies] == [0, 0, 0]
+        assert [r.duplicate for r in replies] == [False, True, True]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    with Admin(broker.url) as admin:
+        assert admin.describe_topic("idem")["partitions"][0]["log_end"] == 2
+
+
+@pytest.mark.parametrize("target", ["coordinator", "partition"])
+def test_malformed_frames_get_error_replies_while_the_actor_keeps_serving(broker, target):
+    with Admin(broker.url) as admin:
+        admin.create_topic("bad", partitions=1)
+        endpoint = broker.url if target == "coordinator" else admin.metadata(["bad"])[0]["partitions"][0]["endpoint"]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    garbage = [
+        [b"\xc1"],
+        [b"not msgpack at all"],
+        [msgpack.packb([1, 2, 3])],
+        [msgpack.packb({"v": 1, "op": "fetch", "id": 7, "topic": 5, "partition": "x", "offset": -1})],
+        [msgpack.packb({"v": 1, "op": "no_such_op", "id": 8})],
+        [msgpack.packb({"v": 99, "op": "status", "id": 9})],
+        [msgpack.packb({"v": 1, "op": "produce", "id": 10, "topic": "bad", "partition": 0}), b"\x01\x02\x03"],
+        [b"\x81\xa1v\xc6\xff\xff\xff\xff"],
+    ]
+    try:
+        codes = []
+        for frames in garbage:
+            sock.send_multipart(frames)
+            assert sock.poll(5000), f"no reply to {frames!r}"
+            env = codec.decode_reply(sock.recv_multipart())
+            assert env.error is not None
+            codes.append(env.error.code)
+        assert ErrorCode.UNKNOWN_OP in codes and ErrorCode.UNSUPPORTED_VERSION in codes
+        assert ErrorCode.BAD_REQUEST in codes
+        if target == "partition":
+            assert ErrorCode.CORRUPT_BATCH in codes
+        # ...and a valid client is still served.
+        with Producer(broker.url) as producer:
+            [h] = producer.produce("bad", [b"fine"])
+        assert h.offset == 0
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_sigterm_stops_everything_cleanly_and_loses_nothing(start, tmp_path):
+    data = tmp_path / "data"
+    broker = start(data, fsync="always")
+    with Admin(broker.url) as admin:
+        admin.create_topic("calm", partitions=2)
+    with Producer(broker.url) as producer:
+        handles = producer.produce("calm", [f"c{i}".encode() for i in range(1000)])
+    pids = broker.actor_pids()
+    assert broker.stop() == 0
+    for pid in pids:
+        assert not _alive(pid)
+    broker = start(data, port=broker.config.port)
+    with Admin(broker.url) as admin:
+        ends = [p["log_end"] for p in admin.describe_topic("calm")["partitions"]]
+    assert sum(ends) == len(handles) == 1000
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"

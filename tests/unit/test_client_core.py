@@ -1,0 +1,93 @@
+"""The client's I/O-free pieces: batching, sequences, ack ranges and the deduper."""
+
+import msgpack
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol.partitioner import partition_for_key
+from zbroker.client.core import AckAccumulator, BatchAccumulator, Deduper, DeliveryHandle, group_by_lease
+from zbroker.client.core import ConsumedRecord
+
+
+def test_batches_close_at_size_and_carry_consecutive_sequences():
+    acc = BatchAccumulator(batch_size=3, batch_bytes=1 << 20, producer_id=42)
+    closed = [acc.add("t", 0, [1, None, b"v%d" % i, None], 10, 0.0, None) for i in range(7)]
+    batches = [b for b in closed if b is not None]
+    assert [b.count for b in batches] == [3, 3]
+    assert [b.sequence for b in batches] == [0, 1]
+    assert acc.buffered_records() == 1
+    rest = acc.drain()
+    assert [b.sequence for b in rest] == [2]
+    assert msgpack.unpackb(rest[0].payload)[0][2] == b"v6"
+
+
+def test_sequences_are_per_partition():
+    acc = BatchAccumulator(batch_size=1, batch_bytes=1 << 20, producer_id=1)
+    seqs = [(b.partition, b.sequence) for b in (acc.add("t", p, [0, None, b"x", None], 1, 0.0, None)
+                                                 for p in (0, 1, 0, 1, 0))]
+    assert seqs == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+
+
+def test_batches_close_by_bytes_and_by_linger():
+    acc = BatchAccumulator(batch_size=1000, batch_bytes=100, producer_id=1)
+    assert acc.add("t", 0, [0, None, b"x" * 60, None], 60, 0.0, None) is None
+    assert acc.add("t", 0, [0, None, b"x" * 60, None], 60, 0.0, None).count == 2
+    acc.add("t", 1, [0, None, b"y", None], 1, 10.0, None)
+    assert acc.due(10.004, 0.005) == []
+    assert [b.partition for b in acc.due(10.006, 0.005)] == [1]
+
+
+def test_keyed_records_follow_the_documented_hash_and_keyless_rotate_per_batch():
+    acc = BatchAccumulator(batch_size=2, batch_bytes=1 << 20, producer_id=1)
+    assert acc.choose_partition("t", 8, b"user-1") == partition_for_key(b"user-1", 8)
+    seen = []
+    for _ in range(8):
+        p = acc.choose_partition("t", 4, None)
+        seen.append(p)
+        acc.add("t", p, [0, None, b"x", None], 1, 0.0, None)
+    # Two records per batch stay on one partition, then the next partition.
+    assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
+    assert sorted(set(seen)) == [0, 1, 2, 3]
+
+
+def test_handles_stay_with_their_batch():
+    acc = BatchAccumulator(batch_size=2, batch_bytes=1 << 20, producer_id=1)
+    h1, h2 = DeliveryHandle("t", 0), DeliveryHandle("t", 0)
+    acc.add("t", 0, [0, None, b"a", None], 1, 0.0, h1)
+    batch = acc.add("t", 0, [0, None, b"b", None], 1, 0.0, h2)
+    assert batch.handles == [h1, h2]
+
+
+def test_ack_accumulator_merges_consecutive_offsets_of_one_lease():
+    acc = AckAccumulator()
+    for off in [10, 11, 12, 14, 15]:
+        acc.add("t", 0, 7, off)
+    acc.add("t", 1, 7, 16)
+    acc.add("t", 0, 8, 16)
+    assert acc.count == 7
+    assert acc.take() == [["t", 0, 7, 10, 13], ["t", 0, 7, 14, 16], ["t", 1, 7, 16, 17], ["t", 0, 8, 16, 17]]
+    assert not acc and acc.count == 0
+
+
+@given(st.lists(st.integers(min_value=0, max_value=200), unique=True, max_size=100))
+def test_ack_ranges_cover_exactly_the_acked_offsets(offsets):
+    acc = AckAccumulator()
+    for off in offsets:
+        acc.add("t", 0, 1, off)
+    covered = [o for _t, _p, _l, start, end in acc.take() for o in range(start, end)]
+    assert sorted(covered) == sorted(offsets)
+
+
+def test_group_by_lease_sorts_records():
+    recs = [ConsumedRecord("t", 0, o, 0, None, b"", None, 5, 1, "new") for o in (3, 1, 2)]
+    assert group_by_lease(recs) == [["t", 0, 5, 1, 4]]
+
+
+def test_deduper_forgets_after_ttl_and_is_bounded():
+    d = Deduper(ttl_s=10, max_entries=3)
+    assert d.first_time("a", 0) is True
+    assert d.first_time("a", 5) is False
+    assert d.first_time("a", 10.5) is True  # expired, seen again
+    for i in range(10):
+        d.first_time(i, 11)
+    assert len(d) == 3

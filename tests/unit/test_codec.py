@@ -1,0 +1,220 @@
+"""The frame codec: every message round-trips; anything else is a ProtocolError, never a crash."""
+
+import types
+import zlib
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from protocol import codec
+from protocol import messages as m
+from protocol.batch import (BATCH_HEADER_SIZE, build_batch_header, decode_fetched, encode_records,
+                            iter_stored_batches, parse_batch_header, payload_record_count, validate_payload)
+from protocol.errors import CorruptBatch, ErrorCode, NotOwner, ProtocolError, StaleLease, ZBrokerError
+from protocol.partitioner import partition_for_key
+
+settings.register_profile("zbroker", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("zbroker")
+
+_scalar = {
+    int: st.integers(min_value=0, max_value=2**40),
+    str: st.text(max_size=20),
+    bool: st.booleans(),
+    float: st.floats(allow_nan=False, allow_infinity=False),
+    bytes: st.binary(max_size=20),
+    list: st.lists(st.integers(min_value=0, max_value=100), max_size=4),
+    dict: st.dictionaries(st.text(max_size=5), st.integers(-2**63, 2**63 - 1), max_size=3),
+}
+
+
+def _strategy(t):
+    if isinstance(t, types.UnionType):
+        return st.one_of(*[_strategy(a) for a in t.__args__])
+    if t is type(None):
+        return st.none()
+    return _scalar.get(t, st.none())
+
+
+def _message_strategy(table):
+    def for_cls(cls):
+        fields = {name: _strategy(ftype) for name, ftype, _req, _d in cls._fields}
+        return st.fixed_dictionaries(fields).map(lambda kw: (cls, kw))
+    return st.sampled_from(sorted(table.values(), key=lambda c: c.op)).flatmap(for_cls)
+
+
+@given(_message_strategy(m.REQUESTS), st.integers(min_value=0, max_value=2**64 - 1))
+@settings(max_examples=400)
+def test_every_request_round_trips(cls_and_fields, corr_id):
+    cls, fields = cls_and_fields
+    try:
+        msg = m.build(cls, fields)
+    except ProtocolError:
+        assume(False)
+    env = codec.decode_request(codec.encode_request(msg, corr_id, [b"payload"]))
+    assert env.op == cls.op
+    assert env.corr_id == corr_id
+    assert env.msg == msg
+    assert env.frames == [b"payload"]
+
+
+@given(_message_strategy(m.REPLIES), st.integers(min_value=0, max_value=2**32))
+@settings(max_examples=300)
+def test_every_reply_round_trips(cls_and_fields, corr_id):
+    cls, fields = cls_and_fields
+    try:
+        msg = m.build(cls, fields)
+    except ProtocolError:
+        assume(False)
+    is_reply, env = codec.decode_any(codec.encode_reply(msg, corr_id))
+    assert is_reply
+    assert env.msg == msg and env.corr_id == corr_id and env.ok
+
+
+def test_error_reply_keeps_code_and_data():
+    frames = codec.encode_error("ack", 9, StaleLease("lease expired", stale=[["t", 0, 5, 12, 13]], applied=2))
+    env = codec.decode_reply(frames)
+    assert not env.ok
+    assert isinstance(env.error, StaleLease)
+    assert env.error.code is ErrorCode.STALE_LEASE
+    assert env.error.data == {"stale": [["t", 0, 5, 12, 13]], "applied": 2}
+    assert env.error.retriable is False
+    assert NotOwner("x").retriable is True
+
+
+def test_unknown_error_code_from_a_newer_peer_is_still_an_error():
+    header = msgpack.packb({"v": 1, "op": "fetch", "id": 1, "ok": False,
+                            "error": {"code": "SOMETHING_NEW", "message": "hm"}})
+    env = codec.decode_reply([header])
+    assert isinstance(env.error, ZBrokerError)
+    assert env.error.data["wire_code"] == "SOMETHING_NEW"
+
+
+def _produce_frames():
+    return codec.encode_request(m.Produce(topic="orders", partition=3, producer_id=77, sequence=4), 12345)
+
+
+def test_truncated_header_at_every_byte_is_a_protocol_error():
+    header = _produce_frames()[0]
+    for cut in range(len(header)):
+        with pytest.raises(ProtocolError):
+            codec.decode_request([header[:cut]])
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=1000)
+def test_garbage_is_only_ever_a_protocol_error(data):
+    try:
+        codec.decode_request([data])
+    except ProtocolError as err:
+        assert err.code in (ErrorCode.BAD_REQUEST, ErrorCode.UNKNOWN_OP, ErrorCode.UNSUPPORTED_VERSION,
+                            ErrorCode.TOO_LARGE)
+
+
+@given(st.dictionaries(st.sampled_from(["v", "op", "id", "topic", "partition", "offset", "group", "ranges"]),
+                       st.one_of(st.none(), st.integers(-2**63, 2**64 - 1), st.text(max_size=8),
+                                 st.lists(st.integers(-2**63, 2**63), max_size=3),
+                                 st.binary(max_size=4), st.booleans()), max_size=8))
+@settings(max_examples=1000)
+def test_wrong_types_are_only_ever_protocol_errors(header):
+    try:
+        codec.decode_request([msgpack.packb(header, use_bin_type=True)])
+    except ProtocolError:
+        pass
+
+
+def test_specific_rejections_name_the_problem():
+    with pytest.raises(ProtocolError) as info:
+        codec.decode_request([msgpack.packb({"v": 1, "op": "fetch", "id": 3, "topic": "t", "partition": "0",
+                                             "offset": 0})])
+    assert info.value.data["field"] == "partition" and info.value.corr_id == 3
+    with pytest.raises(ProtocolError) as info:
+        codec.decode_request([msgpack.packb({"v": 9, "op": "fetch", "id": 4})])
+    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION and info.value.data["supported"] == [1]
+    with pytest.raises(ProtocolError) as info:
+        codec.decode_request([msgpack.packb({"v": 1, "op": "launch_missiles", "id": 5})])
+    assert info.value.code is ErrorCode.UNKNOWN_OP and info.value.corr_id == 5
+    with pytest.raises(ProtocolError):
+        codec.decode_request([msgpack.packb({"v": 1, "op": "ack", "id": 6, "group": "g", "member_id": "m",
+                                             "generation": 1, "ranges": [["t", 0, 1, 5, 5]]})])
+    with pytest.raises(ProtocolError):
+        codec.decode_request([b"\xc1"])  # never-used msgpack byte
+    with pytest.raises(ProtocolError):
+        codec.decode_request([msgpack.packb({"v": 1, "op": "status", "id": 1}), b"", b"", b"", b""])
+    with pytest.raises(ProtocolError):
+        codec.decode_request([])
+
+
+def test_huge_declared_lengths_are_rejected_without_allocating():
+    # A bin32 header that claims 4 GiB followed by three bytes.
+    frame = b"\x81\xa1v\xc6\xff\xff\xff\xff" + b"abc"
+    with pytest.raises(ProtocolError):
+        codec.decode_request([frame])
+    with pytest.raises(ProtocolError):
+        codec.decode_request([b"\xdf\xff\xff\xff\xff"])  # map32 with 4 billion entries
+
+
+def test_oversize_header_frame_is_too_large():
+    big = msgpack.packb({"v": 1, "op": "status", "id": 1, "pad": "x" * (codec.MAX_HEADER_BYTES + 1)})
+    with pytest.raises(ProtocolError) as info:
+        codec.decode_request([big])
+    assert info.value.code is ErrorCode.TOO_LARGE
+
+
+# -- batches --------------------------------------------------------------------------------------
+
+records_st = st.lists(
+    st.tuples(st.integers(min_value=0, max_value=2**50), st.one_of(st.none(), st.binary(max_size=30)),
+              st.binary(max_size=200),
+              st.one_of(st.none(), st.dictionaries(st.text(max_size=8), st.binary(max_size=8), max_size=3))
+              ).map(list),
+    min_size=1, max_size=80)
+
+
+@given(records_st)
+def test_payload_count_matches_full_validation(records):
+    payload = encode_records(records)
+    assert payload_record_count(payload) == len(records) == validate_payload(payload)
+
+
+@given(records_st, st.integers(min_value=0, max_value=2**40))
+def test_stored_batch_round_trip(records, base):
+    payload = encode_records(records)
+    stored = build_batch_header(payload, base_offset=base, record_count=len(records), append_time_ms=5,
+                                producer_id=9, producer_seq=2) + payload
+    header = parse_batch_header(stored)
+    assert (header.base_offset, header.record_count, header.producer_id, header.producer_seq) == (base, len(records), 9, 2)
+    decoded = decode_fetched(stored, "t", 0)
+    assert [r.offset for r in decoded] == list(range(base, base + len(records)))
+    assert [[r.timestamp_ms, r.key, r.value, r.headers] for r in decoded] == records
+
+
+def test_fetch_decoding_skips_records_below_the_requested_offset():
+    payload = encode_records([[1, None, b"a", None], [1, None, b"b", None], [1, None, b"c", None]])
+    stored = build_batch_header(payload, base_offset=10, record_count=3, append_time_ms=1) + payload
+    assert [r.value for r in decode_fetched(stored, "t", 0, from_offset=11)] == [b"b", b"c"]
+    assert [r.value for r in decode_fetched(stored, "t", 0, from_offset=11, until_offset=12)] == [b"b"]
+
+
+def test_corrupt_stored_batch_is_detected():
+    payload = encode_records([[1, None, b"hello", None]])
+    stored = bytearray(build_batch_header(payload, base_offset=0, record_count=1, append_time_ms=1) + payload)
+    stored[BATCH_HEADER_SIZE + 3] ^= 0xFF
+    with pytest.raises(CorruptBatch):
+        list(iter_stored_batches(bytes(stored)))
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x90", b"\x80", b"\xdc\xff\xff", b"\xc0", b"\xdd\xff\xff\xff\xff\x00"])
+def test_bad_payloads_are_refused(payload):
+    with pytest.raises(CorruptBatch):
+        payload_record_count(payload)
+
+
+def test_partitioner_is_crc32_and_documented_values_hold():
+    assert partition_for_key(b"user-1", 4) == zlib.crc32(b"user-1") % 4
+    # Values every client implementation must reproduce (docs/PROTOCOL.md).
+    assert [partition_for_key(k, 4) for k in (b"user-1", b"user-2", b"")] == [
+        zlib.crc32(b"user-1") % 4, zlib.crc32(b"user-2") % 4, 0]
+    with pytest.raises(ValueError):
+        partition_for_key(b"x", 0)

@@ -1,0 +1,152 @@
+"""Partition-log actor core: produce, fetch, idempotence, long-poll and group commit, no sockets."""
+
+import pytest
+
+from actors.partition_log.core import FsyncPolicy, OpenFailed, PartitionActorCore, Reply, ReplyError
+from protocol import codec
+from protocol import messages as m
+from protocol.batch import decode_fetched, encode_records
+from protocol.errors import ErrorCode
+from storage.log.partition_log import LogConfig, PartitionLog
+
+
+class Opener:
+    def __init__(self, root):
+        self.root = root
+        self.locked = set()
+
+    def __call__(self, topic, partition, config, now_ms):
+        if (topic, partition) in self.locked:
+            raise OpenFailed("locked")
+        return PartitionLog.open(self.root / topic / str(partition), config, now_ms=now_ms)
+
+
+@pytest.fixture
+def core(tmp_path):
+    c = PartitionActorCore("p0", open_log=Opener(tmp_path))
+    c.on_assign([["t", 0, None], ["t", 1, {"segment_bytes": 4096}]], 0)
+    yield c
+    c.close()
+
+
+def env(msg, frames=()):
+    return codec.decode_request(codec.encode_request(msg, 1, list(frames)))
+
+
+def payload(*values):
+    return encode_records([[1, None, v, None] for v in values])
+
+
+def produce(core, *values, partition=0, pid=0, seq=-1, now=1):
+    effects = core.handle("tok", env(m.Produce(topic="t", partition=partition, producer_id=pid, sequence=seq),
+                                     [payload(*values)]), now)
+    return effects
+
+
+def test_produce_assigns_consecutive_offsets_and_fetch_returns_them(core):
+    [r1] = produce(core, b"a", b"b")
+    [r2] = produce(core, b"c")
+    assert (r1.msg.base_offset, r1.msg.count, r2.msg.base_offset) == (0, 2, 2)
+    [f] = core.handle("tok", env(m.Fetch(topic="t", partition=0, offset=1)), 2)
+    assert isinstance(f, Reply) and f.msg.log_end == 3
+    assert [r.value for r in decode_fetched(f.frames[0], "t", 0, from_offset=1)] == [b"b", b"c"]
+
+
+def test_not_owner_too_large_and_corrupt_payload_are_error_replies(core):
+    [e] = core.handle("tok", env(m.Produce(topic="t", partition=9), [payload(b"x")]), 1)
+    assert isinstance(e, ReplyError) and e.error.code is ErrorCode.NOT_OWNER
+    core.limits = type(core.limits)(max_batch_bytes=10)
+    [e] = core.handle("tok", env(m.Produce(topic="t", partition=0), [payload(b"x" * 20)]), 1)
+    assert e.error.code is ErrorCode.TOO_LARGE
+    core.limits = type(core.limits)()
+    [e] = core.handle("tok", env(m.Produce(topic="t", partition=0), [b"\x01\x02"]), 1)
+    assert e.error.code is ErrorCode.CORRUPT_BATCH
+    [e] = core.handle("tok", env(m.Produce(topic="t", partition=0)), 1)
+    assert e.error.code is ErrorCode.BAD_REQUEST
+    [e] = core.handle("tok", env(m.Fetch(topic="t", partition=0, offset=99)), 1)
+    assert e.error.code is ErrorCode.OFFSET_OUT_OF_RANGE
+    assert core.logs[("t", 0)].log_end == 0  # nothing was written by any of them
+
+
+def test_a_retried_batch_lands_once(core):
+    [first] = produce(core, b"a", b"b", pid=77, seq=0)
+    [again] = produce(core, b"a", b"b", pid=77, seq=0)
+    assert again.msg.duplicate and again.msg.base_offset == first.msg.base_offset == 0
+    [nxt] = produce(core, b"c", pid=77, seq=1)
+    assert nxt.msg.base_offset == 2 and not nxt.msg.duplicate
+    assert core.logs[("t", 0)].log_end == 3
+
+
+def test_long_poll_fetch_is_answered_by_the_next_append(core):
+    assert core.handle("waiter", env(m.Fetch(topic="t", partition=0, offset=0, max_wait_ms=500)), 10) == []
+    effects = produce(core, b"late", now=20)
+    answered = [e for e in effects if e.token == "waiter"]
+    assert len(answered) == 1
+    assert [r.value for r in decode_fetched(answered[0].frames[0], "t", 0)] == [b"late"]
+
+
+def test_long_poll_fetch_times_out_empty(core):
+    core.handle("waiter", env(m.Fetch(topic="t", partition=0, offset=0, max_wait_ms=100)), 10)
+    assert core.tick(50) == []
+    [e] = core.tick(110)
+    assert e.token == "waiter" and e.frames == (b"",)
+
+
+def test_fsync_always_holds_replies_until_end_of_turn(tmp_path):
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("always"))
+    core.on_assign([["t", 0, None]], 0)
+    assert produce(core, b"a") == [] and produce(core, b"b") == []
+    held = core.end_turn(5)
+    assert [e.msg.base_offset for e in held] == [0, 1]
+    assert core.counters["fsyncs"] == 1  # one fsync for both: group commit
+    core.close()
+
+
+def test_fsync_interval_syncs_on_tick(tmp_path):
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("interval:100"))
+    core.on_assign([["t", 0, None]], 0)
+    assert len(produce(core, b"a", now=0)) == 1  # acknowledged at once
+    core.tick(0)
+    core.tick(50)
+    assert core.counters["fsyncs"] == 0
+    core.tick(100)
+    assert core.counters["fsyncs"] == 1
+    core.close()
+
+
+def test_fsync_policy_parsing():
+    assert str(FsyncPolicy.parse("interval:250")) == "interval:250"
+    assert FsyncPolicy.parse("ALWAYS").mode == "always"
+    for bad in ["sometimes", "interval:", "interval:-1", "interval:abc"]:
+        with pytest.raises(ValueError):
+            FsyncPolicy.parse(bad)
+
+
+def test_reassignment_releases_and_deferred_open_retries(tmp_path):
+    opener = Opener(tmp_path)
+    core = PartitionActorCore("p0", open_log=opener)
+    opener.locked.add(("t", 1))
+    core.on_assign([["t", 0, None], ["t", 1, None]], 0)
+    assert set(core.logs) == {("t", 0)}
+    opener.locked.clear()
+    core.tick(1000)
+    assert set(core.logs) == {("t", 0), ("t", 1)}
+    core.handle("waiter", env(m.Fetch(topic="t", partition=0, offset=0, max_wait_ms=500)), 1000)
+    effects = core.on_assign([["t", 1, None]], 1001)
+    assert [e.error.code for e in effects] == [ErrorCode.NOT_OWNER]
+    assert set(core.logs) == {("t", 1)}
+    core.close()
+
+
+def test_reports_carry_changed_partitions_only(core):
+    assert core.take_report() is not None  # the initial open counts as a change
+    assert core.take_report() is None
+    produce(core, b"x", partition=1)
+    report = core.take_report()
+    assert [p[:4] for p in report.partitions] == [["t", 1, 0, 1]]
+    assert core.heartbeat_due(0) is True and core.heartbeat_due(10) is False
+
+
+def test_unknown_op_is_an_error_reply(core):
+    [e] = core.handle("tok", env(m.Join(group="g", topics=["t"])), 1)
+    assert e.error.code is ErrorCode.UNKNOWN_OP

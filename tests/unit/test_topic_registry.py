@@ -1,0 +1,96 @@
+"""Topic creation and partition placement across partition-log actors."""
+
+import pytest
+
+from actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
+from protocol.errors import ProtocolError, TopicExists, UnknownTopic
+
+
+def owners(reg: TopicRegistry, topic: str) -> list:
+    return [reg.partitions[(topic, p)].owner for p in range(reg.topics[topic]["partitions"])]
+
+
+def test_create_spreads_partitions_over_live_actors_and_persists():
+    reg = TopicRegistry()
+    reg.register("a", "tcp://a", "s1", 1, [], 0)
+    reg.register("b", "tcp://b", "s1", 2, [], 0)
+    effects = reg.create_topic("orders", 4, None, 0)
+    assert PersistTopics() in effects
+    assert {e.actor_id for e in effects if isinstance(e, AssignActor)} == {"a", "b"}
+    assert sorted(owners(reg, "orders")) == ["a", "a", "b", "b"]
+
+
+def test_unknown_and_duplicate_topics_and_bad_names():
+    reg = TopicRegistry()
+    reg.create_topic("t", 1, None, 0)
+    with pytest.raises(TopicExists):
+        reg.create_topic("t", 2, None, 0)
+    with pytest.raises(UnknownTopic):
+        reg.metadata(["nope"])
+    for bad in ["", "../x", "a/b", ".hidden", "a" * 201, "sp ace"]:
+        with pytest.raises(ProtocolError):
+            reg.create_topic(bad, 1, None, 0)
+    with pytest.raises(ProtocolError):
+        reg.create_topic("bad-config", 1, {"segment_bytes": -5}, 0)
+
+
+def test_partitions_wait_for_an_actor_then_get_placed():
+    reg = TopicRegistry()
+    reg.create_topic("t", 2, None, 0)
+    assert owners(reg, "t") == [None, None]
+    effects = reg.register("a", "tcp://a", "s1", 1, [], 0)
+    assert AssignActor("a") in effects
+    assert owners(reg, "t") == ["a", "a"]
+    assert reg.assignment_for("a")[0][:2] == ["t", 0]
+
+
+def test_a_new_actor_on_the_same_storage_takes_half():
+    reg = TopicRegistry()
+    reg.register("a", "tcp://a", "s1", 1, [], 0)
+    reg.create_topic("t", 4, None, 0)
+    effects = reg.register("b", "tcp://b", "s1", 2, [], 10)
+    assert {e.actor_id for e in effects if isinstance(e, AssignActor)} == {"a", "b"}
+    assert sorted(owners(reg, "t")) == ["a", "a", "b", "b"]
+
+
+def test_an_actor_on_other_storage_does_not_take_placed_partitions():
+    reg = TopicRegistry()
+    reg.register("a", "tcp://a", "s1", 1, [], 0)
+    reg.create_topic("t", 4, None, 0)
+    reg.register("far", "tcp://far", "s2", 9, [], 10)
+    assert owners(reg, "t") == ["a"] * 4
+    reg.create_topic("u", 2, None, 10)
+    assert sorted(owners(reg, "u")) == ["a", "far"] or sorted(owners(reg, "u")) == ["far", "far"]
+
+
+def test_dead_actor_partitions_move_only_within_storage():
+    reg = TopicRegistry(actor_timeout_ms=100)
+    reg.register("a", "tcp://a", "s1", 1, [], 0)
+    reg.register("b", "tcp://b", "s1", 2, [], 0)
+    reg.create_topic("t", 4, None, 0)
+    reg.register("b", "tcp://b", "s1", 2, [], 150)  # b stays alive
+    effects = reg.tick(150)
+    assert AssignActor("b") in effects
+    assert owners(reg, "t") == ["b"] * 4
+    assert reg.endpoint_of("t", 0) == "tcp://b"
+
+
+def test_restarted_actor_keeps_its_partitions_and_reports_update_log_ends():
+    reg = TopicRegistry()
+    reg.register("a", "tcp://a", "s1", 1, [], 0)
+    reg.create_topic("t", 2, None, 0)
+    reg.register("a", "tcp://a", "s1", 2, [["t", 0, 0, 50, 5000], ["t", 1, 0, 7, 700]], 10)
+    assert owners(reg, "t") == ["a", "a"]
+    assert reg.describe("t")[0]["log_end"] == 50
+    changed = reg.on_report("a", [["t", 1, 0, 9, 900], ["t", 5, 0, 1, 1]], 20)
+    assert changed == [("t", 1, 0, 9)]
+
+
+def test_snapshot_restore_round_trip():
+    reg = TopicRegistry()
+    reg.register("a", "tcp://a", "s1", 1, [], 0)
+    reg.create_topic("t", 3, {"retention_ms": 1000}, 0)
+    other = TopicRegistry()
+    other.restore(reg.snapshot())
+    assert other.topics == reg.topics
+    assert owners(other, "t") == owners(reg, "t")

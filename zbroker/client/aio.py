@@ -1,0 +1,373 @@
+"""The asyncio twin of the client: `AsyncAdmin`, `AsyncProducer`, `AsyncConsumer`.
+
+Same decisions as the sync client (they share `zbroker.client.core`), with
+asyncio transport: one reader task per socket resolves the future of each
+request by correlation id, the producer lingers in a background task, and the
+consumer heartbeats in one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any, AsyncIterator, Iterable
+
+import zmq
+import zmq.asyncio
+
+from protocol import codec
+from protocol import messages as m
+from protocol.batch import decode_fetched
+from protocol.errors import ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError
+from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
+                                 MetadataCache, PendingBatch, group_by_lease)
+from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError
+
+
+class AsyncConnection:
+    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0) -> None:
+        self.url = url
+        self.request_timeout = request_timeout
+        self.ctx = zmq.asyncio.Context()
+        self.sockets: dict[str, zmq.asyncio.Socket] = {}
+        self.readers: list[asyncio.Task] = []
+        self.waiting: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self.metadata = MetadataCache()
+
+    def socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self.sockets.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.SNDTIMEO, int(self.request_timeout * 1000))
+            sock.connect(endpoint)
+            self.sockets[endpoint] = sock
+            self.readers.append(asyncio.get_running_loop().create_task(self._read(sock)))
+        return sock
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                env = codec.decode_reply(frames)
+            except ZBrokerError:
+                continue
+            fut = self.waiting.pop(env.corr_id, None) if isinstance(env.corr_id, int) else None
+            if fut is not None and not fut.done():
+                fut.set_result(env)
+
+    async def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> asyncio.Future:
+        corr = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[corr] = fut
+        try:
+            await self.socket(endpoint).send_multipart(codec.encode_request(msg, corr, frames))
+        except zmq.Again:
+            self.waiting.pop(corr, None)
+            raise Unavailable(f"no connection to {endpoint}", endpoint=endpoint) from None
+        fut.corr_id = corr  # type: ignore[attr-defined]
+        return fut
+
+    async def wait(self, fut: asyncio.Future, timeout: float | None = None) -> codec.Envelope:
+        try:
+            return await asyncio.wait_for(fut, self.request_timeout if timeout is None else timeout)
+        except asyncio.TimeoutError:
+            self.waiting.pop(getattr(fut, "corr_id", None), None)
+            raise RequestTimeout("no reply in time") from None
+
+    async def call(self, endpoint: str, msg: m.Message, frames: tuple = (), timeout: float | None = None
+                   ) -> codec.Envelope:
+        env = await self.wait(await self.send(endpoint, msg, frames), timeout)
+        if env.error is not None:
+            raise env.error
+        return env
+
+    async def coordinator(self, msg: m.Message, timeout: float | None = None) -> m.Message:
+        return (await self.call(self.url, msg, timeout=timeout)).msg
+
+    async def refresh(self, topics: list[str] | None = None) -> None:
+        self.metadata.update((await self.coordinator(m.Metadata(topics=topics))).topics)
+
+    async def endpoint(self, topic: str, partition: int) -> str:
+        if topic not in self.metadata.topics or self.metadata.endpoint(topic, partition) is None:
+            await self.refresh([topic])
+        endpoint = self.metadata.endpoint(topic, partition)
+        if endpoint is None:
+            raise Unavailable(f"partition {topic}/{partition} has no live owner", topic=topic, partition=partition)
+        return endpoint
+
+    async def close(self) -> None:
+        for task in self.readers:
+            task.cancel()
+        await asyncio.gather(*self.readers, return_exceptions=True)
+        for fut in self.waiting.values():
+            fut.cancel()
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+class AsyncAdmin:
+    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0) -> None:
+        self.conn = AsyncConnection(url, request_timeout=request_timeout)
+
+    async def create_topic(self, name: str, partitions: int = 1, config: dict | None = None) -> dict:
+        return (await self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config))).to_fields()
+
+    async def list_topics(self) -> list[str]:
+        return (await self.conn.coordinator(m.ListTopics())).topics
+
+    async def describe_topic(self, name: str) -> dict:
+        return (await self.conn.coordinator(m.DescribeTopic(topic=name))).to_fields()
+
+    async def status(self) -> dict:
+        return (await self.conn.coordinator(m.Status())).to_fields()
+
+    async def describe_group(self, group: str) -> dict:
+        return (await self.conn.coordinator(m.DescribeGroup(group=group))).group
+
+    async def configure_group(self, group: str, **config: Any) -> dict:
+        return (await self.conn.coordinator(m.ConfigureGroup(group=group, **config))).config
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+    async def __aenter__(self) -> "AsyncAdmin":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class AsyncProducer:
+    def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
+                 batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000, request_timeout: float = 5.0,
+                 retries: int = 20) -> None:
+        self.conn = AsyncConnection(url, request_timeout=request_timeout)
+        self.linger_s = linger_ms / 1000.0
+        self.retries = retries
+        self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes)
+        self.window = asyncio.Semaphore(max_in_flight_records)
+        self.max_in_flight_records = max_in_flight_records
+        self.tasks: set[asyncio.Task] = set()
+        self.errors: list[ZBrokerError] = []
+        self._linger_task: asyncio.Task | None = None
+
+    async def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
+                   partition: int | None = None) -> DeliveryHandle:
+        if self._linger_task is None:
+            self._linger_task = asyncio.get_running_loop().create_task(self._linger())
+        if partition is None:
+            if topic not in self.conn.metadata.topics:
+                await self.conn.refresh([topic])
+            partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), key)
+        handle = DeliveryHandle(topic, partition)
+        batch = self.acc.add(topic, partition, [time.time_ns() // 1_000_000, key, value, headers], len(value) + 16,
+                             time.monotonic(), handle)
+        if batch is not None:
+            await self._dispatch(batch)
+        return handle
+
+    async def _linger(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.linger_s, 0.001))
+            for batch in self.acc.due(time.monotonic(), self.linger_s):
+                await self._dispatch(batch)
+
+    async def _dispatch(self, batch: PendingBatch) -> None:
+        for _ in range(min(batch.count, self.max_in_flight_records)):
+            await self.window.acquire()
+        task = asyncio.get_running_loop().create_task(self._deliver(batch))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _deliver(self, batch: PendingBatch) -> None:
+        try:
+            while True:
+                batch.attempts += 1
+                try:
+                    env = await self.conn.call(await self.conn.endpoint(batch.topic, batch.partition),
+                                               m.Produce(topic=batch.topic, partition=batch.partition,
+                                                         producer_id=self.acc.producer_id, sequence=batch.sequence),
+                                               (batch.payload,))
+                except ZBrokerError as err:
+                    if (err.retriable or err.code in RETRIABLE_PRODUCE) and batch.attempts <= self.retries:
+                        await asyncio.sleep(min(0.05 * batch.attempts, 1.0))
+                        try:
+                            await self.conn.refresh([batch.topic])
+                        except ZBrokerError:
+                            pass
+                        continue
+                    self.errors.append(err)
+                    for handle in batch.handles or ():
+                        handle.error = err
+                    return
+                for i, handle in enumerate(batch.handles or ()):
+                    handle.offset = env.msg.base_offset + i
+                return
+        finally:
+            for _ in range(min(batch.count, self.max_in_flight_records)):
+                self.window.release()
+
+    async def flush(self) -> None:
+        for batch in self.acc.drain():
+            await self._dispatch(batch)
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks))
+        if self.errors:
+            errors, self.errors = self.errors, []
+            raise ProduceError(f"{len(errors)} batch(es) failed; first: {errors[0].message}", code=errors[0].code)
+
+    async def close(self) -> None:
+        try:
+            await self.flush()
+        finally:
+            if self._linger_task is not None:
+                self._linger_task.cancel()
+                await asyncio.gather(self._linger_task, return_exceptions=True)
+            await self.conn.close()
+
+    async def __aenter__(self) -> "AsyncProducer":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class AsyncConsumer:
+    def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
+                 ack_batch: int = 1000, request_timeout: float = 5.0) -> None:
+        self.conn = AsyncConnection(url, request_timeout=request_timeout)
+        self.group = group
+        self.topics = list(topics)
+        self.session_timeout_ms = session_timeout_ms
+        self.ack_batch = ack_batch
+        self.member_id = ""
+        self.generation = -1
+        self.assignment: list = []
+        self.acks = AckAccumulator()
+        self._heartbeat_task: asyncio.Task | None = None
+
+    async def start(self) -> "AsyncConsumer":
+        await self._join()
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
+        return self
+
+    async def _join(self) -> None:
+        try:
+            reply = await self.conn.coordinator(m.Join(group=self.group, topics=self.topics, member_id=self.member_id,
+                                                       session_timeout_ms=self.session_timeout_ms))
+        except UnknownMember:
+            self.member_id = ""
+            reply = await self.conn.coordinator(m.Join(group=self.group, topics=self.topics,
+                                                       session_timeout_ms=self.session_timeout_ms))
+        self.member_id, self.generation, self.assignment = reply.member_id, reply.generation, reply.assignment
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.session_timeout_ms / 3000.0)
+            try:
+                await self.conn.coordinator(m.Heartbeat(group=self.group, member_id=self.member_id,
+                                                        generation=self.generation))
+            except (Fenced, UnknownMember) as err:
+                if isinstance(err, UnknownMember):
+                    self.member_id = ""
+                await self._join()
+            except ZBrokerError:
+                pass
+
+    async def _group_call(self, make: Any, timeout: float | None = None) -> codec.Envelope:
+        for attempt in range(3):
+            try:
+                return await self.conn.call(self.conn.url, make(), timeout=timeout)
+            except (Fenced, UnknownMember) as err:
+                if attempt == 2:
+                    raise
+                if isinstance(err, UnknownMember):
+                    self.member_id = ""
+                await self._join()
+        raise AssertionError("unreachable")
+
+    async def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
+        await self.flush_acks()
+        reply = (await self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
+                                                       generation=self.generation, max_records=max_records,
+                                                       max_wait_ms=int(timeout * 1000)),
+                                        timeout=self.conn.request_timeout + timeout)).msg
+        out: list[ConsumedRecord] = []
+        for topic, partition, lease, start, end, attempt, reason in reply.deliveries:
+            offset = start
+            while offset < end:
+                try:
+                    env = await self.conn.call(await self.conn.endpoint(topic, partition),
+                                               m.Fetch(topic=topic, partition=partition, offset=offset,
+                                                       max_bytes=max(4096, (end - offset) * 256)))
+                except ZBrokerError:
+                    break  # the lease expires and the records come back
+                got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,
+                                     until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
+                if not got:
+                    break
+                out.extend(got)
+                offset = got[-1].offset + 1
+        return out
+
+    async def ack(self, record: ConsumedRecord) -> None:
+        self.acks.add(record.topic, record.partition, record.lease_id, record.offset)
+        if self.acks.count >= self.ack_batch:
+            await self.flush_acks()
+
+    async def flush_acks(self) -> None:
+        if not self.acks:
+            return
+        ranges = self.acks.take()
+        try:
+            await self._group_call(lambda: m.Ack(group=self.group, member_id=self.member_id,
+                                                 generation=self.generation, ranges=ranges))
+        except ZBrokerError as err:
+            if err.code is not ErrorCode.STALE_LEASE:
+                raise
+
+    async def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
+        await self.flush_acks()
+        ranges = group_by_lease(records)
+        env = await self._group_call(lambda: op(group=self.group, member_id=self.member_id,
+                                                generation=self.generation, ranges=ranges, **fields))
+        return env.msg.applied
+
+    async def nack(self, records: Iterable[ConsumedRecord], *, delay_ms: int = 0, reason: str = "") -> int:
+        return await self._lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason)
+
+    async def extend(self, records: Iterable[ConsumedRecord], *, extend_ms: int = 0) -> int:
+        return await self._lease_call(m.Extend, records, extend_ms=extend_ms)
+
+    async def reject(self, records: Iterable[ConsumedRecord], *, reason: str = "") -> int:
+        return await self._lease_call(m.Reject, records, reason=reason)
+
+    async def __aiter__(self) -> AsyncIterator[ConsumedRecord]:
+        while True:
+            for record in await self.poll():
+                yield record
+                await self.ack(record)
+
+    async def close(self) -> None:
+        try:
+            await self.flush_acks()
+            await self.conn.call(self.conn.url, m.Leave(group=self.group, member_id=self.member_id,
+                                                        generation=self.generation), timeout=2.0)
+        except ZBrokerError:
+            pass
+        finally:
+            if self._heartbeat_task is not None:
+                self._heartbeat_task.cancel()
+                await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+            await self.conn.close()
+
+    async def __aenter__(self) -> "AsyncConsumer":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

@@ -1,0 +1,261 @@
+"""Client logic that does no I/O, shared by the sync and the asyncio clients.
+
+* `MetadataCache`: topic -> partition -> endpoint, refreshed on NOT_OWNER,
+  UNAVAILABLE or a timeout.
+* `BatchAccumulator`: records gathered per partition into payloads, with the
+  idempotent producer's per-partition sequence numbers. A batch keeps its
+  (producer_id, sequence) across retries, so a retry after a timeout lands once.
+* `AckAccumulator`: per-record acks folded into ``[topic, partition, lease,
+  start, end]`` ranges, flushed every N records or M milliseconds, so a
+  consumer acking each record individually sends one frame per thousand.
+* `ConsumedRecord`: a record plus the lease it was delivered under.
+* `Deduper`: a TTL set of message ids, for handlers that must not act twice
+  on a redelivered record.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from typing import Any, Iterable
+
+from protocol.batch import Record, encode_records
+from protocol.errors import UnknownPartition, UnknownTopic
+from protocol.partitioner import partition_for_key
+
+
+class ConsumedRecord(Record):
+    """A record with the lease under which this consumer holds it."""
+
+    __slots__ = ("lease_id", "attempt", "reason")
+
+    def __init__(self, topic: str, partition: int, offset: int, timestamp_ms: int, key: bytes | None,
+                 value: bytes, headers: dict | None, lease_id: int, attempt: int, reason: str) -> None:
+        Record.__init__(self, topic, partition, offset, timestamp_ms, key, value, headers)
+        self.lease_id = lease_id
+        self.attempt = attempt
+        self.reason = reason
+
+    @property
+    def lease(self) -> list:
+        return [self.topic, self.partition, self.lease_id, self.offset, self.offset + 1]
+
+
+class MetadataCache:
+    def __init__(self) -> None:
+        self.topics: dict[str, list[dict]] = {}
+
+    def update(self, topics: list[dict]) -> None:
+        for t in topics:
+            self.topics[t["name"]] = t["partitions"]
+
+    def partitions(self, topic: str) -> int:
+        parts = self.topics.get(topic)
+        if parts is None:
+            raise UnknownTopic(f"unknown topic {topic!r}", topic=topic)
+        return len(parts)
+
+    def endpoint(self, topic: str, partition: int) -> str | None:
+        parts = self.topics.get(topic)
+        if parts is None:
+            raise UnknownTopic(f"unknown topic {topic!r}", topic=topic)
+        if not 0 <= partition < len(parts):
+            raise UnknownPartition(f"{topic!r} has no partition {partition}", topic=topic, partition=partition,
+                                   partitions=len(parts))
+        return parts[partition].get("endpoint")
+
+    def forget(self, topic: str) -> None:
+        self.topics.pop(topic, None)
+
+
+class PendingBatch:
+    """A payload on its way to one partition; keeps its sequence across retries."""
+
+    __slots__ = ("topic", "partition", "payload", "count", "sequence", "attempts", "first_record_at",
+                 "handles")
+
+    def __init__(self, topic: str, partition: int, payload: bytes, count: int, sequence: int,
+                 handles: list | None) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.payload = payload
+        self.count = count
+        self.sequence = sequence
+        self.attempts = 0
+        self.handles = handles
+
+
+class DeliveryHandle:
+    """Filled in when the record's batch is acknowledged: its offset, or the error."""
+
+    __slots__ = ("topic", "partition", "offset", "error")
+
+    def __init__(self, topic: str, partition: int) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.offset: int | None = None
+        self.error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.offset is not None or self.error is not None
+
+    def __repr__(self) -> str:
+        return f"DeliveryHandle({self.topic}/{self.partition}@{self.offset}, error={self.error!r})"
+
+
+class BatchAccumulator:
+    def __init__(self, *, batch_size: int, batch_bytes: int, producer_id: int | None = None) -> None:
+        self.batch_size = batch_size
+        self.batch_bytes = batch_bytes
+        self.producer_id = producer_id if producer_id is not None else random.getrandbits(62) | 1
+        self._open: dict[tuple[str, int], list] = {}
+        self._open_bytes: dict[tuple[str, int], int] = {}
+        self._open_handles: dict[tuple[str, int], list] = {}
+        self._opened_at: dict[tuple[str, int], float] = {}
+        self._sequences: dict[tuple[str, int], int] = {}
+        # Key-less records go round-robin one *batch* at a time: they stick to a
+        # partition until its batch closes, so batches stay full.
+        self._sticky: dict[str, list[int]] = {}  # topic -> [partition, partition count]
+
+    def choose_partition(self, topic: str, partitions: int, key: bytes | None) -> int:
+        if key is not None:
+            return partition_for_key(key, partitions)
+        sticky = self._sticky.get(topic)
+        if sticky is None or sticky[1] != partitions:
+            sticky = self._sticky[topic] = [random.randrange(partitions), partitions]
+        return sticky[0]
+
+    def _rotate(self, topic: str, partition: int) -> None:
+        sticky = self._sticky.get(topic)
+        if sticky is not None and sticky[0] == partition:
+            sticky[0] = (partition + 1) % sticky[1]
+
+    def add(self, topic: str, partition: int, record: list, size: int, now: float,
+            handle: DeliveryHandle | None) -> PendingBatch | None:
+        """Add one record; returns a closed batch when this one filled it."""
+        key = (topic, partition)
+        records = self._open.get(key)
+        if records is None:
+            records = self._open[key] = []
+            self._open_bytes[key] = 0
+            self._opened_at[key] = now
+            self._open_handles[key] = []
+        records.append(record)
+        self._open_bytes[key] += size
+        if handle is not None:
+            self._open_handles[key].append(handle)
+        if len(records) >= self.batch_size or self._open_bytes[key] >= self.batch_bytes:
+            return self.close(key)
+        return None
+
+    def add_many(self, topic: str, partition: int, records: list[list]) -> list[PendingBatch]:
+        """Fast path: split ``records`` into full batches directly."""
+        out = []
+        for i in range(0, len(records), self.batch_size):
+            chunk = records[i:i + self.batch_size]
+            out.append(self._make_batch(topic, partition, chunk, None))
+        return out
+
+    def close(self, key: tuple[str, int]) -> PendingBatch:
+        records = self._open.pop(key)
+        self._open_bytes.pop(key)
+        self._opened_at.pop(key)
+        handles = self._open_handles.pop(key) or None
+        self._rotate(*key)
+        return self._make_batch(key[0], key[1], records, handles)
+
+    def _make_batch(self, topic: str, partition: int, records: list, handles: list | None) -> PendingBatch:
+        key = (topic, partition)
+        seq = self._sequences.get(key, 0)
+        self._sequences[key] = seq + 1
+        return PendingBatch(topic, partition, encode_records(records), len(records), seq, handles)
+
+    def due(self, now: float, linger_s: float) -> list[PendingBatch]:
+        """Batches whose first record has waited at least the linger time."""
+        keys = [k for k, t in self._opened_at.items() if now - t >= linger_s]
+        return [self.close(k) for k in keys]
+
+    def drain(self) -> list[PendingBatch]:
+        return [self.close(k) for k in list(self._open)]
+
+    def buffered_records(self) -> int:
+        return sum(len(r) for r in self._open.values())
+
+
+class AckAccumulator:
+    """Folds individual acks into ranges: consecutive offsets of one lease merge."""
+
+    def __init__(self) -> None:
+        self._ranges: list[list] = []
+        self._last: dict[tuple[str, int, int], list] = {}
+        self.count = 0
+
+    def add(self, topic: str, partition: int, lease_id: int, offset: int) -> None:
+        self.count += 1
+        key = (topic, partition, lease_id)
+        last = self._last.get(key)
+        if last is not None and last[4] == offset:
+            last[4] = offset + 1
+            return
+        rng = [topic, partition, lease_id, offset, offset + 1]
+        self._ranges.append(rng)
+        self._last[key] = rng
+
+    def add_range(self, item: list) -> None:
+        self.count += item[4] - item[3]
+        self._ranges.append(list(item))
+
+    def take(self) -> list[list]:
+        ranges, self._ranges = self._ranges, []
+        self._last.clear()
+        self.count = 0
+        return ranges
+
+    def __bool__(self) -> bool:
+        return bool(self._ranges)
+
+
+def group_by_lease(records: Iterable[ConsumedRecord]) -> list[list]:
+    acc = AckAccumulator()
+    for r in sorted(records, key=lambda r: (r.topic, r.partition, r.lease_id, r.offset)):
+        acc.add(r.topic, r.partition, r.lease_id, r.offset)
+    return acc.take()
+
+
+class Deduper:
+    """Remembers message ids for ``ttl_s`` (bounded by ``max_entries``).
+
+    ``first_time(id, now)`` is True the first time an id is seen within the TTL,
+    so a handler can skip the side effect of a redelivered record. Time is
+    passed in, as everywhere in zbroker's decision code.
+    """
+
+    def __init__(self, ttl_s: float = 600.0, max_entries: int = 100_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._seen: OrderedDict[Any, float] = OrderedDict()
+
+    def first_time(self, message_id: Any, now: float) -> bool:
+        self._expire(now)
+        if message_id in self._seen:
+            return False
+        self._seen[message_id] = now + self.ttl_s
+        if len(self._seen) > self.max_entries:
+            self._seen.popitem(last=False)
+        return True
+
+    def _expire(self, now: float) -> None:
+        while self._seen:
+            oldest_id, expires = next(iter(self._seen.items()))
+            if expires > now:
+                break
+            self._seen.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def record_id(record: Record) -> tuple:
+    """The natural message id: where the record lives. Use a header for app-level ids."""
+    return (record.topic, record.partition, record.offset)

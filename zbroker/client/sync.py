@@ -1,0 +1,652 @@
+"""The synchronous Python client: `Admin`, `Producer` and `Consumer`.
+
+One `Connection` holds a DEALER socket per actor endpoint (the coordinator
+and each partition actor) and matches replies to requests by correlation id,
+so many requests can be in flight at once (pipelining). Sockets use
+``ZMQ_IMMEDIATE``: nothing is queued towards a peer that is not connected, so
+a request to a dead actor fails fast and is retried after a metadata refresh
+instead of being delivered to its successor minutes later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import structlog
+import zmq
+
+from protocol import codec
+from protocol import messages as m
+from protocol.batch import decode_fetched
+from protocol.errors import (ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError)
+from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
+                                 MetadataCache, PendingBatch, group_by_lease)
+
+log = structlog.get_logger("zbroker.client")
+
+DEFAULT_URL = "tcp://127.0.0.1:7400"
+RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
+
+
+class Connection:
+    """Sockets to the coordinator and the partition actors, with request/reply matching."""
+
+    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0) -> None:
+        self.url = url
+        self.request_timeout = request_timeout
+        self.ctx = zmq.Context()
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.poller = zmq.Poller()
+        self._ids = itertools.count(1)
+        self._early: dict[int, codec.Envelope] = {}
+        self.metadata = MetadataCache()
+        self._closed = False
+
+    def socket(self, endpoint: str) -> zmq.Socket:
+        sock = self.sockets.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.SNDTIMEO, int(self.request_timeout * 1000))
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.connect(endpoint)
+            self.sockets[endpoint] = sock
+            self.poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> int:
+        corr = next(self._ids)
+        try:
+            self.socket(endpoint).send_multipart(codec.encode_request(msg, corr, frames), copy=len(frames) == 0)
+        except zmq.Again:
+            raise Unavailable(f"no connection to {endpoint} within {self.request_timeout}s",
+                              endpoint=endpoint) from None
+        return corr
+
+    def recv(self, timeout_s: float) -> codec.Envelope | None:
+        """The next reply from any socket, or None after ``timeout_s``."""
+        events = self.poller.poll(max(0, int(timeout_s * 1000)))
+        for sock, _ in events:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            return codec.decode_reply(frames)
+        return None
+
+    def recv_nowait_all(self) -> list[codec.Envelope]:
+        out = []
+        for sock in self.sockets.values():
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                out.append(codec.decode_reply(frames))
+        return out
+
+    def wait_for(self, corr: int, timeout: float | None = None) -> codec.Envelope:
+        """Wait for the reply to ``corr``; other replies are kept for their waiters."""
+        env = self._early.pop(corr, None)
+        if env is not None:
+            return env
+        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeout(f"no reply within {self.request_timeout if timeout is None else timeout}s",
+                                     corr_id=corr)
+            env = self.recv(remaining)
+            if env is None:
+                continue
+            if env.corr_id == corr:
+                return env
+            if isinstance(env.corr_id, int):
+                self._early[env.corr_id] = env
+
+    def call(self, endpoint: str, msg: m.Message, frames: tuple = (), timeout: float | None = None) -> codec.Envelope:
+        env = self.wait_for(self.send(endpoint, msg, frames), timeout)
+        if env.error is not None:
+            raise env.error
+        return env
+
+    def coordinator(self, msg: m.Message, timeout: float | None = None) -> m.Message:
+        return self.call(self.url, msg, timeout=timeout).msg
+
+    def refresh(self, topics: list[str] | None = None) -> None:
+        self.metadata.update(self.coordinator(m.Metadata(topics=topics)).topics)
+
+    def endpoint(self, topic: str, partition: int) -> str:
+        if topic not in self.metadata.topics:
+            self.refresh([topic])
+        endpoint = self.metadata.endpoint(topic, partition)
+        if endpoint is None:
+            self.refresh([topic])
+            endpoint = self.metadata.endpoint(topic, partition)
+        if endpoint is None:
+            raise Unavailable(f"partition {topic}/{partition} has no live owner", topic=topic, partition=partition)
+        return endpoint
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.sockets.clear()
+        self.ctx.term()
+
+
+class Admin:
+    """Topics, groups and status."""
+
+    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0) -> None:
+        self.conn = Connection(url, request_timeout=request_timeout)
+
+    def hello(self) -> dict:
+        return self.conn.coordinator(m.Hello(versions=list(m.SUPPORTED_VERSIONS), client="zbroker-python")).to_fields()
+
+    def create_topic(self, name: str, partitions: int = 1, config: dict | None = None) -> dict:
+        return self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config)).to_fields()
+
+    def list_topics(self) -> list[str]:
+        return self.conn.coordinator(m.ListTopics()).topics
+
+    def describe_topic(self, name: str) -> dict:
+        return self.conn.coordinator(m.DescribeTopic(topic=name)).to_fields()
+
+    def metadata(self, topics: list[str] | None = None) -> list[dict]:
+        return self.conn.coordinator(m.Metadata(topics=topics)).topics
+
+    def status(self) -> dict:
+        return self.conn.coordinator(m.Status()).to_fields()
+
+    def list_groups(self) -> list[dict]:
+        return self.conn.coordinator(m.ListGroups()).groups
+
+    def describe_group(self, group: str) -> dict:
+        return self.conn.coordinator(m.DescribeGroup(group=group)).group
+
+    def configure_group(self, group: str, **config: Any) -> dict:
+        return self.conn.coordinator(m.ConfigureGroup(group=group, **config)).config
+
+    def reset_group(self, group: str, topic: str, to: str | int) -> dict:
+        return self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to=to)).to_fields()
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "Admin":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ProduceError(ZBrokerError):
+    """A batch failed for good (not retriable, or out of retries)."""
+
+
+class Producer:
+    """Batching, pipelined, idempotent producer.
+
+    ``send`` buffers a record; a batch goes out when it holds ``batch_size``
+    records or ``batch_bytes``, when its first record has waited ``linger_ms``
+    (checked on every call), or on ``flush``. At most
+    ``max_in_flight_records`` are unacknowledged at once. Retries keep the
+    batch's (producer_id, sequence), so the partition actor stores it once.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
+                 batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000, request_timeout: float = 5.0,
+                 retries: int = 20, producer_id: int | None = None) -> None:
+        self.conn = Connection(url, request_timeout=request_timeout)
+        self.linger_s = linger_ms / 1000.0
+        self.max_in_flight_records = max_in_flight_records
+        self.retries = retries
+        self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes, producer_id=producer_id)
+        self.in_flight: dict[int, tuple[PendingBatch, float]] = {}
+        self.in_flight_records = 0
+        self.errors: list[ZBrokerError] = []
+        self.results: list[tuple[str, int, int, int]] = []  # (topic, partition, base_offset, count)
+        self.keep_results = False
+        self.stats = {"batches": 0, "records": 0, "retries": 0, "duplicates": 0}
+
+    @property
+    def producer_id(self) -> int:
+        return self.acc.producer_id
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
+             partition: int | None = None, timestamp_ms: int | None = None) -> DeliveryHandle:
+        if partition is None:
+            if topic not in self.conn.metadata.topics:
+                self.conn.refresh([topic])
+            partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), key)
+        handle = DeliveryHandle(topic, partition)
+        ts = time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms
+        batch = self.acc.add(topic, partition, [ts, key, value, headers], len(value) + 16, time.monotonic(), handle)
+        if batch is not None:
+            self._dispatch(batch)
+        elif self.linger_s == 0:
+            for b in self.acc.drain():
+                self._dispatch(b)
+        self._service(time.monotonic())
+        return handle
+
+    def send_many(self, topic: str, values: list[bytes], partition: int | None = None) -> None:
+        """Fast path for key-less, header-less values: whole batches at once."""
+        if topic not in self.conn.metadata.topics:
+            self.conn.refresh([topic])
+        if partition is None:
+            partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), None)
+            self.acc._rotate(topic, partition)
+        ts = time.time_ns() // 1_000_000
+        for batch in self.acc.add_many(topic, partition, [[ts, None, v, None] for v in values]):
+            self._dispatch(batch)
+
+    def produce(self, topic: str, records: Iterable, partition: int | None = None) -> list[DeliveryHandle]:
+        """Send and wait: returns a handle per record with its assigned offset."""
+        handles = []
+        for rec in records:
+            if isinstance(rec, (bytes, bytearray, memoryview)):
+                handles.append(self.send(topic, bytes(rec), partition=partition))
+            else:
+                key, value, *rest = rec
+                handles.append(self.send(topic, value, key=key, headers=rest[0] if rest else None,
+                                         partition=partition))
+        self.flush()
+        return handles
+
+    def _dispatch(self, batch: PendingBatch) -> None:
+        while self.in_flight and self.in_flight_records + batch.count > self.max_in_flight_records:
+            self._pump(self.conn.request_timeout)
+        self._send(batch)
+
+    def _send(self, batch: PendingBatch) -> None:
+        batch.attempts += 1
+        try:
+            endpoint = self.conn.endpoint(batch.topic, batch.partition)
+            corr = self.conn.send(endpoint, m.Produce(topic=batch.topic, partition=batch.partition,
+                                                      producer_id=self.acc.producer_id, sequence=batch.sequence),
+                                  (batch.payload,))
+        except ZBrokerError as err:
+            self._retry_or_fail(batch, err)
+            return
+        self.in_flight[corr] = (batch, time.monotonic())
+        self.in_flight_records += batch.count
+
+    def _retry_or_fail(self, batch: PendingBatch, err: ZBrokerError) -> None:
+        if (err.retriable or err.code in RETRIABLE_PRODUCE) and batch.attempts <= self.retries:
+            self.stats["retries"] += 1
+            time.sleep(min(0.05 * batch.attempts, 1.0))
+            try:
+                self.conn.refresh([batch.topic])
+            except ZBrokerError:
+                pass
+            self._send(batch)
+            return
+        self.errors.append(err)
+        for handle in batch.handles or ():
+            handle.error = err
+        log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
+                  reason=err.message, attempts=batch.attempts)
+
+    def _pump(self, timeout_s: float) -> None:
+        env = self.conn.recv(min(timeout_s, 0.05))
+        if env is not None:
+            self._on_reply(env)
+        for env in self.conn.recv_nowait_all():
+            self._on_reply(env)
+        self._resend_timed_out(time.monotonic())
+
+    def _on_reply(self, env: codec.Envelope) -> None:
+        entry = self.in_flight.pop(env.corr_id, None)
+        if entry is None:
+            return  # the reply to an attempt we already retried
+        batch, _sent = entry
+        self.in_flight_records -= batch.count
+        if env.error is not None:
+            self._retry_or_fail(batch, env.error)
+            return
+        reply: m.ProduceReply = env.msg
+        self.stats["batches"] += 1
+        self.stats["records"] += reply.count
+        if reply.duplicate:
+            self.stats["duplicates"] += 1
+        if self.keep_results:
+            self.results.append((batch.topic, batch.partition, reply.base_offset, reply.count))
+        if batch.handles:
+            for i, handle in enumerate(batch.handles):
+                handle.offset = reply.base_offset + i
+
+    def _resend_timed_out(self, now: float) -> None:
+        timeout = self.conn.request_timeout
+        late = [corr for corr, (_b, sent) in self.in_flight.items() if now - sent > timeout]
+        for corr in late:
+            batch, _sent = self.in_flight.pop(corr)
+            self.in_flight_records -= batch.count
+            self._retry_or_fail(batch, RequestTimeout("produce timed out", topic=batch.topic,
+                                                      partition=batch.partition))
+
+    def _service(self, now: float) -> None:
+        if self.linger_s > 0:
+            for batch in self.acc.due(now, self.linger_s):
+                self._dispatch(batch)
+        if self.in_flight:
+            for env in self.conn.recv_nowait_all():
+                self._on_reply(env)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send everything buffered and wait until all of it is acknowledged."""
+        for batch in self.acc.drain():
+            self._dispatch(batch)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.in_flight:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RequestTimeout("flush timed out", in_flight_batches=len(self.in_flight))
+            self._pump(0.05)
+        if self.errors:
+            errors, self.errors = self.errors, []
+            raise ProduceError(f"{len(errors)} batch(es) failed; first: {errors[0].message}",
+                               code=errors[0].code, first=errors[0].to_wire(), failed=len(errors))
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self.conn.close()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self.conn.close()
+
+
+def fetch(conn: Connection, topic: str, partition: int, offset: int, *, max_bytes: int = 1 << 20,
+          max_wait_ms: int = 0, max_records: int | None = None) -> tuple[list, int, int]:
+    """One fetch. Returns (records at or after ``offset``, log_start, log_end)."""
+    env = conn.call(conn.endpoint(topic, partition),
+                    m.Fetch(topic=topic, partition=partition, offset=offset, max_bytes=max_bytes,
+                            max_wait_ms=max_wait_ms),
+                    timeout=conn.request_timeout + max_wait_ms / 1000.0)
+    until = None if max_records is None else offset + max_records
+    records = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,
+                             until_offset=until)
+    return records, env.msg.log_start, env.msg.log_end
+
+
+class Consumer:
+    """A member of a consumer group: poll leases, fetch their records, ack each one.
+
+    Acks are folded into ranges and sent every ``ack_batch`` records or
+    ``ack_interval_ms``, and always before the next poll. A background thread
+    heartbeats every ``session_timeout_ms / 3`` on its own socket; a FENCED or
+    UNKNOWN_MEMBER answer makes the next call re-join (same member id first),
+    after which acks that were refused are sent again under the new
+    generation. Rebalance callbacks get the partitions assigned and revoked.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], member_id: str = "",
+                 session_timeout_ms: int = 10_000, ack_batch: int = 1000, ack_interval_ms: float = 5.0,
+                 request_timeout: float = 5.0, max_in_flight: int | None = None,
+                 on_assign: Callable[[list], None] | None = None,
+                 on_revoke: Callable[[list], None] | None = None, heartbeat: bool = True) -> None:
+        self.conn = Connection(url, request_timeout=request_timeout)
+        self.group = group
+        self.topics = list(topics)
+        self.member_id = member_id
+        self.session_timeout_ms = session_timeout_ms
+        self.ack_batch = ack_batch
+        self.ack_interval_s = ack_interval_ms / 1000.0
+        self.on_assign = on_assign
+        self.on_revoke = on_revoke
+        self.generation = -1
+        self.assignment: list = []
+        self.ack_timeout_ms = 0
+        self.acks = AckAccumulator()
+        self._acks_since: float | None = None
+        self._ack_requests: dict[int, list] = {}
+        self.stale: list = []
+        self.stats = {"polled": 0, "acked": 0, "stale": 0, "rejoins": 0}
+        self._needs_rejoin = threading.Event()
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        if max_in_flight is not None:
+            self.conn.coordinator(m.ConfigureGroup(group=group, max_in_flight=max_in_flight))
+        self._join()
+        if heartbeat:
+            self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="zbroker-heartbeat",
+                                                      daemon=True)
+            self._heartbeat_thread.start()
+
+    # -- membership -------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        try:
+            reply = self.conn.coordinator(m.Join(group=self.group, topics=self.topics, member_id=self.member_id,
+                                                 session_timeout_ms=self.session_timeout_ms))
+        except UnknownMember:
+            self.member_id = ""
+            reply = self.conn.coordinator(m.Join(group=self.group, topics=self.topics,
+                                                 session_timeout_ms=self.session_timeout_ms))
+        old = {tuple(p) for p in self.assignment}
+        new = {tuple(p) for p in reply.assignment}
+        self.member_id = reply.member_id
+        self.generation = reply.generation
+        self.assignment = reply.assignment
+        self.ack_timeout_ms = reply.ack_timeout_ms
+        self._needs_rejoin.clear()
+        if old - new and self.on_revoke:
+            self.on_revoke(sorted(old - new))
+        if new - old and self.on_assign:
+            self.on_assign(sorted(new - old))
+
+    def _rejoin(self) -> None:
+        self.stats["rejoins"] += 1
+        self._join()
+
+    def _heartbeat_loop(self) -> None:
+        ctx = self.conn.ctx
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.conn.url)
+        interval = self.session_timeout_ms / 3000.0
+        ids = itertools.count(1)
+        try:
+            while not self._stop.wait(interval):
+                corr = next(ids)
+                try:
+                    sock.send_multipart(codec.encode_request(
+                        m.Heartbeat(group=self.group, member_id=self.member_id, generation=self.generation), corr),
+                        zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                if sock.poll(int(interval * 1000)):
+                    env = codec.decode_reply(sock.recv_multipart())
+                    if env.error is not None and env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
+                        self._needs_rejoin.set()
+        except zmq.ZMQError:
+            pass  # the context is being closed
+        finally:
+            sock.close(linger=0)
+
+    def _group_call(self, make: Callable[[], m.Message], timeout: float | None = None) -> codec.Envelope:
+        """A group request that re-joins and retries once when fenced."""
+        for attempt in range(3):
+            if self._needs_rejoin.is_set():
+                self._rejoin()
+            try:
+                return self.conn.call(self.conn.url, make(), timeout=timeout)
+            except (Fenced, UnknownMember) as err:
+                if attempt == 2:
+                    raise
+                if isinstance(err, UnknownMember):
+                    self.member_id = ""  # expired: join as a new member
+                self._rejoin()
+        raise AssertionError("unreachable")
+
+    # -- polling ----------------------------------------------------------------------------
+
+    def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
+        """Lease up to ``max_records`` and return their records (possibly fewer, possibly none)."""
+        self.flush_acks(wait=False)
+        reply = self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
+                                                generation=self.generation, max_records=max_records,
+                                                max_wait_ms=int(timeout * 1000)),
+                                 timeout=self.conn.request_timeout + timeout).msg
+        records = self._fetch_deliveries(reply.deliveries)
+        self.stats["polled"] += len(records)
+        return records
+
+    def _fetch_deliveries(self, deliveries: list) -> list[ConsumedRecord]:
+        pending: dict[int, list] = {}
+        out: list[ConsumedRecord] = []
+        for d in deliveries:
+            topic, partition, lease, start, end, attempt, reason = d
+            corr = self.conn.send(self.conn.endpoint(topic, partition),
+                                  m.Fetch(topic=topic, partition=partition, offset=start,
+                                          max_bytes=max(4096, (end - start) * 256)))
+            pending[corr] = [topic, partition, lease, start, end, attempt, reason]
+        while pending:
+            corr, d = next(iter(pending.items()))
+            env = self.conn.wait_for(corr)
+            del pending[corr]
+            topic, partition, lease, start, end, attempt, reason = d
+            if env.error is not None:
+                log.warning("fetch.failed", topic=topic, partition=partition, code=env.error.code.value,
+                            reason=env.error.message)
+                continue  # the lease expires and the records come back later
+            got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=start,
+                                 until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
+            out.extend(got)
+            if got and got[-1].offset + 1 < end:
+                # max_bytes cut the range short: fetch the rest.
+                next_start = got[-1].offset + 1
+                corr = self.conn.send(self.conn.endpoint(topic, partition),
+                                      m.Fetch(topic=topic, partition=partition, offset=next_start,
+                                              max_bytes=max(4096, (end - next_start) * 256)))
+                pending[corr] = [topic, partition, lease, next_start, end, attempt, reason]
+        return out
+
+    def __iter__(self) -> Iterator[ConsumedRecord]:
+        """Yields records forever; each is acked when the loop body returns for it."""
+        while True:
+            for record in self.poll():
+                yield record
+                self.ack(record)
+
+    def run(self, handler: Callable[[ConsumedRecord], Any], *, max_records: int = 1000,
+            stop: Callable[[], bool] = lambda: False) -> None:
+        """Call ``handler`` per record: ack when it returns, nack (with the error) when it raises."""
+        while not stop():
+            for record in self.poll(max_records):
+                try:
+                    handler(record)
+                except Exception as exc:  # the handler's failure is the record's nack reason
+                    self.nack([record], reason=f"{type(exc).__name__}: {exc}"[:200])
+                else:
+                    self.ack(record)
+
+    # -- acks -------------------------------------------------------------------------------
+
+    def ack(self, record: ConsumedRecord) -> None:
+        self.acks.add(record.topic, record.partition, record.lease_id, record.offset)
+        if self._acks_since is None:
+            self._acks_since = time.monotonic()
+        if self.acks.count >= self.ack_batch or time.monotonic() - self._acks_since >= self.ack_interval_s:
+            self.flush_acks(wait=False)
+
+    def ack_many(self, records: Iterable[ConsumedRecord]) -> None:
+        for record in records:
+            self.ack(record)
+
+    def flush_acks(self, wait: bool = True) -> None:
+        """Send pending acks; with ``wait``, until every ack request is answered."""
+        if self.acks:
+            ranges = self.acks.take()
+            corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
+                                                       generation=self.generation, ranges=ranges))
+            self._ack_requests[corr] = ranges
+        self._acks_since = None
+        self._collect_ack_replies(block=wait)
+
+    def _collect_ack_replies(self, block: bool) -> None:
+        while self._ack_requests:
+            corr = next(iter(self._ack_requests))
+            if not block and corr not in self.conn._early:
+                for env in self.conn.recv_nowait_all():
+                    if isinstance(env.corr_id, int):
+                        self.conn._early[env.corr_id] = env
+                if corr not in self.conn._early:
+                    return
+            env = self.conn.wait_for(corr)
+            ranges = self._ack_requests.pop(corr)
+            self._on_ack_reply(env, ranges)
+
+    def _on_ack_reply(self, env: codec.Envelope, ranges: list) -> None:
+        if env.error is None:
+            self.stats["acked"] += env.msg.applied
+            return
+        err = env.error
+        if err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
+            if err.code == ErrorCode.UNKNOWN_MEMBER:
+                self.member_id = ""
+            self._rejoin()
+            corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
+                                                       generation=self.generation, ranges=ranges))
+            self._ack_requests[corr] = ranges
+            return
+        if err.code == ErrorCode.STALE_LEASE:
+            self.stats["acked"] += int(err.data.get("applied", 0))
+            stale = err.data.get("stale", [])
+            self.stats["stale"] += sum(r[4] - r[3] for r in stale)
+            self.stale.extend(stale)
+            log.warning("ack.stale", group=self.group, ranges=len(stale))
+            return
+        raise err
+
+    def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> m.Message:
+        self.flush_acks(wait=True)
+        ranges = group_by_lease(records)
+        env = self._group_call(lambda: op(group=self.group, member_id=self.member_id, generation=self.generation,
+                                          ranges=ranges, **fields))
+        return env.msg
+
+    def nack(self, records: Iterable[ConsumedRecord], *, delay_ms: int = 0, reason: str = "") -> int:
+        return self._lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason).applied
+
+    def extend(self, records: Iterable[ConsumedRecord], *, extend_ms: int = 0) -> int:
+        return self._lease_call(m.Extend, records, extend_ms=extend_ms).applied
+
+    def reject(self, records: Iterable[ConsumedRecord], *, reason: str = "") -> int:
+        return self._lease_call(m.Reject, records, reason=reason).applied
+
+    def close(self, leave: bool = True) -> None:
+        try:
+            self.flush_acks(wait=True)
+            if leave and self.member_id:
+                try:
+                    self.conn.call(self.conn.url, m.Leave(group=self.group, member_id=self.member_id,
+                                                          generation=self.generation), timeout=2.0)
+                except ZBrokerError:
+                    pass
+        finally:
+            self._stop.set()
+            if self._heartbeat_thread is not None:
+                self._heartbeat_thread.join(5)
+            self.conn.close()
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,311 @@
+"""The supervisor behind ``zbroker up``: starts the actors and keeps them running.
+
+Each actor is a separate OS process started with multiprocessing's *spawn*
+method (no state inherited by fork). The supervisor waits on the process
+sentinels; when an actor dies it logs the exit code and restarts it after an
+exponential backoff (100 ms doubling to 5 s, reset after 30 s of uptime).
+On SIGINT or SIGTERM it stops the coordinator first (no new work), then the
+commit writer (flushes pending offsets), then the partition actors (fsync),
+each with SIGTERM and a bounded wait before SIGKILL.
+
+The current pid of every actor is written to ``<data>/run/actors.json`` so
+that operators, tests and the benchmark can find (and kill) them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from actors import runtime
+
+BACKOFF_START_S = 0.1
+BACKOFF_MAX_S = 5.0
+STABLE_AFTER_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass
+class BrokerConfig:
+    data_dir: str = "./data"
+    host: str = "127.0.0.1"
+    port: int = 7400
+    partition_actors: int = 1
+    fsync: str = "interval:1000"
+    offsets_url: str | None = None  # default: sqlite:///<data_dir>/offsets.sqlite3
+    log_level: str = "info"
+
+    @property
+    def coordinator_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    def resolved_offsets_url(self) -> str:
+        if self.offsets_url:
+            return self.offsets_url
+        return f"sqlite:///{Path(self.data_dir).resolve() / 'offsets.sqlite3'}"
+
+    def partition_bind(self, index: int) -> str:
+        return f"tcp://{self.host}:{self.port + 1 + index}"
+
+
+@dataclasses.dataclass
+class _Child:
+    name: str
+    target: str
+    kwargs: dict
+    process: Any = None
+    started_at: float = 0.0
+    failures: int = 0
+    restart_at: float | None = None
+
+
+def _spawn_target(target: str, kwargs: dict) -> None:
+    module_name, func_name = target.rsplit(":", 1)
+    module = __import__(module_name, fromlist=[func_name])
+    getattr(module, func_name)(**kwargs)
+
+
+class Supervisor:
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.ctx = multiprocessing.get_context("spawn")
+        self.log = structlog.get_logger("zbroker.supervisor")
+        self.stopping = False
+        data = Path(config.data_dir).resolve()
+        self.pid_file = data / "run" / "actors.json"
+        coordinator = config.coordinator_endpoint
+        self.children: list[_Child] = [
+            _Child("coordinator", "actors.group_coordinator.shell:run",
+                   {"endpoint": coordinator, "data_dir": str(data / "coordinator"),
+                    "log_level": config.log_level}),
+            _Child("commit-writer", "actors.commit_writer.shell:run",
+                   {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
+                    "log_level": config.log_level}),
+        ]
+        for i in range(config.partition_actors):
+            self.children.append(_Child(
+                f"partition-{i}", "actors.partition_log.shell:run",
+                {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(data / "partitions"),
+                 "bind": config.partition_bind(i), "fsync": config.fsync, "log_level": config.log_level}))
+
+    def _start(self, child: _Child) -> None:
+        child.process = self.ctx.Process(target=_spawn_target, args=(child.target, child.kwargs),
+                                         name=f"zbroker-{child.name}", daemon=False)
+        child.process.start()
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        self.log.info("actor.spawned", actor=child.name, pid=child.process.pid)
+        self._write_pids()
+
+    def _write_pids(self) -> None:
+        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        pids = {c.name: c.process.pid for c in self.children if c.process is not None and c.process.is_alive()}
+        pids["supervisor"] = os.getpid()
+        tmp = self.pid_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(pids))
+        os.replace(tmp, self.pid_file)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
+        self.log.info("broker.starting", url=self.config.coordinator_endpoint, data_dir=self.config.data_dir,
+                      partition_actors=self.config.partition_actors, fsync=self.config.fsync,
+                      offsets=_redact(self.config.resolved_offsets_url()))
+        for child in self.children:
+            self._start(child)
+        while not self.stopping:
+            self._watch_once()
+        self._stop_all()
+        self.log.info("broker.stopped")
+        return 0
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stopping = True
+
+    def _watch_once(self) -> None:
+        now = time.monotonic()
+        sentinels = [c.process.sentinel for c in self.children if c.process is not None and c.restart_at is None]
+        due = [c.restart_at for c in self.children if c.restart_at is not None]
+        timeout = 1.0 if not due else max(0.0, min(min(due) - now, 1.0))
+        try:
+            multiprocessing.connection.wait(sentinels, timeout=timeout)
+        except InterruptedError:
+            return
+        if self.stopping:
+            return
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is None and child.process is not None and not child.process.is_alive():
+                code = child.process.exitcode
+                uptime = now - child.started_at
+                if uptime > STABLE_AFTER_S:
+                    child.failures = 0
+                delay = min(BACKOFF_MAX_S, BACKOFF_START_S * (2 ** child.failures))
+                child.failures += 1
+                child.restart_at = now + delay
+                child.process.close()
+                child.process = None
+                self.log.warning("actor.died", actor=child.name, exit_code=code, uptime_s=round(uptime, 3),
+                                 restart_in_s=delay, failures=child.failures)
+                self._write_pids()
+            elif child.restart_at is not None and now >= child.restart_at:
+                self._start(child)
+
+    def _stop_all(self) -> None:
+        order = ["coordinator", "commit-writer"]
+        groups = [[c for c in self.children if c.name == name] for name in order]
+        groups.append([c for c in self.children if c.name not in order])
+        for group in groups:
+            live = [c for c in group if c.process is not None and c.process.is_alive()]
+            for child in live:
+                child.process.terminate()
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for child in live:
+                child.process.join(max(0.0, deadline - time.monotonic()))
+                if child.process.is_alive():
+                    self.log.error("actor.stop_timeout", actor=child.name, pid=child.process.pid)
+                    child.process.kill()
+                    child.process.join(2)
+                self.log.info("actor.exited", actor=child.name, exit_code=child.process.exitcode)
+        self._write_pids()
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in creds else url
+    return url
+
+
+def serve(config: BrokerConfig) -> int:
+    runtime.configure_logging(config.log_level, actor="supervisor")
+    return Supervisor(config).run()
+
+
+# -- for tests, benchmarks and scripts ------------------------------------------------------------
+
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """A base port such that base .. base+count-1 were free a moment ago."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        ok = True
+        for port in range(base + 1, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block found")
+
+
+class BrokerHandle:
+    """A broker running as a child process tree (``zbroker up``), for tests and benches."""
+
+    def __init__(self, process: subprocess.Popen, config: BrokerConfig) -> None:
+        self.process = process
+        self.config = config
+        self.url = config.coordinator_endpoint
+
+    def pids(self) -> dict[str, int]:
+        path = Path(self.config.data_dir).resolve() / "run" / "actors.json"
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def actor_pids(self) -> list[int]:
+        return [pid for name, pid in self.pids().items() if name != "supervisor"]
+
+    def kill(self, actor: str, sig: int = signal.SIGKILL) -> int:
+        pid = self.pids()[actor]
+        os.kill(pid, sig)
+        return pid
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        return self.process.returncode
+
+    def __enter__(self) -> "BrokerHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int = 1,
+                 fsync: str = "interval:1000", offsets_url: str | None = None, log_level: str = "warning",
+                 wait: bool = True, log_file: str | Path | None = None, timeout: float = 30.0) -> BrokerHandle:
+    """Start ``zbroker up`` as a subprocess; with ``port=0`` pick free ports."""
+    if port == 0:
+        port = free_port_block(partition_actors + 1)
+    config = BrokerConfig(data_dir=str(data_dir), port=port, partition_actors=partition_actors, fsync=fsync,
+                          offsets_url=offsets_url, log_level=log_level)
+    cmd = [sys.executable, "-m", "zbroker", "up", "--data", str(data_dir), "--port", str(port),
+           "--partition-actors", str(partition_actors), "--fsync", fsync, "--log-level", log_level]
+    if offsets_url:
+        cmd += ["--offsets", offsets_url]
+    stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    try:
+        process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    finally:
+        if log_file:
+            stderr.close()
+    handle = BrokerHandle(process, config)
+    if wait:
+        try:
+            wait_ready(handle.url, partition_actors=partition_actors, timeout=timeout)
+        except BaseException:
+            handle.stop()
+            raise
+    return handle
+
+
+def wait_ready(url: str, *, partition_actors: int = 1, timeout: float = 30.0) -> dict:
+    """Block until the coordinator answers status with every actor healthy and offsets loaded."""
+    from zbroker.client import Admin
+    from protocol.errors import ZBrokerError
+
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    with Admin(url, request_timeout=1.0) as admin:
+        while time.monotonic() < deadline:
+            try:
+                status = admin.status()
+                last = status
+                actors = status["actors"]
+                coord = next(a for a in actors if a["kind"] == "group-coordinator")
+                parts = [a for a in actors if a["kind"] == "partition-log" and a["healthy"]]
+                if status["healthy"] and coord.get("offsets_loaded") and len(parts) >= partition_actors:
+                    return status
+            except ZBrokerError as err:
+                last = err
+            time.sleep(0.05)
+    raise TimeoutError(f"broker at {url} not ready after {timeout}s: {last!r}")
