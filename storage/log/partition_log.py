@@ -1,0 +1,396 @@
+"""The durable log of one topic-partition: append, read, flush, retention.
+
+Theory of operation
+-------------------
+The log is a list of segments (`segment.py`), oldest first; only the last one,
+the *active* segment, is written. `append` writes `header + payload` with one
+`os.writev` on an `O_APPEND` descriptor and returns without fsync: the caller
+(the partition-log actor) decides when `flush` makes things durable, and
+acknowledges a produce accordingly. A segment is rolled when the next batch
+would push it past `segment_bytes`; a batch larger than that still goes into
+an empty segment of its own.
+
+Reads hand back stored batches verbatim (they are the fetch wire format),
+whole batches only, starting with the batch that contains the requested
+offset. Finding that batch costs an index lookup and a short header walk, so
+the log remembers where recent reads stopped (next offset -> segment and
+position): a consumer reading forward starts each read with one `pread`.
+
+Closed segments are opened for reading on demand and kept in a small LRU of
+file descriptors. Retention deletes whole closed segments from the front,
+which is what moves `log_start`.
+
+Durability bookkeeping: `flush` fsyncs the active segment, every segment
+rolled since the previous flush (its last batches may not be on disk yet)
+together with its `.index`, and the directory when files were created or
+deleted. The active segment's `.index` is not written until it is rolled,
+because recovery rebuilds the last segment's index from the data anyway.
+
+Recovery on open lives in `recovery.py`; idempotent-producer state in
+`producers.py`. Nothing here reads a clock: times are arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from bisect import bisect_right
+from collections import OrderedDict
+from pathlib import Path
+
+import structlog
+
+from protocol.batch import BATCH_HEADER_SIZE, build_batch_header, parse_batch_header
+from protocol.errors import OffsetOutOfRange
+from storage.log.config import LogConfig
+from storage.log.index import OffsetIndex, write_index_file
+from storage.log.producers import ProducerStates
+from storage.log.recovery import RecoveryReport, recover
+from storage.log.segment import Segment
+
+__all__ = ["LogConfig", "PartitionLog", "RecoveryReport"]
+
+log = structlog.get_logger("zbroker.log")
+
+MAX_U32 = 0xFFFFFFFF
+# Closed segments with an open read descriptor; consumers usually read near the tail.
+OPEN_READ_FDS = 8
+# Where recent reads stopped. One entry per consumer position worth remembering.
+READ_CACHE_ENTRIES = 64
+
+_PAYLOAD_LENGTH = struct.Struct(">I")
+_PAYLOAD_LENGTH_AT = 8
+
+
+class PartitionLog:
+    def __init__(self, directory: Path, config: LogConfig, segments: list[Segment], producers: ProducerStates,
+                 recovery: RecoveryReport, *, directory_changed: bool) -> None:
+        """Use `PartitionLog.open`, which recovers the directory first."""
+        self.directory = directory
+        self.config = config
+        self.recovery = recovery
+        self._segments = segments
+        self._base_offsets = [segment.base_offset for segment in segments]
+        self._active = segments[-1]
+        self._producers = producers
+        self._size_bytes = sum(segment.size for segment in segments)
+        self._read_fds: OrderedDict[int, Segment] = OrderedDict()  # base offset -> closed segment with an fd
+        self._read_cache: dict[int, tuple[Segment, int]] = {}     # next offset -> (segment, position)
+        self._read_cache_hits = 0
+        self._read_cache_misses = 0
+        self._rolled_since_flush: list[Segment] = []
+        self._directory_dirty = directory_changed
+        self._closed = False
+
+    @classmethod
+    def open(cls, directory: Path, config: LogConfig, *, now_ms: int) -> "PartitionLog":
+        directory = Path(directory)
+        recovered = recover(directory, config, now_ms=now_ms)
+        plog = cls(directory, config, recovered.segments, recovered.producers, recovered.report,
+                   directory_changed=recovered.directory_changed)
+        log.info("log.opened", directory=str(directory), segments=len(recovered.segments),
+                 log_start=plog.log_start, log_end=plog.log_end, size_bytes=plog.size_bytes,
+                 batches_scanned=recovered.report.batches_scanned,
+                 truncated_bytes=recovered.report.truncated_bytes)
+        return plog
+
+    def __enter__(self) -> "PartitionLog":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"partition log {self.directory} is closed")
+
+    @property
+    def log_start(self) -> int:
+        return self._segments[0].base_offset
+
+    @property
+    def log_end(self) -> int:
+        return self._active.next_offset
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size_bytes
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def append(self, payload: bytes | memoryview, record_count: int, *, append_time_ms: int,
+               producer_id: int = 0, producer_seq: int = -1) -> int:
+        """Write one batch; returns its base offset. Not durable until `flush`.
+
+        For an idempotent producer call `check_sequence` first: append records
+        the sequence without judging it.
+        """
+        self._check_open()
+        if not 1 <= record_count <= MAX_U32:
+            raise ValueError(f"record_count must be in 1..{MAX_U32}, got {record_count}")
+        segment = self._active
+        base_offset = segment.next_offset
+        header = build_batch_header(payload, base_offset=base_offset, record_count=record_count,
+                                    append_time_ms=append_time_ms, producer_id=producer_id,
+                                    producer_seq=producer_seq)
+        batch_size = BATCH_HEADER_SIZE + len(payload)
+        if segment.size and (segment.size + batch_size > self.config.segment_bytes
+                             or base_offset - segment.base_offset > MAX_U32):
+            segment = self._roll()
+        position = segment.size
+        _write_batch(segment.fd, header, payload, position)
+        segment.index.note_batch(base_offset - segment.base_offset, position)
+        segment.size = position + batch_size
+        segment.next_offset = base_offset + record_count
+        if segment.newest_append_time_ms is None or append_time_ms > segment.newest_append_time_ms:
+            segment.newest_append_time_ms = append_time_ms
+        self._size_bytes += batch_size
+        if producer_id:
+            self._producers.record(producer_id, producer_seq, base_offset, record_count)
+        return base_offset
+
+    def check_sequence(self, producer_id: int, producer_seq: int) -> tuple[int, int] | None:
+        """(base_offset, record_count) if this batch was already appended, None if it is new.
+
+        Raises DuplicateSequence for a sequence at or below the producer's last
+        one that is no longer (or never was) remembered.
+        """
+        return self._producers.check(producer_id, producer_seq)
+
+    def _roll(self) -> Segment:
+        old = self._active
+        # The index goes to disk before the next segment exists: once a segment is
+        # not the last one, recovery uses its index file if it is well formed.
+        write_index_file(old.index_path, old.index)
+        new = Segment(self.directory, old.next_offset, OffsetIndex(self.config.index_interval_bytes))
+        new.fd = os.open(new.data_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        self._keep_read_fd(old)
+        self._rolled_since_flush.append(old)
+        self._segments.append(new)
+        self._base_offsets.append(new.base_offset)
+        self._active = new
+        self._directory_dirty = True
+        self._forget_producers_outside_window()
+        return new
+
+    def flush(self) -> None:
+        self._check_open()
+        for segment in self._rolled_since_flush:
+            os.fsync(self._read_fd(segment))
+            _fsync_path(segment.index_path, os.O_RDONLY)
+        self._rolled_since_flush.clear()
+        os.fsync(self._active.fd)
+        if self._directory_dirty:
+            _fsync_path(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            self._directory_dirty = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            for segment in self._segments:
+                segment.close_fd()
+            self._read_fds.clear()
+            self._read_cache.clear()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read(self, offset: int, max_bytes: int) -> bytes:
+        """Whole stored batches from the one containing `offset`, up to `max_bytes`.
+
+        The first batch is returned even when it alone exceeds `max_bytes`.
+        """
+        self._check_open()
+        log_end = self.log_end
+        if offset < self.log_start or offset > log_end:
+            raise OffsetOutOfRange("offset is outside the log", log_start=self.log_start, log_end=log_end,
+                                   offset=offset)
+        if offset == log_end:
+            return b""
+        segment, position = self._locate(offset)
+        while position >= segment.size:
+            # The read starts in a later segment: a cached end of a closed segment, or a
+            # damaged segment's lost tail.
+            following = self._segment_after(segment)
+            if following is None:
+                return b""
+            segment, position = following, 0
+        parts: list[bytes | memoryview] = []
+        budget = max_bytes
+        while True:
+            fd = self._read_fd(segment)
+            data = os.pread(fd, min(segment.size - position, max(budget, 0)), position)
+            whole, after = _whole_batches(data)
+            if whole == 0:
+                if parts:
+                    break
+                data = _read_one_batch(fd, position)
+                whole, after = len(data), parse_batch_header(data).next_offset
+            parts.append(data if whole == len(data) else memoryview(data)[:whole])
+            position += whole
+            budget -= whole
+            next_offset = after
+            if position < segment.size:
+                break  # the budget ran out inside this segment
+            following = self._segment_after(segment)
+            if following is None:
+                break
+            segment, position = following, 0
+        self._remember_read_end(next_offset, segment, position)
+        if len(parts) == 1 and isinstance(parts[0], bytes):
+            return parts[0]
+        return b"".join(parts)
+
+    def _locate(self, offset: int) -> tuple[Segment, int]:
+        cached = self._read_cache.get(offset)
+        if cached is not None:
+            self._read_cache_hits += 1
+            return cached
+        self._read_cache_misses += 1
+        segment = self._segments[bisect_right(self._base_offsets, offset) - 1]
+        if offset >= segment.next_offset:
+            # A damaged older segment ends early; the read continues with the next one.
+            return segment, segment.size
+        self._read_fd(segment)  # position_of reads through segment.fd
+        return segment, segment.position_of(offset)
+
+    def _remember_read_end(self, next_offset: int, segment: Segment, position: int) -> None:
+        cache = self._read_cache
+        if next_offset not in cache and len(cache) >= READ_CACHE_ENTRIES:
+            del cache[next(iter(cache))]
+        cache[next_offset] = (segment, position)
+
+    def _segment_after(self, segment: Segment) -> Segment | None:
+        following = bisect_right(self._base_offsets, segment.base_offset)
+        return self._segments[following] if following < len(self._segments) else None
+
+    def _read_fd(self, segment: Segment) -> int:
+        if segment is self._active:
+            return segment.fd
+        if segment.fd is not None:
+            self._read_fds.move_to_end(segment.base_offset)
+            return segment.fd
+        segment.fd = os.open(segment.data_path, os.O_RDONLY)
+        self._keep_read_fd(segment)
+        return segment.fd
+
+    def _keep_read_fd(self, segment: Segment) -> None:
+        self._read_fds[segment.base_offset] = segment
+        if len(self._read_fds) > OPEN_READ_FDS:
+            _, evicted = self._read_fds.popitem(last=False)
+            evicted.close_fd()
+
+    # -- retention -------------------------------------------------------------------------
+
+    def enforce_retention(self, now_ms: int) -> int:
+        """Delete closed segments beyond the size or age limit, oldest first. Returns how many.
+
+        By size, a segment goes when the newer ones alone still hold
+        `retention_bytes`. By age, when its newest batch was appended before
+        `now_ms - retention_ms`. Only a prefix is deleted, and never the
+        active segment, so the log stays contiguous.
+        """
+        self._check_open()
+        retention_bytes = self.config.retention_bytes
+        retention_ms = self.config.retention_ms
+        deleted = 0
+        while len(self._segments) > 1:
+            oldest = self._segments[0]
+            over_size = retention_bytes >= 0 and self._size_bytes - oldest.size >= retention_bytes
+            newest = oldest.newest_append_time_ms
+            over_age = retention_ms >= 0 and (newest is None or newest < now_ms - retention_ms)
+            if not (over_size or over_age):
+                break
+            self._delete_oldest_segment()
+            deleted += 1
+        if deleted:
+            self._forget_producers_outside_window()
+            log.info("log.retention", directory=str(self.directory), deleted_segments=deleted,
+                     log_start=self.log_start, size_bytes=self._size_bytes)
+        return deleted
+
+    def _delete_oldest_segment(self) -> None:
+        segment = self._segments.pop(0)
+        self._base_offsets.pop(0)
+        self._size_bytes -= segment.size
+        self._read_fds.pop(segment.base_offset, None)
+        segment.close_fd()
+        if segment in self._rolled_since_flush:
+            self._rolled_since_flush.remove(segment)
+        self._read_cache = {offset: place for offset, place in self._read_cache.items() if place[0] is not segment}
+        segment.data_path.unlink()
+        segment.index_path.unlink(missing_ok=True)
+        self._directory_dirty = True
+
+    def _forget_producers_outside_window(self) -> None:
+        window_start = self._segments[-self.config.producer_window_segments:][0].base_offset
+        self._producers.forget_before(window_start)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def producer_snapshot(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Remembered (sequence, base_offset, record_count) per producer id."""
+        return self._producers.snapshot()
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "segments": len(self._segments),
+            "log_start": self.log_start,
+            "log_end": self.log_end,
+            "size_bytes": self._size_bytes,
+            "index_entries": sum(len(segment.index) for segment in self._segments),
+            "producers": len(self._producers),
+            "open_read_fds": len(self._read_fds),
+            "read_cache_entries": len(self._read_cache),
+            "read_cache_hits": self._read_cache_hits,
+            "read_cache_misses": self._read_cache_misses,
+            "segments_awaiting_fsync": len(self._rolled_since_flush),
+        }
+
+
+def _write_batch(fd: int, header: bytes, payload: bytes | memoryview, position: int) -> None:
+    """Write the whole batch at the end of the file, or leave the file as it was."""
+    try:
+        written = os.writev(fd, (header, payload))
+        if written < len(header) + len(payload):
+            # Short writes are rare (a signal, a full disk); finish the rest, however slowly.
+            remaining = memoryview(header + bytes(payload))[written:]
+            while remaining:
+                remaining = remaining[os.write(fd, remaining):]
+    except OSError:
+        # A partial batch at the tail would make the next batch unreachable after a
+        # restart. If even this cut fails, its error propagates and recovery cleans up.
+        os.ftruncate(fd, position)
+        raise
+
+
+def _whole_batches(data: bytes) -> tuple[int, int]:
+    """Bytes of whole batches at the start of `data`, and the offset after the last of them."""
+    end = 0
+    last_start = -1
+    size = len(data)
+    while end + BATCH_HEADER_SIZE <= size:
+        batch_end = end + BATCH_HEADER_SIZE + _PAYLOAD_LENGTH.unpack_from(data, end + _PAYLOAD_LENGTH_AT)[0]
+        if batch_end > size:
+            break
+        last_start = end
+        end = batch_end
+    if last_start < 0:
+        return 0, 0
+    return end, parse_batch_header(data, last_start).next_offset
+
+
+def _read_one_batch(fd: int, position: int) -> bytes:
+    header = parse_batch_header(os.pread(fd, BATCH_HEADER_SIZE, position))
+    return os.pread(fd, header.total_size, position)
+
+
+def _fsync_path(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

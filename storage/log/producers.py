@@ -1,0 +1,92 @@
+"""Idempotent-producer state: which (producer_id, sequence) batches a partition already holds.
+
+Theory of operation
+-------------------
+A producer that retries after a lost reply sends the same sequence again. The
+log remembers the last `REMEMBERED_BATCHES` sequences of each producer with
+their (base_offset, record_count), so a retry is answered with the
+original offsets instead of being appended twice.
+
+Sequences are per (producer, partition) and normally arrive in order, but a
+pipelining producer may see a later batch land before an earlier one is
+retried (the actor restarted with both in flight, and the earlier one timed
+out). So the rule is:
+
+* a remembered sequence is a duplicate: answer with its original offsets;
+* a sequence above the highest one is new;
+* a sequence between the lowest remembered and the highest one that is not
+  remembered was never appended: it is a gap being filled, and is new;
+* a sequence below the lowest remembered one cannot be vouched for and is
+  refused with `DuplicateSequence`.
+
+The state is not persisted on its own: recovery rebuilds it from the batch
+headers of the last `producer_window_segments` segments, and the live log
+forgets batches that fall out of that window (`forget_before`), so a reopened
+log remembers exactly what the running one did.
+"""
+
+from __future__ import annotations
+
+from protocol.errors import DuplicateSequence
+
+REMEMBERED_BATCHES = 4096
+
+
+class _Producer:
+    __slots__ = ("batches", "highest")
+
+    def __init__(self) -> None:
+        self.batches: dict[int, tuple[int, int]] = {}  # sequence -> (base_offset, record_count)
+        self.highest = -1
+
+
+class ProducerStates:
+    def __init__(self) -> None:
+        self._producers: dict[int, _Producer] = {}
+
+    def __len__(self) -> int:
+        return len(self._producers)
+
+    def record(self, producer_id: int, sequence: int, base_offset: int, record_count: int) -> None:
+        """Note an appended batch. Callers check the sequence first (`check`)."""
+        state = self._producers.get(producer_id)
+        if state is None:
+            state = self._producers[producer_id] = _Producer()
+        state.batches[sequence] = (base_offset, record_count)
+        state.highest = max(state.highest, sequence)
+        if len(state.batches) > REMEMBERED_BATCHES:
+            del state.batches[min(state.batches)]
+
+    def check(self, producer_id: int, sequence: int) -> tuple[int, int] | None:
+        """None for a new batch, (base_offset, record_count) for a remembered one; raises otherwise."""
+        if producer_id == 0:
+            return None
+        state = self._producers.get(producer_id)
+        if state is None or not state.batches:
+            return None
+        remembered = state.batches.get(sequence)
+        if remembered is not None:
+            return remembered
+        if sequence > state.highest:
+            return None
+        oldest = min(state.batches)
+        if sequence > oldest:
+            return None  # a gap being filled: never appended
+        raise DuplicateSequence(
+            "sequence is below every batch this log remembers for the producer",
+            producer_id=producer_id, sequence=sequence, last_sequence=state.highest,
+            oldest_remembered_sequence=oldest)
+
+    def forget_before(self, offset: int) -> None:
+        """Drop batches that start below `offset` (they left the rebuild window)."""
+        for producer_id in list(self._producers):
+            state = self._producers[producer_id]
+            for seq in [q for q, (base, _count) in state.batches.items() if base < offset]:
+                del state.batches[seq]
+            if not state.batches:
+                del self._producers[producer_id]
+
+    def snapshot(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Every producer's remembered batches (sequence, base, count) by sequence, for tests and diagnostics."""
+        return {producer_id: [(q, b, c) for q, (b, c) in sorted(state.batches.items())]
+                for producer_id, state in self._producers.items()}

@@ -1,0 +1,219 @@
+"""Opening a partition directory: find the segments, validate them, rebuild what is derived.
+
+Theory of operation
+-------------------
+A produce is acknowledged once its batch is written (page cache), so after a
+crash the only place a torn or half-written batch can be is the tail of the
+last segment. Recovery therefore:
+
+- walks every batch of the LAST segment with its CRC and truncates the file
+  at the first batch that is short, has a bad magic or CRC, runs past the end
+  of the file, or does not continue the offset sequence. Everything before
+  that point was fully written, so every acknowledged batch survives, and the
+  next append continues right after the last intact batch. Its index is
+  rebuilt from that walk; the `.index` file of the active segment is never
+  trusted (it is only written when the segment is rolled).
+- trusts the data of OLDER segments (they were complete when rolled) but not
+  their indexes: an `.index` of the wrong shape is rebuilt by a header walk.
+  A good one is extended by a short header walk from its last entry, which is
+  also how the segment's end offset and newest append time are found. Should
+  that walk hit a broken batch, the segment is reported damaged and served up
+  to that point; its files are left untouched for inspection.
+- rebuilds idempotent-producer state from the headers of the last
+  `producer_window_segments` segments (a header walk seeks over payloads).
+- deletes an `.index` that has no `.log`, and starts an empty directory with
+  segment 0.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import structlog
+
+from protocol.batch import BatchHeader
+from storage.log.config import LogConfig
+from storage.log.index import OffsetIndex, read_index_file, write_index_file
+from storage.log.producers import ProducerStates
+from storage.log.segment import (
+    DATA_SUFFIX,
+    INDEX_SUFFIX,
+    ScanResult,
+    Segment,
+    parse_segment_file_name,
+    scan_batches,
+    segment_file_name,
+)
+
+log = structlog.get_logger("zbroker.log")
+
+
+@dataclass
+class RecoveryReport:
+    directory: str
+    opened_at_ms: int
+    segments: int = 0
+    batches_scanned: int = 0
+    truncated_bytes: int = 0                    # cut off the tail of the last segment
+    truncated_at_offset: int | None = None      # log end after the cut; None when nothing was cut
+    reason: str | None = None                   # why the tail was cut
+    index_rebuilt: bool = False                 # any older segment's .index was rebuilt or extended
+    rebuilt_indexes: list[str] = field(default_factory=list)
+    damaged_segments: list[str] = field(default_factory=list)  # older segments served only up to a broken batch
+    stray_indexes_deleted: int = 0
+    producers: int = 0
+
+
+class RecoveredLog(NamedTuple):
+    segments: list[Segment]          # oldest first; the last one has its read-write fd open
+    producers: ProducerStates
+    report: RecoveryReport
+    directory_changed: bool          # files were created or deleted: the directory needs an fsync
+
+
+def recover(directory: Path, config: LogConfig, *, now_ms: int) -> RecoveredLog:
+    directory.mkdir(parents=True, exist_ok=True)
+    report = RecoveryReport(directory=str(directory), opened_at_ms=now_ms)
+    data_bases: set[int] = set()
+    index_bases: set[int] = set()
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            parsed = parse_segment_file_name(entry.name)
+            if parsed is not None:
+                (data_bases if parsed[1] == DATA_SUFFIX else index_bases).add(parsed[0])
+
+    directory_changed = False
+    for base in sorted(index_bases - data_bases):
+        (directory / segment_file_name(base, INDEX_SUFFIX)).unlink()
+        report.stray_indexes_deleted += 1
+        directory_changed = True
+
+    bases = sorted(data_bases)
+    if not bases:
+        bases = [0]
+        directory_changed = True
+    window_start = len(bases) - config.producer_window_segments
+    producers = ProducerStates()
+    segments = []
+    for ordinal, base in enumerate(bases):
+        segment = Segment(directory, base, OffsetIndex(config.index_interval_bytes))
+        window_producers = producers if ordinal >= window_start else None
+        if ordinal == len(bases) - 1:
+            _recover_last(segment, window_producers, report)
+        else:
+            _recover_closed(segment, window_producers, report)
+        segments.append(segment)
+    report.segments = len(segments)
+    report.producers = len(producers)
+    return RecoveredLog(segments, producers, report, directory_changed)
+
+
+def _batch_visitor(segment: Segment, index: OffsetIndex, producers: ProducerStates | None
+                   ) -> Callable[[BatchHeader, int], None]:
+    base = segment.base_offset
+    note_batch = index.note_batch
+    if producers is None:
+        return lambda header, position: note_batch(header.base_offset - base, position)
+
+    def visit(header: BatchHeader, position: int) -> None:
+        note_batch(header.base_offset - base, position)
+        if header.producer_id:
+            producers.record(header.producer_id, header.producer_seq, header.base_offset, header.record_count)
+    return visit
+
+
+def _adopt_scan(segment: Segment, index: OffsetIndex, result: ScanResult) -> None:
+    segment.index = index
+    segment.size = result.end_position
+    segment.next_offset = result.next_offset
+    segment.newest_append_time_ms = result.newest_append_time_ms
+
+
+def _recover_last(segment: Segment, producers: ProducerStates | None, report: RecoveryReport) -> None:
+    fd = os.open(segment.data_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        file_size = os.fstat(fd).st_size
+        index = OffsetIndex(segment.index.interval_bytes)
+        result = scan_batches(fd, data_size=file_size, start_position=0, start_offset=segment.base_offset,
+                              verify_crc=True, on_batch=_batch_visitor(segment, index, producers))
+        if result.stop_reason is not None:
+            os.ftruncate(fd, result.end_position)
+            # Make the cut durable now: new batches will be written where the torn one was.
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    segment.fd = fd
+    _adopt_scan(segment, index, result)
+    report.batches_scanned += result.batches
+    if result.stop_reason is None:
+        return
+    dropped = file_size - result.end_position
+    report.truncated_bytes = dropped
+    report.truncated_at_offset = result.next_offset
+    report.reason = result.stop_reason
+    log.warning("log.truncated", directory=report.directory, segment=segment.name,
+                position=result.end_position, dropped_bytes=dropped, reason=result.stop_reason,
+                offset=result.next_offset)
+
+
+def _recover_closed(segment: Segment, producers: ProducerStates | None, report: RecoveryReport) -> None:
+    fd = os.open(segment.data_path, os.O_RDONLY)
+    try:
+        file_size = os.fstat(fd).st_size
+        stored = read_index_file(segment.index_path, segment.index.interval_bytes, file_size)
+        extended = None
+        if producers is None and stored is not None:
+            extended = _extend_stored_index(segment, fd, file_size, stored)
+        if extended is not None:
+            index = stored
+            result, reason = extended
+        else:
+            # Inside the producer window every header is read anyway, so the index comes free.
+            index = OffsetIndex(segment.index.interval_bytes)
+            result = scan_batches(fd, data_size=file_size, start_position=0, start_offset=segment.base_offset,
+                                  verify_crc=False, on_batch=_batch_visitor(segment, index, producers))
+            if stored is None:
+                reason = "index file missing or malformed"
+            elif producers is None:
+                reason = "last index entry does not match the batch it points at"
+            elif stored.to_bytes() != index.to_bytes():
+                reason = "index file differs from the data"
+            else:
+                reason = None
+    finally:
+        os.close(fd)
+    report.batches_scanned += result.batches
+    _adopt_scan(segment, index, result)
+    if reason is not None:
+        write_index_file(segment.index_path, index)
+        report.index_rebuilt = True
+        report.rebuilt_indexes.append(segment.name)
+        log.warning("log.index_rebuilt", directory=report.directory, segment=segment.name,
+                    entries=len(index), reason=reason)
+    if result.stop_reason is not None:
+        report.damaged_segments.append(segment.name)
+        log.error("log.segment_damaged", directory=report.directory, segment=segment.name,
+                  position=result.end_position, unreadable_bytes=file_size - result.end_position,
+                  reason=result.stop_reason, next_offset=result.next_offset)
+
+
+def _extend_stored_index(segment: Segment, fd: int, file_size: int, stored: OffsetIndex
+                         ) -> tuple[ScanResult, str | None] | None:
+    """Walk from the stored index's last entry to the end, adding entries on the way.
+
+    Returns the walk and why the index file needs rewriting (None: it does not),
+    or None when the last entry does not point at the batch it names.
+    """
+    relative, position = stored.last_entry()
+    entries_before = len(stored)
+    result = scan_batches(fd, data_size=file_size, start_position=position,
+                          start_offset=segment.base_offset + relative, verify_crc=False,
+                          on_batch=_batch_visitor(segment, stored, None))
+    if position and result.end_position == position:
+        return None
+    reason = "index did not cover the end of the data" if len(stored) != entries_before else None
+    return result, reason

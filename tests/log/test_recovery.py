@@ -1,0 +1,218 @@
+"""Recovery: a torn or damaged tail is cut back to the intact prefix; damaged indexes never lose data."""
+
+import pytest
+from structlog.testing import capture_logs
+
+from protocol.batch import BATCH_HEADER_SIZE
+from tests.log.support import (batch_spans, make_payload, open_log, read_all, read_records, record_value,
+                               restore_files, snapshot_files)
+
+CONFIG = {"segment_bytes": 1000, "index_interval_bytes": 150, "producer_window_segments": 1}
+
+
+def build_log(directory, batches=40, config=CONFIG):
+    """A log of several segments with batches of varied sizes; returns the expected value of every offset."""
+    values = []
+    with open_log(directory, **config) as plog:
+        for tag in range(batches):
+            count, size = 1 + tag % 4, 10 + tag % 7
+            assert plog.append(make_payload(tag, count, size), count, append_time_ms=tag) == len(values)
+            values.extend(record_value(tag, i, size) for i in range(count))
+    return values
+
+
+def last_segment(directory):
+    return max(directory.glob("*.log"))
+
+
+def check_recovered(directory, values, expected_end, *, reopen=True):
+    """The log serves exactly values[:expected_end], appends continue there, and a reopen is clean."""
+    with open_log(directory, **CONFIG) as plog:
+        assert plog.log_end == expected_end
+        assert [r.value for r in read_all(plog, max_bytes=300)] == values[:expected_end]
+        assert plog.append(make_payload(999, 2), 2, append_time_ms=0) == expected_end
+        assert [r.offset for r in read_records(plog, expected_end)] == [expected_end, expected_end + 1]
+        report = plog.recovery
+    if reopen:
+        with open_log(directory, **CONFIG) as plog:
+            assert plog.recovery.truncated_bytes == 0
+            assert plog.log_end == expected_end + 2
+    return report
+
+
+def test_the_fixture_log_has_several_segments_with_indexes(tmp_path):
+    build_log(tmp_path)
+    assert len(list(tmp_path.glob("*.log"))) >= 4
+    assert all(p.stat().st_size >= 16 for p in tmp_path.glob("*.index"))
+
+
+def test_a_tail_cut_at_every_byte_of_the_last_two_batches_keeps_the_intact_prefix(tmp_path):
+    values = build_log(tmp_path)
+    pristine = snapshot_files(tmp_path)
+    segment = last_segment(tmp_path)
+    data = pristine[segment.name]
+    spans = batch_spans(data)
+    assert len(spans) >= 3
+    for cut in range(spans[-2][0], len(data) + 1):
+        restore_files(tmp_path, pristine)
+        segment.write_bytes(data[:cut])
+        intact = [span for span in spans if span[1] <= cut]
+        report = check_recovered(tmp_path, values, intact[-1][3], reopen=cut % 7 == 0)
+        assert report.truncated_bytes == cut - intact[-1][1]
+        assert (report.reason is None) == (cut == intact[-1][1])
+        assert report.truncated_at_offset == (None if report.reason is None else intact[-1][3])
+
+
+def test_a_byte_corrupted_anywhere_in_the_last_segment_drops_that_batch_and_all_after_it(tmp_path):
+    values = build_log(tmp_path)
+    pristine = snapshot_files(tmp_path)
+    segment = last_segment(tmp_path)
+    data = pristine[segment.name]
+    spans = batch_spans(data)
+    for position in range(len(data)):
+        restore_files(tmp_path, pristine)
+        damaged = bytearray(data)
+        damaged[position] ^= 0xFF if position % 2 else 0x01
+        segment.write_bytes(damaged)
+        hit = next(span for span in spans if span[0] <= position < span[1])
+        report = check_recovered(tmp_path, values, hit[2], reopen=position % 11 == 0)
+        assert report.truncated_bytes == len(data) - hit[0]
+        assert report.reason is not None
+
+
+def test_a_whole_batch_with_a_good_crc_but_the_wrong_offset_is_cut(tmp_path):
+    values = build_log(tmp_path)
+    segment = last_segment(tmp_path)
+    data = segment.read_bytes()
+    last_batch = batch_spans(data)[-1]
+    segment.write_bytes(data + data[last_batch[0]:last_batch[1]])  # a write replayed at the tail
+    report = check_recovered(tmp_path, values, len(values))
+    assert report.reason == "unexpected base offset"
+    assert report.truncated_bytes == last_batch[1] - last_batch[0]
+
+
+def test_truncation_is_logged_with_what_was_dropped(tmp_path):
+    build_log(tmp_path)
+    segment = last_segment(tmp_path)
+    data = segment.read_bytes()
+    last_batch = batch_spans(data)[-1]
+    segment.write_bytes(data[:-3])
+    with capture_logs() as logs:
+        open_log(tmp_path, **CONFIG).close()
+    [event] = [e for e in logs if e["event"] == "log.truncated"]
+    assert event["segment"] == segment.name
+    assert event["position"] == last_batch[0]
+    assert event["dropped_bytes"] == last_batch[1] - 3 - last_batch[0]
+    assert event["reason"] == "batch runs past the end of the file"
+    assert event["directory"] == str(tmp_path)
+
+
+def test_a_wholly_unreadable_last_segment_is_emptied_and_offsets_continue_from_its_base(tmp_path):
+    values = build_log(tmp_path)
+    segment = last_segment(tmp_path)
+    segment.write_bytes(b"\0" * 500)
+    report = check_recovered(tmp_path, values, int(segment.stem))
+    assert report.reason == "bad batch magic"
+
+
+def test_an_empty_last_segment_is_fine(tmp_path):
+    values = build_log(tmp_path)
+    segment = last_segment(tmp_path)
+    segment.write_bytes(b"")
+    report = check_recovered(tmp_path, values, int(segment.stem))
+    assert report.truncated_bytes == 0
+
+
+def test_an_empty_directory_starts_at_zero_and_a_stray_index_is_deleted(tmp_path):
+    (tmp_path / "00000000000000000042.index").write_bytes(b"\0" * 8)
+    (tmp_path / ".lock").write_bytes(b"")
+    with open_log(tmp_path) as plog:
+        assert (plog.log_start, plog.log_end, plog.size_bytes) == (0, 0, 0)
+        assert plog.recovery.stray_indexes_deleted == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "00000000000000000000.log"]
+
+
+def test_a_missing_directory_is_created(tmp_path):
+    with open_log(tmp_path / "topic-0") as plog:
+        assert plog.append(make_payload(0, 1), 1, append_time_ms=0) == 0
+    assert (tmp_path / "topic-0" / "00000000000000000000.log").exists()
+
+
+def older_indexes(directory):
+    last = last_segment(directory).with_suffix(".index")
+    return sorted(p for p in directory.glob("*.index") if p != last)
+
+
+def read_every_offset_fresh(directory, values, config=CONFIG):
+    """Every offset read by a log with no read cache, so each read starts from an index lookup."""
+    with open_log(directory, **config) as plog:
+        for offset in range(len(values)):
+            got = read_records(plog, offset, 1)
+            assert got[0].offset == offset and got[0].value == values[offset]
+            plog._read_cache.clear()
+        assert [r.value for r in read_all(plog)] == values
+        return plog.recovery
+
+
+def test_an_older_index_cut_at_any_length_is_rebuilt_without_losing_data(tmp_path):
+    values = build_log(tmp_path)
+    pristine = snapshot_files(tmp_path)
+    for index_path in older_indexes(tmp_path)[:2]:
+        data = pristine[index_path.name]
+        for cut in range(len(data)):
+            restore_files(tmp_path, pristine)
+            index_path.write_bytes(data[:cut])
+            assert read_every_offset_fresh(tmp_path, values).index_rebuilt
+            assert index_path.read_bytes() == data
+        restore_files(tmp_path, pristine)
+        index_path.unlink()
+        assert read_every_offset_fresh(tmp_path, values).rebuilt_indexes == [index_path.stem + ".log"]
+        assert index_path.read_bytes() == data
+
+
+@pytest.mark.parametrize("window", [1, 2, 10])
+def test_an_older_index_with_any_byte_corrupted_still_serves_every_offset(tmp_path, window):
+    config = {**CONFIG, "producer_window_segments": window}
+    values = build_log(tmp_path, config=config)
+    pristine = snapshot_files(tmp_path)
+    index_path = older_indexes(tmp_path)[0]
+    data = pristine[index_path.name]
+    repaired = 0
+    for position in range(len(data)):
+        for flip in (0x01, 0x80, 0xFF):
+            restore_files(tmp_path, pristine)
+            damaged = bytearray(data)
+            damaged[position] ^= flip
+            index_path.write_bytes(damaged)
+            with capture_logs() as logs:
+                read_every_offset_fresh(tmp_path, values, config)
+            repaired += any(e["event"] == "log.index_rebuilt" for e in logs)
+    # Most damage is caught on open; what passes the shape check is caught when a read uses it.
+    assert repaired > len(data)
+
+
+def test_garbage_in_the_last_segments_index_is_ignored(tmp_path):
+    values = build_log(tmp_path)
+    last_index = last_segment(tmp_path).with_suffix(".index")
+    for garbage in (b"", b"\xff" * 8, b"\0" * 13, (tmp_path / "00000000000000000000.index").read_bytes()):
+        last_index.write_bytes(garbage)
+        read_every_offset_fresh(tmp_path, values)
+
+
+def test_an_older_segment_broken_midway_is_served_up_to_the_break_and_reads_skip_the_gap(tmp_path):
+    values = build_log(tmp_path)
+    first = tmp_path / "00000000000000000000.log"
+    data = first.read_bytes()
+    spans = batch_spans(data)
+    first.write_bytes(data[:spans[3][1] + BATCH_HEADER_SIZE // 2])
+    second_base = spans[-1][3]
+    with capture_logs() as logs:
+        plog = open_log(tmp_path, **CONFIG)
+    with plog:
+        assert plog.recovery.damaged_segments == [first.name]
+        assert any(e["event"] == "log.segment_damaged" for e in logs)
+        records = read_all(plog, from_offset=0)
+        assert [r.value for r in records] == values[:spans[3][3]] + values[second_base:]
+        gap_offset = spans[3][3]
+        assert read_records(plog, gap_offset, 1)[0].offset == second_base
+    assert len(first.read_bytes()) > spans[3][1], "a damaged older segment is left as found"
