@@ -1,0 +1,358 @@
+"""The benchmark run: which workloads, on which systems, in what order.
+
+Theory of operation. Systems run one after another, never at the same time,
+each through its adapter (bench/adapter.py): check (reachable? client
+installed?), setup, the selected workloads, teardown in a `finally` (queues,
+streams and keys deleted; Redis's configuration restored). Per system the
+order is:
+
+    produce            100 B, window 1,000, fsync on interval -> fills the main queue
+    consume            drains those same records, one ack per record
+    produce_1k         1 KiB records              (own queue, deleted after)
+    produce_fsync_always                          (own queue, deleted after)
+    produce_unbatched  one record per request     (own queue, deleted after)
+    latency            paced publisher in another process -> consumer here
+
+then, for zbroker only, scale_out and redelivery; then the raw-ZeroMQ
+ceiling for the payload shapes the selected workloads used; then
+bench.commit_absorption if it exists.
+
+Every measured interval is a `Phase`: it carries the progress bar, the time
+bound, the wall clock and the server CPU sample. A workload that cannot run
+on a system is "skipped" with the adapter's reason; one that raised is
+"failed" with the error. Nothing is ever filled in by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.adapter import Adapter, Phase, ProduceSpec, Skipped
+
+log = logging.getLogger("bench")
+
+BASE_RECORDS = 200_000
+BASE_LEASES = 10_000
+LATENCY_RATE = 5_000
+LATENCY_SECONDS = 5.0
+WINDOW = 1_000
+LATENCY_GRACE_S = 30.0
+
+PRODUCE_VARIANTS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched")
+WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "scale_out", "redelivery", "commits")
+ZBROKER_ONLY = ("scale_out", "redelivery")
+# Which raw-ZeroMQ shape bounds each workload: (mode, record size).
+CEILING_FOR = {
+    "produce": ("batched", 100),
+    "produce_1k": ("batched", 1024),
+    "produce_fsync_always": ("batched", 100),
+    "produce_unbatched": ("unbatched", 100),
+    "consume": ("batched", 100),
+}
+SYSTEMS = ("zbroker", "rabbitmq", "nats", "redis")
+
+
+def expand_workloads(names: list[str]) -> tuple[str, ...]:
+    """`--only` names -> workloads in run order. "produce" means every produce variant."""
+    aliases = {"scale-out": "scale_out", "scaleout": "scale_out", "consume_ack": "consume",
+               "commit": "commits"}
+    wanted: set[str] = set()
+    for raw in names:
+        name = aliases.get(raw.strip(), raw.strip())
+        if not name:
+            continue
+        if name == "produce":
+            wanted.update(PRODUCE_VARIANTS)
+        elif name in WORKLOADS:
+            wanted.add(name)
+        else:
+            raise ValueError(f"unknown workload {raw!r}; choose from produce, {', '.join(WORKLOADS[1:])}")
+    return tuple(w for w in WORKLOADS if w in wanted)
+
+
+@dataclass(frozen=True)
+class Counts:
+    records: int
+    leases: int
+    latency_rate: int
+    latency_seconds: float
+
+    @staticmethod
+    def for_scale(scale: float) -> "Counts":
+        return Counts(
+            records=max(100, round(BASE_RECORDS * scale)),
+            leases=max(100, round(BASE_LEASES * scale)),
+            latency_rate=LATENCY_RATE,
+            # The rate is the point of the workload; scale its length instead (at least 1 s).
+            latency_seconds=max(1.0, LATENCY_SECONDS * scale),
+        )
+
+
+@dataclass(frozen=True)
+class Config:
+    scale: float = 1.0
+    workloads: tuple[str, ...] = WORKLOADS
+    peers: tuple[str, ...] = ("rabbitmq", "nats", "redis")
+    include_zbroker: bool = True
+    ceiling: bool = True
+    phase_timeout_s: float = 300.0
+    progress: bool = True
+    command: str = "python -m bench"
+    scale_out_actors: tuple[int, ...] = (1, 2, 4)
+    scale_out_clients: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
+
+    @property
+    def counts(self) -> Counts:
+        return Counts.for_scale(self.scale)
+
+    @property
+    def full_run(self) -> bool:
+        return self.scale == 1.0 and set(self.workloads) == set(WORKLOADS) and self.include_zbroker
+
+
+class Harness:
+    def __init__(self, config: Config, adapters: dict[str, Callable[[], Adapter]]) -> None:
+        self.config = config
+        self.adapters = adapters  # name -> factory, in run order
+
+    # -- phases --------------------------------------------------------------
+
+    def _phase(self, system: str, workload: str, target: int, server_pids: Callable[[], list[int]],
+               timeout_s: float | None = None) -> Phase:
+        make_bar = None
+        if self.config.progress:
+            from tqdm import tqdm
+
+            def make_bar() -> Any:
+                return tqdm(total=target, desc=f"{system:>11} {workload}", unit="rec", unit_scale=True,
+                            leave=True, dynamic_ncols=True, file=sys.stderr)
+
+        timeout_s = self.config.phase_timeout_s if timeout_s is None else timeout_s
+        return Phase(system=system, workload=workload, target=target, timeout_s=timeout_s,
+                     server_pids=server_pids, progress=make_bar)
+
+    def _measure(self, system: str, workload: str, target: int, server_pids: Callable[[], list[int]],
+                 body: Callable[[Phase], dict[str, Any] | None], timeout_s: float | None = None) -> dict[str, Any]:
+        phase = self._phase(system, workload, target, server_pids, timeout_s)
+        try:
+            extra = body(phase)
+        except Skipped as exc:
+            return {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:
+            phase.end()
+            log.error("%s %s failed:\n%s", system, workload, traceback.format_exc())
+            return {**phase.result(), "status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+        finally:
+            phase.close()
+        phase.end()
+        result = phase.result()
+        if extra:
+            result.update(extra)
+        if result["status"] == "timed_out":
+            result["reason"] = f"time bound {phase.timeout_s:g} s reached"
+        return result
+
+    # -- the run -------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        started = time.time()
+        results: dict[str, Any] = {
+            "started_at": started,
+            "scale": self.config.scale,
+            "counts": dataclasses.asdict(self.config.counts),
+            "workloads_selected": list(self.config.workloads),
+            "systems": {},
+        }
+        peer_workloads = set(self.config.workloads) - set(ZBROKER_ONLY) - {"commits"}
+        for name, factory in self.adapters.items():
+            if name != "zbroker" and not peer_workloads:
+                continue
+            results["systems"][name] = self._run_system(name, factory)
+        if self.config.ceiling:
+            results["ceiling"] = self._run_ceiling()
+        if "commits" in self.config.workloads:
+            results["commits"] = run_commits(self.config.scale, self.config.phase_timeout_s)
+        results["finished_at"] = time.time()
+        return results
+
+    def _run_system(self, name: str, factory: Callable[[], Adapter]) -> dict[str, Any]:
+        try:
+            adapter = factory()
+            adapter.check()
+        except Skipped as exc:
+            log.warning("%s skipped: %s", name, exc)
+            return {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:
+            return {"status": "skipped", "reason": f"could not load adapter: {type(exc).__name__}: {exc}"}
+        outcome: dict[str, Any] = {"status": "ok", "version": adapter.version, "phases": {}}
+        try:
+            adapter.setup()
+            self._run_workloads(adapter, outcome["phases"])
+        except Exception as exc:
+            log.error("%s: %s", name, traceback.format_exc())
+            outcome["status"] = "failed"
+            outcome["reason"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            try:
+                adapter.teardown()
+            except Exception as exc:
+                outcome["teardown_error"] = f"{type(exc).__name__}: {exc}"
+                log.error("%s teardown failed: %s", name, traceback.format_exc())
+        outcome["durability"] = dict(adapter.durability)
+        return outcome
+
+    def _run_workloads(self, adapter: Adapter, phases: dict[str, Any]) -> None:
+        counts = self.config.counts
+        selected = self.config.workloads
+        pids = adapter.server_pids
+        stored = 0  # records in the main queue, for consume
+        specs = {
+            "produce": ProduceSpec("produce", counts.records, 100, WINDOW),
+            "produce_1k": ProduceSpec("produce_1k", counts.records, 1024, WINDOW),
+            "produce_fsync_always": ProduceSpec("produce_fsync_always", counts.records, 100, WINDOW, fsync="always"),
+            "produce_unbatched": ProduceSpec("produce_unbatched", counts.records, 100, WINDOW, batched=False),
+        }
+        if "produce" in selected:
+            phases["produce"] = self._measure(adapter.name, "produce", counts.records, pids,
+                                              lambda phase: adapter.produce(specs["produce"], phase))
+            if phases["produce"]["status"] in ("ok", "timed_out"):
+                stored = phases["produce"]["records"]
+        if "consume" in selected:
+            def consume(phase: Phase) -> None:
+                if stored < counts.records:  # before phase.begin(): not measured
+                    adapter.prefill(counts.records - stored, 100)
+                adapter.consume_ack(counts.records, phase)
+
+            phases["consume_ack"] = self._measure(adapter.name, "consume_ack", counts.records, pids, consume)
+        for workload in PRODUCE_VARIANTS[1:]:
+            if workload in selected:
+                spec = specs[workload]
+                phases[workload] = self._measure(adapter.name, workload, spec.count, pids,
+                                                 lambda phase, spec=spec: adapter.produce(spec, phase))
+        if "latency" in selected:
+            total = int(counts.latency_rate * counts.latency_seconds)
+            phases["latency"] = self._measure(
+                adapter.name, "latency", total, pids,
+                lambda phase: adapter.latency(counts.latency_rate, counts.latency_seconds, 100, phase),
+                # A paced run has a known length: wait for stragglers, not for the general bound.
+                timeout_s=min(self.config.phase_timeout_s, counts.latency_seconds + LATENCY_GRACE_S))
+            phases["latency"].update(rate=counts.latency_rate, seconds=counts.latency_seconds)
+        if adapter.name != "zbroker":
+            return
+        if "scale_out" in selected:
+            phases["scale_out"] = self._scale_out(adapter)
+        if "redelivery" in selected:
+            phases["redelivery"] = self._measure(adapter.name, "redelivery", counts.leases, pids,
+                                                 lambda phase: adapter.redelivery(counts.leases, phase))
+
+    def _scale_out(self, adapter: Adapter) -> dict[str, Any]:
+        counts = self.config.counts
+
+        def make_phase(workload: str, target: int) -> Phase:
+            return self._phase(adapter.name, workload, target, adapter.server_pids)
+
+        try:
+            return {"status": "ok", **adapter.scale_out(counts.records, 100, list(self.config.scale_out_actors),
+                                                       self.config.scale_out_clients, make_phase)}
+        except Skipped as exc:
+            return {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:
+            log.error("scale_out failed:\n%s", traceback.format_exc())
+            return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+
+    def _run_ceiling(self) -> dict[str, Any]:
+        from bench.zmq_ceiling import run_ceiling
+
+        shapes = sorted({CEILING_FOR[w] for w in self.config.workloads if w in CEILING_FOR})
+        out = {}
+        for mode, size in shapes:
+            key = f"{mode}_{size}"
+            out[key] = self._measure("zmq_ceiling", key, self.config.counts.records, lambda: [os.getpid()],
+                                     lambda phase, mode=mode, size=size: run_ceiling(
+                                         mode, self.config.counts.records, size, phase))
+        return out
+
+
+def run_commits(scale: float, timeout_s: float, name: str = "bench.commit_absorption") -> dict[str, Any]:
+    """Run bench.commit_absorption (someone else's module) if it exists.
+
+    A module-level `run()` is called in-process (with `scale=` if it takes
+    one) and its return value stored; otherwise the module runs as
+    `python -m bench.commit_absorption` with BENCH_SCALE in the environment,
+    and its exit code and output tail are stored (its last line too, if JSON).
+    """
+    try:
+        if importlib.util.find_spec(name) is None:
+            return {"status": "skipped", "reason": f"{name} not present"}
+        module = importlib.import_module(name)
+    except Skipped as exc:
+        return {"status": "skipped", "reason": str(exc)}
+    except ImportError as exc:
+        return {"status": "skipped", "reason": f"could not import {name}: {exc}"}
+    except Exception as exc:
+        return {"status": "failed", "reason": f"importing {name}: {type(exc).__name__}: {exc}"}
+    run = getattr(module, "run", None)
+    if callable(run):
+        kwargs = {"scale": scale} if "scale" in inspect.signature(run).parameters else {}
+        try:
+            value = run(**kwargs)
+        except Skipped as exc:
+            return {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:
+            return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+        try:
+            json.dumps(value)
+        except TypeError:
+            value = repr(value)
+        return {"status": "ok", "how": f"{name}.run({', '.join(f'{k}={v}' for k, v in kwargs.items())})",
+                "result": value}
+    env = {**os.environ, "BENCH_SCALE": str(scale)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", name], capture_output=True, text=True, env=env,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "reason": f"python -m {name} ran over {timeout_s:g} s"}
+    lines = (proc.stdout or "").strip().splitlines()
+    parsed = None
+    if lines:
+        try:
+            parsed = json.loads(lines[-1])
+        except ValueError:
+            parsed = None
+    return {"status": "ok" if proc.returncode == 0 else "failed", "how": f"python -m {name}",
+            "returncode": proc.returncode, "result": parsed, "stdout_tail": lines[-20:],
+            "stderr_tail": (proc.stderr or "").strip().splitlines()[-20:],
+            **({} if proc.returncode == 0 else {"reason": f"exit code {proc.returncode}"})}
+
+
+def default_adapters(config: Config) -> dict[str, Callable[[], Adapter]]:
+    from bench.peers import PEERS
+
+    factories: dict[str, Callable[[], Adapter]] = {}
+    if config.include_zbroker:
+        def zbroker() -> Adapter:
+            from bench.zbroker_adapter import ZBroker
+
+            return ZBroker()
+
+        factories["zbroker"] = zbroker
+    for name in config.peers:
+        factories[name] = PEERS[name]
+    return factories
+
+
+def results_dir_default() -> Path:
+    return Path(__file__).resolve().parent / "results"

@@ -1,0 +1,419 @@
+"""From a run's results to the files people read: JSON, PNG chart, markdown, RESULTS.md.
+
+Everything here is a function of the results dict the harness returns, so
+the report can be re-rendered (or tested) from a stored JSON file without
+running anything. `summarize` makes the short form kept in
+`bench/results/latest.json`; the markdown and the chart are drawn from that
+summary only.
+
+A missing number is never blank: its cell says "skipped" or "failed" and a
+footnote gives the reason the harness recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+import time
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("zbroker", "rabbitmq", "nats", "redis")
+PEERS = SYSTEMS[1:]
+THROUGHPUT_ROWS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched", "consume_ack")
+ROW_TITLES = {
+    "produce": "produce 100 B, fsync interval",
+    "produce_1k": "produce 1 KiB",
+    "produce_fsync_always": "produce 100 B, fsync always",
+    "produce_unbatched": "produce 100 B, one record per request",
+    "consume_ack": "consume + ack per record",
+}
+# Which ceiling shape bounds each row (see bench/zmq_ceiling.py).
+CEILING_FOR_ROW = {
+    "produce": "batched_100",
+    "produce_1k": "batched_1024",
+    "produce_fsync_always": "batched_100",
+    "produce_unbatched": "unbatched_100",
+    "consume_ack": "batched_100",
+}
+COLORS = {"zbroker": "tab:blue", "rabbitmq": "tab:orange", "nats": "tab:green", "redis": "tab:red",
+          "zmq_ceiling": "tab:gray"}
+TEMPLATE = Path(__file__).resolve().parent / "RESULTS.md.tmpl"
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def _status_text(entry: dict[str, Any] | None) -> str:
+    """"ok", or "skipped: why" / "failed: why" / "timed_out: why" / "not run"."""
+    if entry is None:
+        return "not run"
+    status = entry.get("status", "ok")
+    if status == "ok":
+        return "ok"
+    return f"{status}: {entry.get('reason', 'no reason recorded')}"
+
+
+def _phase(results: dict[str, Any], system: str, workload: str) -> tuple[dict[str, Any] | None, str]:
+    """The phase entry and its status text; a skipped/failed system explains every row."""
+    sys_entry = results.get("systems", {}).get(system)
+    if sys_entry is None:
+        return None, "not run"
+    phase = sys_entry.get("phases", {}).get(workload)
+    if phase is None and sys_entry.get("status") != "ok":
+        return None, _status_text(sys_entry)
+    return phase, _status_text(phase)
+
+
+def _usable(phase: dict[str, Any] | None) -> bool:
+    # A timed-out phase still measured a real rate over what it did; it is kept and flagged.
+    return phase is not None and phase.get("status") in ("ok", "timed_out")
+
+
+def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
+              command: str | None = None) -> dict[str, Any]:
+    """The short form: `latest.json`'s shape (issue #5)."""
+    workloads: dict[str, Any] = {}
+    status: dict[str, dict[str, str]] = {s: {} for s in SYSTEMS}
+    cpu: dict[str, dict[str, float | None]] = {}
+    ceiling = results.get("ceiling", {})
+    for row in THROUGHPUT_ROWS:
+        rates: dict[str, float | None] = {}
+        cpu[row] = {}
+        for system in SYSTEMS:
+            phase, text = _phase(results, system, row)
+            status[system][row] = text
+            rates[system] = phase.get("msgs_s") if _usable(phase) else None
+            cpu[row][system] = phase.get("server_cpu_us_per_record") if _usable(phase) else None
+        ceiling_phase = ceiling.get(CEILING_FOR_ROW[row])
+        rates["zmq_ceiling"] = ceiling_phase.get("msgs_s") if _usable(ceiling_phase) else None
+        cpu[row]["zmq_ceiling"] = (ceiling_phase.get("server_cpu_us_per_record")
+                                   if _usable(ceiling_phase) else None)
+        workloads[row] = rates
+
+    latency_ms: dict[str, Any] = {}
+    latency_cdf: dict[str, Any] = {}
+    for system in SYSTEMS:
+        phase, text = _phase(results, system, "latency")
+        status[system]["latency"] = text
+        if _usable(phase) and phase.get("latency_ms"):
+            latency_ms[system] = {**phase["latency_ms"], "received": phase.get("received"),
+                                  "sent": (phase.get("publisher") or {}).get("sent"),
+                                  "publisher_max_lag_ms": (phase.get("publisher") or {}).get("max_lag_ms")}
+            latency_cdf[system] = phase.get("cdf")
+        else:
+            latency_ms[system] = None
+    workloads["latency_p99_ms"] = {s: (v or {}).get("p99") for s, v in latency_ms.items()}
+    workloads["latency_ms"] = latency_ms
+    workloads["server_cpu_us_per_record"] = cpu
+
+    zb_ratio: dict[str, dict[str, float | None]] = {}
+    for row in THROUGHPUT_ROWS:
+        zb_ratio[row] = {peer: ratio(workloads[row]["zbroker"], workloads[row][peer]) for peer in PEERS}
+    zb_ratio["latency_p99"] = {peer: ratio(workloads["latency_p99_ms"].get("zbroker"),
+                                           workloads["latency_p99_ms"].get(peer)) for peer in PEERS}
+    workloads["zbroker_over_peer"] = zb_ratio
+    workloads["zbroker_fraction_of_ceiling"] = {
+        row: ratio(workloads[row]["zbroker"], workloads[row]["zmq_ceiling"]) for row in THROUGHPUT_ROWS}
+
+    zb = results.get("systems", {}).get("zbroker")
+    for name in ("scale_out", "redelivery"):
+        if zb is None:
+            workloads[name] = {"status": "not run"}
+        elif zb.get("status") != "ok":
+            workloads[name] = {"status": zb.get("status"), "reason": zb.get("reason")}
+        else:
+            workloads[name] = zb.get("phases", {}).get(name) or {"status": "not run"}
+    commits = results.get("commits")
+    workloads["commits"] = commits if commits is not None else {"status": "not run"}
+
+    return {
+        "workloads": workloads,
+        "status": status,
+        "latency_cdf": latency_cdf,
+        "durability": {s: e.get("durability", {}) for s, e in results.get("systems", {}).items()},
+        "versions": {s: e.get("version") for s, e in results.get("systems", {}).items()},
+        "ceiling_note": "zmq_ceiling: raw pyzmq PUSH/PULL between two processes, same payloads; "
+                        "its CPU figure is the receiving process's",
+        "scale": results.get("scale"),
+        "counts": results.get("counts"),
+        "started_at": _iso(results.get("started_at")),
+        "machine": machine if machine is not None else results.get("machine", {}),
+        "command": command if command is not None else results.get("command", ""),
+    }
+
+
+def _iso(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
+# -- markdown -----------------------------------------------------------------
+
+
+class _Footnotes:
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def mark(self, text: str) -> str:
+        """"skipped: why" -> "skipped [1]"; the reason goes to the footnotes once."""
+        kind, _, reason = text.partition(": ")
+        if reason not in self.reasons:
+            self.reasons.append(reason)
+        return f"{kind.replace('_', ' ')} [{self.reasons.index(reason) + 1}]"
+
+    def render(self) -> str:
+        return "\n".join(f"[{i}] {reason}  " for i, reason in enumerate(self.reasons, 1))
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.{digits}f}"
+
+
+def _cell(value: float | None, status_text: str, notes: _Footnotes, digits: int = 0) -> str:
+    if status_text == "ok":
+        return _num(value, digits)
+    if status_text == "not run":
+        return status_text
+    marked = notes.mark(status_text)
+    # A timed-out phase keeps the rate it measured over what it did, flagged.
+    return f"{_num(value, digits)} ({marked})" if value is not None else marked
+
+
+def _status_cell(entry: dict[str, Any], notes: _Footnotes) -> str:
+    status = entry.get("status", "not run")
+    if status in ("ok", "not run") or not entry.get("reason"):
+        return status
+    return notes.mark(f"{status}: {entry['reason']}")
+
+
+def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
+    w = summary["workloads"]
+    status = summary["status"]
+    notes = _Footnotes()
+    out: list[str] = []
+
+    out.append("### Throughput (records/s; higher is better)\n")
+    out.append("| workload | zbroker | rabbitmq | nats | redis | zmq ceiling | zbroker / ceiling |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|")
+    for row in THROUGHPUT_ROWS:
+        cells = [_cell(w[row].get(s), status[s].get(row, "not run"), notes) for s in SYSTEMS]
+        ceiling = _num(w[row].get("zmq_ceiling"))
+        fraction = w["zbroker_fraction_of_ceiling"].get(row)
+        out.append(f"| {ROW_TITLES[row]} | {' | '.join(cells)} | {ceiling} | "
+                   f"{'–' if fraction is None else f'{fraction:.1%}'} |")
+
+    out.append("\n### zbroker / peer, same run (throughput: >1 means zbroker is faster; "
+               "latency p99: <1 means zbroker is faster)\n")
+    out.append("| workload | vs rabbitmq | vs nats | vs redis |")
+    out.append("|---|---:|---:|---:|")
+    for row, values in w["zbroker_over_peer"].items():
+        title = ROW_TITLES.get(row, "latency p99")
+        out.append(f"| {title} | " + " | ".join(
+            "–" if values.get(p) is None else f"{values[p]:.2f}×" for p in PEERS) + " |")
+
+    out.append("\n### Publish-to-receive latency (ms), paced publisher in another process\n")
+    out.append("| system | p50 | p99 | p99.9 | max | received / sent | publisher max lag |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|")
+    for system in SYSTEMS:
+        lat = w["latency_ms"].get(system)
+        if lat is None:
+            out.append(f"| {system} | {_cell(None, status[system].get('latency', 'not run'), notes)} "
+                       "| | | | | |")
+            continue
+        out.append(f"| {system} | {_num(lat['p50'], 2)} | {_num(lat['p99'], 2)} | {_num(lat['p99_9'], 2)} | "
+                   f"{_num(lat['max'], 2)} | {_num(lat.get('received'))} / {_num(lat.get('sent'))} | "
+                   f"{_num(lat.get('publisher_max_lag_ms'), 1)} ms |")
+
+    out.append("\n### Server CPU per record (µs of utime+stime; all server processes)\n")
+    out.append("| workload | zbroker | rabbitmq | nats | redis | zmq ceiling (receiver) |")
+    out.append("|---|---:|---:|---:|---:|---:|")
+    for row in THROUGHPUT_ROWS:
+        values = w["server_cpu_us_per_record"][row]
+        cells = [_cell(values.get(s), status[s].get(row, "not run"), notes, 1) for s in SYSTEMS]
+        out.append(f"| {ROW_TITLES[row]} | {' | '.join(cells)} | {_num(values.get('zmq_ceiling'), 1)} |")
+
+    out.append("\n### zbroker only\n")
+    out.append(_render_scale_out(w.get("scale_out", {}), notes))
+    out.append(_render_redelivery(w.get("redelivery", {}), notes))
+    out.append(_render_commits(w.get("commits", {}), notes))
+
+    out.append("\n### Durability settings\n")
+    out.append("| system | version | workload | settings |")
+    out.append("|---|---|---|---|")
+    for system, settings in summary.get("durability", {}).items():
+        version = summary.get("versions", {}).get(system) or "–"
+        if not settings:
+            out.append(f"| {system} | {version} | – | {_cell(None, _system_status(summary, system), notes)} |")
+        for workload, text in settings.items():
+            out.append(f"| {system} | {version} | {workload} | {text} |")
+    out.append(f"\n{summary.get('ceiling_note', '')}")
+
+    if chart:
+        out.append(f"\n![throughput and latency]({chart})")
+    if notes.reasons:
+        out.append("\n" + notes.render())
+    return "\n".join(out) + "\n"
+
+
+def _system_status(summary: dict[str, Any], system: str) -> str:
+    texts = [t for t in summary["status"].get(system, {}).values() if t != "ok"]
+    return texts[0] if texts else "ok"
+
+
+def _render_scale_out(entry: dict[str, Any], notes: _Footnotes) -> str:
+    if entry.get("status") != "ok" or "actors" not in entry:
+        return f"Scale-out (4 partitions over 1, 2, 4 partition-log actors): {_status_cell(entry, notes)}\n"
+    lines = [f"Scale-out: 4 partitions, {entry.get('client_processes')} producer then consumer processes\n",
+             "| partition actors | produce rec/s | consume + ack rec/s | server CPU µs/rec (produce) |",
+             "|---:|---:|---:|---:|"]
+    for actors, row in entry["actors"].items():
+        produce, consume = row.get("produce", {}), row.get("consume_ack", {})
+        lines.append(f"| {actors} | {_num(produce.get('msgs_s'))} | {_num(consume.get('msgs_s'))} | "
+                     f"{_num(produce.get('server_cpu_us_per_record'), 1)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _render_redelivery(entry: dict[str, Any], notes: _Footnotes) -> str:
+    if "seconds_until_all_redelivered" not in entry:
+        return f"\nRedelivery after a consumer dies holding leases: {_status_cell(entry, notes)}\n"
+    flag = "" if entry.get("status") == "ok" else f" ({_status_cell(entry, notes)})"
+    return (f"\nRedelivery: a consumer killed (SIGKILL) holding {_num(entry.get('held_by_victim'))} leases; "
+            f"another member had all of them after {_num(entry.get('seconds_until_all_redelivered'), 2)} s "
+            f"(all redelivered: {entry.get('all_redelivered')}), duplicates seen: "
+            f"{_num(entry.get('duplicates_seen'))}, delivered to it while the first was alive: "
+            f"{_num(entry.get('delivered_while_victim_alive'))}; consumer session timeout "
+            f"{_num(entry.get('session_timeout_ms'))} ms{flag}\n")
+
+
+def _render_commits(entry: dict[str, Any], notes: _Footnotes) -> str:
+    if entry.get("status") != "ok":
+        return f"\nCommit absorption (bench.commit_absorption): {_status_cell(entry, notes)}\n"
+    result = json.dumps(entry.get("result"), sort_keys=True)
+    return f"\nCommit absorption ({entry.get('how')}): `{result[:500]}`\n"
+
+
+# -- chart --------------------------------------------------------------------
+
+
+def render_chart(summary: dict[str, Any], path: str | os.PathLike) -> None:
+    """Throughput bars per workload and system (log scale), and the latency CDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = summary["workloads"]
+    series = [*SYSTEMS, "zmq_ceiling"]
+    fig, (bars, cdf) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(series)
+    for i, system in enumerate(series):
+        xs, ys = [], []
+        for j, row in enumerate(THROUGHPUT_ROWS):
+            value = w[row].get(system)
+            if value:
+                xs.append(j + (i - (len(series) - 1) / 2) * width)
+                ys.append(value)
+        label = system.replace("_", " ") + ("" if ys else " (no data)")
+        bars.bar(xs, ys, width, label=label, color=COLORS[system])
+    bars.set_xticks(range(len(THROUGHPUT_ROWS)))
+    bars.set_xticklabels([ROW_TITLES[r].replace(", ", "\n") for r in THROUGHPUT_ROWS], fontsize=8)
+    bars.set_yscale("log")
+    bars.set_ylabel("records/s (log scale)")
+    bars.set_title("Throughput (missing bar = skipped; see table)")
+    bars.legend(fontsize=8)
+    bars.grid(axis="y", which="both", alpha=0.3)
+
+    plotted = False
+    for system, points in summary.get("latency_cdf", {}).items():
+        if points:
+            cdf.plot([p[0] for p in points], [p[1] for p in points], drawstyle="steps-post", label=system,
+                     color=COLORS.get(system))
+            plotted = True
+    cdf.set_xscale("log")
+    cdf.set_xlabel("publish-to-receive latency (ms, log scale)")
+    cdf.set_ylabel("fraction of records")
+    cdf.set_ylim(0, 1.01)
+    cdf.set_title("Latency CDF")
+    cdf.grid(alpha=0.3, which="both")
+    if plotted:
+        cdf.legend(fontsize=8)
+    fig.suptitle(f"zbroker bench, scale {summary.get('scale')}, {summary.get('started_at')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- RESULTS.md ---------------------------------------------------------------
+
+
+def render_machine(machine: dict[str, Any]) -> str:
+    memory = machine.get("memory_bytes")
+    libs = ", ".join(f"{k} {v}" for k, v in (machine.get("libraries") or {}).items() if v)
+    load = machine.get("loadavg_at_start")
+    return "\n".join([
+        f"- nproc: {machine.get('nproc')} (cpu_count {machine.get('cpu_count')})",
+        f"- memory: {memory / 2**30:.1f} GiB" if memory else "- memory: unknown",
+        f"- CPU: {machine.get('cpu_model') or 'unknown'}",
+        f"- kernel: {machine.get('kernel')}",
+        f"- Python: {machine.get('python')}",
+        f"- libraries: {libs}",
+        f"- load average at start: {', '.join(f'{x:.2f}' for x in load)}" if load else "- load average: unknown",
+    ])
+
+
+def render_results_md(summary: dict[str, Any], chart_path: str, template: str | None = None) -> str:
+    if template is None:
+        template = TEMPLATE.read_text(encoding="utf-8")
+    versions = ", ".join(f"{s} {v}" for s, v in summary.get("versions", {}).items() if v)
+    return string.Template(template).substitute(
+        date=summary.get("started_at") or "unknown",
+        command=summary.get("command", ""),
+        scale=summary.get("scale"),
+        counts=json.dumps(summary.get("counts"), sort_keys=True),
+        machine=render_machine(summary.get("machine", {})),
+        servers=versions or "none reachable",
+        tables=render_markdown(summary, chart=chart_path),
+    )
+
+
+# -- files --------------------------------------------------------------------
+
+
+def write_run(results: dict[str, Any], out_dir: str | os.PathLike,
+              results_md: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Write <stamp>.json/.png/.md and latest.* in `out_dir`; RESULTS.md if asked."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(results.get("started_at", time.time())))
+    summary = summarize(results)
+    paths = {
+        "json": out / f"{stamp}.json",
+        "png": out / f"{stamp}.png",
+        "md": out / f"{stamp}.md",
+        "latest_json": out / "latest.json",
+        "latest_png": out / "latest.png",
+        "latest_md": out / "latest.md",
+    }
+    paths["json"].write_text(json.dumps({**results, "summary": summary}, indent=1, sort_keys=True) + "\n",
+                             encoding="utf-8")
+    render_chart(summary, paths["png"])
+    header = f"Run {summary['started_at']}: `{summary['command']}`\n\n"
+    paths["md"].write_text(header + render_markdown(summary, chart=paths["png"].name), encoding="utf-8")
+    paths["latest_json"].write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    shutil.copyfile(paths["png"], paths["latest_png"])
+    paths["latest_md"].write_text(header + render_markdown(summary, chart="latest.png"), encoding="utf-8")
+    if results_md is not None:
+        target = Path(results_md)
+        chart = os.path.relpath(paths["latest_png"], target.parent)
+        target.write_text(render_results_md(summary, chart), encoding="utf-8")
+        paths["results_md"] = target
+    return paths

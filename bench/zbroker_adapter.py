@@ -1,0 +1,408 @@
+"""zbroker through its own Python client.
+
+Written against the API planned in issue #5 (below); the client and
+supervisor now provide it, and a `--scale 0.05` smoke run went through every
+workload. If `zbroker.client` or `zbroker.supervisor` cannot be imported,
+`check()` raises Skipped("client not available: ...") and every zbroker row
+of the report says so instead of the run crashing.
+
+    from zbroker.client import Admin, Producer, Consumer
+    from zbroker.supervisor import start_broker
+    start_broker(data_dir, *, port=0, partition_actors=1, fsync="interval:1000", offsets_url=None)
+        -> handle with .url, .pids(), .stop()
+
+Each broker this adapter starts gets its own temporary data directory,
+removed when the broker stops. Server CPU is summed over every process of
+the broker: the `zbroker up` process tree plus every pid `handle.pids()`
+lists (a list, or the supervisor's name -> pid map), minus this process.
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from typing import Any, Callable
+
+from bench.adapter import Adapter, Phase, ProduceSpec, Skipped
+from bench.latency import LatencyRecorder, Pacer, PublisherProcess, paced_loop, stamp
+from bench.procstat import with_descendants
+
+CHUNK = 1000
+FSYNC_INTERVAL = "interval:1000"
+
+
+def _client_api():
+    """The planned client names, or Skipped if the client does not provide them yet."""
+    try:
+        from zbroker.client import Admin, Consumer, Producer
+        from zbroker.supervisor import start_broker
+    except ImportError as exc:
+        raise Skipped(f"client not available: {exc}") from exc
+    return Admin, Producer, Consumer, start_broker
+
+
+class _Broker:
+    """One zbroker on a temporary data directory; its log beside it, kept only if start-up fails."""
+
+    def __init__(self, *, partition_actors: int = 1, fsync: str = FSYNC_INTERVAL) -> None:
+        _, _, _, start_broker = _client_api()
+        self.data_dir = tempfile.mkdtemp(prefix="zbench-")
+        self.log_file = self.data_dir + ".log"
+        options: dict[str, Any] = {"port": 0, "partition_actors": partition_actors, "fsync": fsync}
+        if "log_file" in inspect.signature(start_broker).parameters:
+            options["log_file"] = self.log_file
+        try:
+            self.handle = start_broker(self.data_dir, **options)
+        except BaseException as exc:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            raise RuntimeError(f"{exc}; broker log: {self.log_file}: {_tail(self.log_file)}") from exc
+        self.url = self.handle.url
+
+    def pids(self) -> list[int]:
+        """Every process of this broker: the `zbroker up` process tree and every actor it lists."""
+        listed = self.handle.pids()
+        pids = list(listed.values()) if isinstance(listed, dict) else list(listed)
+        root = getattr(getattr(self.handle, "process", None), "pid", None)
+        if root is not None:
+            pids.append(root)
+        return with_descendants(pids, exclude=[os.getpid()])
+
+    def create_topic(self, name: str, partitions: int = 1) -> str:
+        Admin, _, _, _ = _client_api()
+        admin = Admin(self.url)
+        try:
+            admin.create_topic(name, partitions=partitions)
+        finally:
+            admin.close()
+        return name
+
+    def stop(self) -> None:
+        try:
+            self.handle.stop()
+        finally:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            if os.path.exists(self.log_file):
+                os.remove(self.log_file)
+
+
+def _tail(path: str, lines: int = 5) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return " | ".join(f.read().strip().splitlines()[-lines:]) or "(empty)"
+    except OSError:
+        return "(none)"
+
+
+def _produce(url: str, topic: str, count: int, payload: bytes, spec: ProduceSpec, phase: Phase) -> None:
+    _, Producer, _, _ = _client_api()
+    if spec.batched:
+        producer = Producer(url, linger_ms=2, batch_size=CHUNK, max_in_flight_records=spec.window)
+    else:
+        producer = Producer(url, linger_ms=0, batch_size=1, max_in_flight_records=spec.window)
+    try:
+        phase.begin()
+        sent = 0
+        while sent < count and not phase.expired:
+            n = min(CHUNK, count - sent)
+            if spec.batched:
+                producer.send_many(topic, [payload] * n)
+            else:
+                for _ in range(n):
+                    producer.send(topic, payload)
+            sent += n
+            phase.advance(n)  # sent; flush() below waits until every one is acknowledged
+        producer.flush()
+        phase.end()
+    finally:
+        producer.close()
+
+
+def _consume(url: str, topic: str, group: str, count: int, phase: Phase,
+             recorder: LatencyRecorder | None = None, on_joined: Callable[[], None] | None = None) -> None:
+    """Poll and ack `count` records. `on_joined` runs after the first poll (the consumer is
+    then a group member), so a publisher started there cannot race the join."""
+    _, _, Consumer, _ = _client_api()
+    consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK)
+    try:
+        phase.begin()
+        while phase.records < count and not phase.expired:
+            records = consumer.poll(max_records=CHUNK, timeout=0.1 if recorder else 1.0)
+            if on_joined is not None:
+                on_joined()
+                on_joined = None
+            now = time.time_ns()
+            for record in records:
+                if recorder is not None:
+                    recorder.record(record.value, now)
+                consumer.ack(record)
+            phase.advance(len(records))
+        consumer.flush_acks()
+        phase.end()
+    finally:
+        consumer.close()
+
+
+class ZBroker(Adapter):
+    name = "zbroker"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run_id = uuid.uuid4().hex[:8]
+        self.main_topic = f"bench-{self.run_id}"
+        self.broker: _Broker | None = None
+        self._active: _Broker | None = None  # whose pids the running phase samples
+
+    def check(self) -> None:
+        _client_api()
+        try:
+            from importlib.metadata import version
+
+            self.version = version("zbroker")
+        except Exception:
+            self.version = None
+        window = "linger_ms=2, batch_size=1,000, max_in_flight_records=1,000"
+        self.durability = {
+            "produce": f"fsync {FSYNC_INTERVAL} (ack after write() to page cache); {window}",
+            "produce_1k": f"fsync {FSYNC_INTERVAL}; {window}",
+            "produce_fsync_always": f"fsync always (group commit per loop turn); {window}",
+            "produce_unbatched": f"fsync {FSYNC_INTERVAL}; linger_ms=0, batch_size=1, max_in_flight_records=1,000",
+            "consume_ack": "Consumer max_in_flight=10,000, poll 1,000, ack per record (batched on the wire)",
+            "latency": "publisher linger_ms=0; consumer poll(timeout=0.1), ack per record",
+        }
+
+    def setup(self) -> None:
+        self.broker = self._active = _Broker()
+        self.broker.create_topic(self.main_topic)
+
+    def teardown(self) -> None:
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = self._active = None
+
+    def server_pids(self) -> list[int]:
+        return self._active.pids() if self._active is not None else []
+
+    def _with_broker(self, action: Callable[[_Broker], Any], **broker_options: Any) -> Any:
+        """Run `action` on a broker of its own (other fsync or actor count); stop it after."""
+        broker = _Broker(**broker_options)
+        self._active = broker
+        try:
+            return action(broker)
+        finally:
+            self._active = self.broker
+            broker.stop()
+
+    def produce(self, spec: ProduceSpec, phase: Phase) -> None:
+        payload = bytes(spec.size)
+        if spec.fsync == "always":
+            def run(broker: _Broker) -> None:
+                topic = broker.create_topic(f"{self.main_topic}-{spec.workload}")
+                _produce(broker.url, topic, spec.count, payload, spec, phase)
+
+            self._with_broker(run, fsync="always")
+            return
+        topic = self.main_topic
+        if spec.workload != "produce":
+            topic = self.broker.create_topic(f"{self.main_topic}-{spec.workload}")
+        _produce(self.broker.url, topic, spec.count, payload, spec, phase)
+
+    def prefill(self, count: int, size: int) -> None:
+        phase = Phase(system=self.name, workload="prefill", target=count, timeout_s=600, server_pids=list)
+        _produce(self.broker.url, self.main_topic, count, bytes(size), ProduceSpec("prefill", count, size), phase)
+
+    def consume_ack(self, count: int, phase: Phase) -> None:
+        _consume(self.broker.url, self.main_topic, f"bench-{self.run_id}", count, phase)
+
+    def latency(self, rate: float, seconds: float, size: int, phase: Phase) -> dict[str, Any]:
+        topic = self.broker.create_topic(f"{self.main_topic}-latency")
+        recorder = LatencyRecorder()
+        publisher = PublisherProcess(paced_publisher, {"url": self.broker.url, "topic": topic, "rate": rate,
+                                                       "seconds": seconds, "size": size})
+        expected = Pacer(rate, seconds, 0.0).total
+        _consume(self.broker.url, topic, f"bench-{self.run_id}-latency", expected, phase, recorder,
+                 on_joined=publisher.start)
+        return {**recorder.summary(), "publisher": publisher.finish()}
+
+    # -- zbroker-only workloads ---------------------------------------------
+
+    def scale_out(self, count: int, size: int, actors: list[int], clients: int,
+                  make_phase: Callable[[str, int], Phase]) -> dict[str, Any]:
+        """Produce then consume `count` records over 4 partitions with 1, 2, 4 partition-log actors.
+
+        `clients` producer processes (then as many consumers, one group)
+        share the partitions, so the Python client is not the only limit.
+        """
+        rows = {}
+        for n in actors:
+            def run(broker: _Broker) -> dict[str, Any]:
+                topic = broker.create_topic(f"{self.main_topic}-scale{n}", partitions=4)
+                row = {}
+                for role in ("produce", "consume_ack"):
+                    phase = make_phase(f"scale_out[{n} actors] {role}", count)
+                    _run_client_processes(role, broker.url, topic, count, size, clients, phase,
+                                          group=f"bench-{self.run_id}-scale{n}")
+                    row[role] = phase.result()
+                return row
+
+            rows[str(n)] = self._with_broker(run, partition_actors=n)
+        return {"partitions": 4, "client_processes": clients, "actors": rows}
+
+    def redelivery(self, leases: int, phase: Phase) -> dict[str, Any]:
+        """A consumer dies holding `leases` records; time until another member has them all."""
+        _, _, Consumer, _ = _client_api()
+        topic = self.broker.create_topic(f"{self.main_topic}-redelivery")
+        group = f"bench-{self.run_id}-redelivery"
+        prefill = Phase(system=self.name, workload="prefill", target=leases, timeout_s=600, server_pids=list)
+        _produce(self.broker.url, topic, leases, bytes(100), ProduceSpec("prefill", leases, 100), prefill)
+
+        mp = multiprocessing.get_context("spawn")
+        holding, held = mp.Event(), mp.Queue()
+        victim = mp.Process(target=_lease_holder, args=(self.broker.url, topic, group, leases, holding, held),
+                            name="bench-lease-holder", daemon=True)
+        victim.start()
+        try:
+            if not holding.wait(120):
+                raise RuntimeError("the first consumer never held all its leases")
+            held_keys = set(map(tuple, held.get(timeout=10)))
+            survivor = Consumer(self.broker.url, group=group, topics=[topic], max_in_flight=10 * leases)
+            try:
+                # Join before the kill. Anything delivered now is a lease handed out twice.
+                early = survivor.poll(max_records=CHUNK, timeout=0.2)
+                seen: set[tuple[int, int]] = {(r.partition, r.offset) for r in early}
+                victim.kill()  # SIGKILL: no leave, no ack, no goodbye
+                killed_at = time.monotonic()
+                phase.begin()
+                phase.advance(len(seen))
+                for record in early:
+                    survivor.ack(record)
+                duplicates = 0
+                while not held_keys <= seen and not phase.expired:
+                    for record in survivor.poll(max_records=CHUNK, timeout=0.5):
+                        key = (record.partition, record.offset)
+                        if key in seen:
+                            duplicates += 1
+                        else:
+                            seen.add(key)
+                            phase.advance()
+                        survivor.ack(record)
+                redelivered_after_s = time.monotonic() - killed_at
+                phase.end()
+                survivor.flush_acks()
+            finally:
+                survivor.close()
+        finally:
+            if victim.is_alive():
+                victim.kill()
+            victim.join(5)
+        return {"leases": leases, "held_by_victim": len(held_keys), "all_redelivered": held_keys <= seen,
+                "delivered_while_victim_alive": len(early),
+                "session_timeout_ms": getattr(survivor, "session_timeout_ms", None),
+                "seconds_until_all_redelivered": redelivered_after_s, "duplicates_seen": duplicates}
+
+
+def _lease_holder(url: str, topic: str, group: str, leases: int, holding, held) -> None:
+    """Child: poll until it holds `leases` records unacked, report them, then wait to be killed."""
+    from zbroker.client import Consumer
+
+    consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * leases)
+    keys = []
+    deadline = time.monotonic() + 120
+    while len(keys) < leases and time.monotonic() < deadline:
+        keys.extend((r.partition, r.offset) for r in consumer.poll(max_records=CHUNK, timeout=1.0))
+    held.put(keys)
+    holding.set()
+    signal.pause()  # the parent SIGKILLs this process
+
+
+def _run_client_processes(role: str, url: str, topic: str, count: int, size: int, clients: int,
+                          phase: Phase, group: str) -> None:
+    mp = multiprocessing.get_context("spawn")
+    done = mp.Value("q", 0)
+    ready = mp.Barrier(clients + 1)
+    shares = [count // clients + (1 if i < count % clients else 0) for i in range(clients)]
+    procs = [
+        mp.Process(target=_scale_client, args=(role, url, topic, share, count, size, i, clients, group, done, ready),
+                   name=f"bench-scale-{role}-{i}", daemon=True)
+        for i, share in enumerate(shares)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        ready.wait(60)
+        phase.begin()
+        running = [p.sentinel for p in procs]
+        while running and not phase.expired:
+            # Wakes as soon as a child exits; the timeout only paces the progress bar.
+            for sentinel in multiprocessing.connection.wait(running, timeout=0.2):
+                running.remove(sentinel)
+            phase.advance(done.value - phase.records)
+        phase.end()
+        failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
+        if failed:
+            raise RuntimeError(f"scale-out {role} client processes exited with {failed}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
+def _scale_client(role: str, url: str, topic: str, share: int, total: int, size: int, index: int,
+                  clients: int, group: str, done, ready) -> None:
+    """Child: a producer for partitions index, index+clients, ... or a consumer in `group`."""
+    from zbroker.client import Consumer, Producer
+
+    if role == "produce":
+        producer = Producer(url, linger_ms=2, batch_size=CHUNK, max_in_flight_records=1000)
+        partitions = [p for p in range(4) if p % clients == index] or [index % 4]
+        payload = bytes(size)
+        ready.wait()
+        sent = 0
+        while sent < share:
+            n = min(CHUNK, share - sent)
+            producer.send_many(topic, [payload] * n, partition=partitions[(sent // CHUNK) % len(partitions)])
+            sent += n
+        producer.flush()
+        with done.get_lock():
+            done.value += sent
+        producer.close()
+        return
+    consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK)
+    ready.wait()
+    while done.value < total:  # the consumers share one group: stop when it has everything
+        records = consumer.poll(max_records=CHUNK, timeout=0.1)
+        for record in records:
+            consumer.ack(record)
+        if records:
+            with done.get_lock():
+                done.value += len(records)
+    consumer.flush_acks()
+    consumer.close()
+
+
+def paced_publisher(args: dict, ready, go, results) -> None:
+    """Child process: send stamped records at `rate` per second for `seconds`."""
+    try:
+        _, Producer, _, _ = _client_api()
+        producer = Producer(args["url"], linger_ms=0, batch_size=CHUNK, max_in_flight_records=1000)
+        ready.set()
+        go.wait()
+        pacer = Pacer(args["rate"], args["seconds"], time.monotonic())
+
+        def publish(n: int) -> None:
+            for _ in range(n):
+                producer.send(args["topic"], stamp(args["size"], time.time_ns()))
+
+        paced_loop(pacer, publish)
+        producer.flush()
+        producer.close()
+        results.put({"sent": pacer.sent, "max_lag_ms": pacer.max_lag_s * 1000})
+    except Exception as exc:
+        results.put({"error": f"{type(exc).__name__}: {exc}"})

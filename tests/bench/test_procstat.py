@@ -1,0 +1,69 @@
+"""bench.procstat: /proc/<pid>/stat parsing and CPU deltas, on text we write."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench.procstat import CpuSample, cpu_delta, parse_stat, read_stat, us_per_record
+
+
+def stat_line(pid: int, comm: str, utime: int, stime: int, start: int = 777, ppid: int = 1) -> str:
+    # Fields 3.. of proc(5): state, ppid, pgrp, session, tty_nr, tpgid, flags, minflt, cminflt,
+    # majflt, cmajflt, utime(14), stime(15), cutime, cstime, priority, nice, num_threads,
+    # itrealvalue, starttime(22), vsize, ...
+    rest = ["S", ppid, 10, 10, 0, -1, 4194560, 5, 0, 0, 0, utime, stime, 99, 98, 20, 0, 4, 0, start, 123456, 789]
+    return f"{pid} ({comm}) " + " ".join(str(x) for x in rest) + "\n"
+
+
+@pytest.mark.parametrize("comm", ["redis-server", "beam.smp", "a b", "x) (y", ")", "((", "name with ) 1 2 3"])
+def test_parse_stat_takes_comm_up_to_the_last_paren(comm):
+    stat = parse_stat(stat_line(4242, comm, utime=150, stime=25, start=31337, ppid=7))
+    assert (stat.pid, stat.comm, stat.ppid) == (4242, comm, 7)
+    assert (stat.utime_ticks, stat.stime_ticks, stat.start_ticks) == (150, 25, 31337)
+    assert stat.cpu_ticks == 175
+
+
+def test_parse_stat_of_this_process_agrees_with_the_kernel():
+    stat = read_stat(os.getpid())
+    assert stat is not None and stat.pid == os.getpid() and stat.ppid == os.getppid()
+
+
+def fake_proc(root, entries: dict[int, str]) -> str:
+    root.mkdir()
+    for pid, text in entries.items():
+        (root / str(pid)).mkdir()
+        (root / str(pid) / "stat").write_text(text)
+    return str(root)
+
+
+def test_cpu_delta_sums_processes_present_at_both_ends(tmp_path):
+    before_root = fake_proc(tmp_path / "before", {
+        1: stat_line(1, "a", 100, 50), 2: stat_line(2, "b", 10, 0), 3: stat_line(3, "gone", 5, 5)})
+    after_root = fake_proc(tmp_path / "after", {
+        1: stat_line(1, "a", 130, 70),         # +50 ticks
+        2: stat_line(2, "b", 20, 10),          # +20 ticks
+        4: stat_line(4, "new", 1000, 1000)})   # appeared: not counted
+    before = CpuSample.take([1, 2, 3, 4], proc_root=before_root)
+    after = CpuSample.take([1, 2, 3, 4], proc_root=after_root)
+    delta = cpu_delta(before, after, ticks_per_s=100)
+    assert delta.seconds == pytest.approx(0.70)
+    assert delta.unmatched == 2  # pid 3 exited, pid 4 is new
+
+
+def test_a_recycled_pid_is_not_taken_for_the_same_process(tmp_path):
+    before = CpuSample.take([9], proc_root=fake_proc(tmp_path / "b", {9: stat_line(9, "x", 500, 0, start=1)}))
+    after = CpuSample.take([9], proc_root=fake_proc(tmp_path / "a", {9: stat_line(9, "x", 3, 0, start=2)}))
+    delta = cpu_delta(before, after, ticks_per_s=100)
+    assert delta.seconds == 0 and delta.unmatched == 2
+
+
+def test_missing_process_reads_as_none(tmp_path):
+    assert read_stat(123, proc_root=str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("cpu_s, records, expected", [(0.5, 100_000, 5.0), (0.0, 10, 0.0), (None, 10, None),
+                                                      (1.0, 0, None)])
+def test_us_per_record(cpu_s, records, expected):
+    assert us_per_record(cpu_s, records) == expected

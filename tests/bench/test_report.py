@@ -1,0 +1,128 @@
+"""bench.report from a hand-made results dict: summary shape, ratios, markdown, chart, files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import report
+
+
+def phase(msgs_s: float, cpu_us: float = 10.0, status: str = "ok", **extra) -> dict:
+    return {"status": status, "records": 1000, "target": 1000, "seconds": 1000 / msgs_s, "msgs_s": msgs_s,
+            "server_cpu_us_per_record": cpu_us, **extra}
+
+
+def latency(p99: float) -> dict:
+    return phase(5000, received=5000, publisher={"sent": 5000, "max_lag_ms": 1.5},
+                 latency_ms={"p50": p99 / 4, "p99": p99, "p99_9": p99 * 2, "max": p99 * 3, "mean": p99 / 3},
+                 cdf=[[p99 / 4, 0.5], [p99, 0.99], [p99 * 3, 1.0]])
+
+
+@pytest.fixture
+def results() -> dict:
+    return {
+        "started_at": 1_790_000_000.0,
+        "scale": 1.0,
+        "counts": {"records": 200_000},
+        "command": "python -m bench",
+        "machine": {"nproc": 2, "cpu_count": 2, "cpu_model": "Test CPU", "memory_bytes": 8 * 2**30,
+                    "kernel": "Linux 6.1 x86_64", "python": "CPython 3.11.7",
+                    "libraries": {"pyzmq": "27.0"}, "loadavg_at_start": [0.5, 0.4, 0.3]},
+        "systems": {
+            "zbroker": {"status": "ok", "version": "0.1.0", "durability": {"produce": "fsync interval:1000"},
+                        "phases": {
+                            "produce": phase(100_000, cpu_us=8.0),
+                            "consume_ack": phase(50_000),
+                            "produce_unbatched": phase(9_000, status="timed_out",
+                                                       reason="time bound 300 s reached"),
+                            "latency": latency(2.0),
+                            "redelivery": {"status": "ok", "held_by_victim": 10_000, "all_redelivered": True,
+                                           "seconds_until_all_redelivered": 10.5, "duplicates_seen": 0},
+                        }},
+            "rabbitmq": {"status": "ok", "version": "3.10.8", "durability": {"produce": "quorum queue"},
+                         "phases": {"produce": phase(40_000), "consume_ack": phase(25_000),
+                                    "produce_unbatched": {"status": "skipped", "reason": "no batch publish"},
+                                    "latency": latency(8.0)}},
+            "nats": {"status": "skipped", "reason": "NATS not reachable"},
+            "redis": {"status": "ok", "version": "7.0.15", "durability": {},
+                      "phases": {"produce": {"status": "failed", "reason": "ConnectionError: reset",
+                                             "records": 10, "msgs_s": 5.0}}},
+        },
+        "ceiling": {"batched_100": phase(1_000_000, cpu_us=1.0), "unbatched_100": phase(200_000)},
+        "commits": {"status": "skipped", "reason": "bench.commit_absorption not present"},
+    }
+
+
+def test_summary_has_the_latest_json_shape(results):
+    s = report.summarize(results)
+    w = s["workloads"]
+    assert w["produce"] == {"zbroker": 100_000, "rabbitmq": 40_000, "nats": None, "redis": None,
+                            "zmq_ceiling": 1_000_000}
+    assert w["consume_ack"]["zbroker"] == 50_000 and w["consume_ack"]["zmq_ceiling"] == 1_000_000
+    assert w["latency_p99_ms"] == {"zbroker": 2.0, "rabbitmq": 8.0, "nats": None, "redis": None}
+    assert w["server_cpu_us_per_record"]["produce"]["zbroker"] == 8.0
+    assert w["server_cpu_us_per_record"]["produce"]["zmq_ceiling"] == 1.0
+    assert s["machine"]["nproc"] == 2 and s["command"] == "python -m bench"
+
+
+def test_ratios_come_from_the_same_run_and_never_divide_by_missing(results):
+    w = report.summarize(results)["workloads"]
+    assert w["zbroker_over_peer"]["produce"] == {"rabbitmq": 2.5, "nats": None, "redis": None}
+    assert w["zbroker_over_peer"]["consume_ack"]["rabbitmq"] == 2.0
+    assert w["zbroker_over_peer"]["latency_p99"]["rabbitmq"] == 0.25
+    assert w["zbroker_fraction_of_ceiling"]["produce"] == pytest.approx(0.1)
+    assert w["zbroker_fraction_of_ceiling"]["produce_unbatched"] == pytest.approx(9_000 / 200_000)
+    assert w["zbroker_fraction_of_ceiling"]["produce_1k"] is None  # no 1 KiB ceiling in this run
+
+
+@pytest.mark.parametrize("a, b, expected", [(10, 4, 2.5), (None, 4, None), (10, None, None), (10, 0, None),
+                                            (0, 5, 0.0)])
+def test_ratio(a, b, expected):
+    assert report.ratio(a, b) == expected
+
+
+def test_status_says_why_a_number_is_missing(results):
+    status = report.summarize(results)["status"]
+    assert status["nats"]["produce"] == "skipped: NATS not reachable"
+    assert status["rabbitmq"]["produce_unbatched"] == "skipped: no batch publish"
+    assert status["redis"]["produce"] == "failed: ConnectionError: reset"
+    assert status["zbroker"]["produce_unbatched"].startswith("timed_out")
+    assert status["redis"]["latency"] == "not run"
+
+
+def test_markdown_marks_missing_cells_with_footnoted_reasons(results):
+    md = report.render_markdown(report.summarize(results), chart="latest.png")
+    produce_row = next(line for line in md.splitlines() if line.startswith("| produce 100 B, fsync interval"))
+    assert "| 100,000 | 40,000 | skipped [" in produce_row and "| 10.0% |" in produce_row
+    assert "NATS not reachable" in md and "ConnectionError: reset" in md
+    assert "9,000 (timed out [" in md           # a partial figure stays, flagged
+    assert "| latency p99 | 0.25× |" in md
+    assert "another member had all of them after 10.50 s" in md
+    assert "bench.commit_absorption not present" in md
+    assert "![throughput and latency](latest.png)" in md
+
+
+def test_results_md_is_the_template_filled_in(results):
+    s = report.summarize(results)
+    text = report.render_results_md(s, "results/latest.png",
+                                    template="$date|$command|$scale|$servers\n$machine\n$tables")
+    first = text.splitlines()[0]
+    assert first == "2026-09-21T14:13:20Z|python -m bench|1.0|zbroker 0.1.0, rabbitmq 3.10.8, redis 7.0.15"
+    assert "- CPU: Test CPU" in text and "- memory: 8.0 GiB" in text
+    assert "](results/latest.png)" in text
+    # The shipped template has every placeholder render_results_md fills.
+    assert "Do not edit by hand" in report.render_results_md(s, "results/latest.png")
+
+
+def test_write_run_writes_json_png_markdown_and_latest_copies(results, tmp_path):
+    paths = report.write_run(results, tmp_path / "out", results_md=tmp_path / "RESULTS.md")
+    for key in ("json", "png", "md", "latest_json", "latest_png", "latest_md", "results_md"):
+        assert paths[key].exists(), key
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    latest = json.loads(paths["latest_json"].read_text())
+    assert latest["workloads"]["produce"]["zbroker"] == 100_000
+    full = json.loads(paths["json"].read_text())
+    assert full["systems"]["nats"]["reason"] == "NATS not reachable" and "summary" in full
+    assert "](out/latest.png)" in paths["results_md"].read_text()
