@@ -79,7 +79,7 @@ def _valid_id(corr_id: Any) -> bool:
                                and 0 <= corr_id < 1 << 64)
 
 
-def _check_envelope(frames: Sequence[bytes]) -> tuple[dict, Any, Any]:
+def _check_envelope(frames: Sequence[bytes], *, reply: bool = False) -> tuple[dict, Any, Any]:
     if not frames:
         raise _fail(ProtocolError("empty message"), None, None)
     if len(frames) > MAX_FRAMES:
@@ -100,7 +100,8 @@ def _check_envelope(frames: Sequence[bytes]) -> tuple[dict, Any, Any]:
     if version not in m.SUPPORTED_VERSIONS:
         raise _fail(UnsupportedVersion(f"protocol version {version!r} is not supported",
                                        supported=list(m.SUPPORTED_VERSIONS)), corr_id, op)
-    if not isinstance(op, str):
+    # An error reply to a request that could not be read carries a nil op.
+    if not isinstance(op, str) and not (reply and op is None and header.get("ok") is False):
         raise _fail(ProtocolError("'op' must be a string"), corr_id, None)
     return header, corr_id, op
 
@@ -144,7 +145,7 @@ def encode_error(op: str | None, corr_id: Any, error: ZBrokerError) -> list:
 
 
 def decode_reply(frames: Sequence[bytes]) -> Envelope:
-    header, corr_id, op = _check_envelope(frames)
+    header, corr_id, op = _check_envelope(frames, reply=True)
     ok = header.get("ok")
     if ok is False:
         return Envelope(op, corr_id, error=ZBrokerError.from_wire(header.get("error")))

@@ -21,6 +21,20 @@ from zbroker.supervisor import wait_ready
 pytestmark = pytest.mark.processes
 
 
+def wait_until_owned(sock: zmq.Socket, topic: str, partition: int = 0, timeout: float = 10.0) -> None:
+    """A new partition answers NOT_OWNER (retriable) until its actor has opened it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sock.send_multipart(codec.encode_request(m.Fetch(topic=topic, partition=partition, offset=0), 0))
+        assert sock.poll(5000)
+        env = codec.decode_reply(sock.recv_multipart())
+        if env.error is None:
+            return
+        assert env.error.code is ErrorCode.NOT_OWNER
+        time.sleep(0.02)
+    raise AssertionError(f"{topic}/{partition} never opened")
+
+
 def fetch_all(conn: Connection, topic: str, partition: int, end: int) -> list:
     out, offset = [], 0
     while offset < end:
@@ -140,6 +154,7 @@ def test_a_retried_produce_is_not_duplicated(broker):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
+        wait_until_owned(sock, "idem")
         payload = encode_records([[1, None, b"once", None], [1, None, b"twice?", None]])
         request = m.Produce(topic="idem", partition=0, producer_id=4242, sequence=0)
         replies = []
@@ -165,6 +180,8 @@ def test_malformed_frames_get_error_replies_while_the_actor_keeps_serving(broker
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
+    if target == "partition":
+        wait_until_owned(sock, "bad")
     garbage = [
         [b"\xc1"],
         [b"not msgpack at all"],

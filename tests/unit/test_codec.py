@@ -218,3 +218,9 @@ def test_partitioner_is_crc32_and_documented_values_hold():
         zlib.crc32(b"user-1") % 4, zlib.crc32(b"user-2") % 4, 0]
     with pytest.raises(ValueError):
         partition_for_key(b"x", 0)
+
+
+def test_error_reply_to_an_unreadable_request_decodes():
+    frames = codec.encode_error(None, None, ProtocolError("header is not a valid msgpack map"))
+    env = codec.decode_reply(frames)
+    assert env.op is None and env.corr_id is None and env.error.code is ErrorCode.BAD_REQUEST
