@@ -1,0 +1,266 @@
+#!/usr/bin/env node
+// Helper for tests/node/test_cross_language.py: runs one piece of the Node client on
+// JSON input (stdin) and prints JSON output (stdout). Bytes travel as hex strings; a
+// BigInt (an integer above 2^53) as {"$bigint": "<decimal>"}.
+//
+//   node selfcheck.js <command> [url]
+//
+// Pure commands: partition, crc, produce-frames, decode-batches, decode-reply, retriable,
+// doc-example.
+// Socket commands (need a peer at url): scenarios.
+
+import {
+  Client, Connection, crc32, decodeHeader, decodeStoredBatches, encodeRecords, partitionForKey,
+  produceFrames, RETRIABLE, ZBrokerError,
+} from "./zbroker.js";
+
+const hex = (u8) => (u8 === null || u8 === undefined ? null : Buffer.from(u8).toString("hex"));
+const unhex = (s) => (s === null || s === undefined ? null : Buffer.from(s, "hex"));
+
+function jsonSafe(value) {
+  if (typeof value === "bigint") return { $bigint: value.toString() };  // exact, unlike a JSON number
+  if (value instanceof Uint8Array) return { hex: hex(value) };
+  if (Array.isArray(value)) return value.map(jsonSafe);
+  if (value !== null && typeof value === "object") {
+    return Object.fromEntries(Object.entries(value).map(([k, v]) => [k, jsonSafe(v)]));
+  }
+  return value;
+}
+
+function errorJson(err) {
+  if (err instanceof ZBrokerError) {
+    return { code: err.code, message: err.message, retriable: err.retriable, data: jsonSafe(err.data), local: err.local };
+  }
+  return { code: "JS_ERROR", message: String(err?.stack ?? err) };
+}
+
+function inputRecords(records) {
+  return records.map((r) => ({
+    key: unhex(r.key),
+    value: unhex(r.value),
+    headers: r.headers === null ? null : Object.fromEntries(Object.entries(r.headers).map(([k, v]) => [k, unhex(v)])),
+    timestampMs: r.timestampMs,
+  }));
+}
+
+function recordJson(r) {
+  return {
+    offset: r.offset, timestampMs: r.timestampMs, key: hex(r.key), value: hex(r.value),
+    headers: r.headers === null ? null : Object.fromEntries(Object.entries(r.headers).map(([k, v]) => [k, hex(v)])),
+  };
+}
+
+const commands = {
+  partition({ keys, partitions }) {
+    return { results: keys.map((k) => partitions.map((n) => partitionForKey(unhex(k), n))) };
+  },
+
+  crc({ data }) {
+    return { crc: data.map((d) => crc32(unhex(d))) };
+  },
+
+  "produce-frames"({ topic, partition, producerId, sequence, id, records }) {
+    const payload = encodeRecords(inputRecords(records));
+    const frames = produceFrames({ topic, partition, producerId: BigInt(producerId), sequence, id, payload });
+    return { frames: frames.map(hex) };
+  },
+
+  "decode-batches"({ blob, fromOffset = 0, untilOffset = null }) {
+    try {
+      const out = decodeStoredBatches(unhex(blob), { fromOffset, untilOffset: untilOffset ?? Infinity });
+      return { records: out.records.map(recordJson), batches: jsonSafe(out.batches), nextOffset: out.nextOffset };
+    } catch (err) {
+      return { error: errorJson(err) };
+    }
+  },
+
+  "decode-reply"({ frames }) {
+    const header = decodeHeader(unhex(frames[0]));
+    const out = { header: jsonSafe(header) };
+    if (header.ok === false) out.error = errorJson(ZBrokerError.fromWire(header.op, header.error));
+    return out;
+  },
+
+  retriable() {
+    return { ...RETRIABLE };
+  },
+
+  // The example of PROTOCOL.md section 15, built with the client's own encoders.
+  "doc-example"() {
+    const payload = encodeRecords([{ key: "user-1", value: "hello", headers: { trace: "abc" }, timestampMs: 1767225600000 }]);
+    const partition = partitionForKey("user-1", 4);
+    const frames = produceFrames({
+      topic: "orders", partition, producerId: 3413179181191910423n, sequence: 0, id: 7, payload,
+    });
+    return { partition, frames: frames.map(hex) };
+  },
+
+  // Socket scenarios against the fake broker of the Python test.
+  async scenarios(_input, url) {
+    const results = {};
+    const client = new Client(url, { requestTimeoutMs: 400, retryTimeoutMs: 5_000 });
+    try {
+      results.hello = jsonSafe(await client.hello());
+
+      // Version negotiation: a v2-only hello is refused with the supported list.
+      const v2 = new Connection(url, { requestTimeoutMs: 2_000 });
+      try {
+        await v2.hello({ versions: [2] });
+        results.v2 = { error: null };
+      } catch (err) {
+        results.v2 = { error: errorJson(err) };
+      } finally {
+        v2.close();
+      }
+
+      await client.createTopic("sc", 1);
+      await client.metadata(["sc"]);
+
+      // Out-of-order replies on one DEALER: a long-polling fetch at log_end is answered
+      // after a produce sent later on the same connection.
+      const order = [];
+      const longFetch = client.fetch("sc", 0, 0, { maxWaitMs: 1_500 }).then((r) => { order.push("fetch"); return r; });
+      await new Promise((resolve) => setTimeout(resolve, 100));
+      const produced = await client.produce("sc", [{ key: "k", value: "v0" }], { partition: 0 }).then((r) => { order.push("produce"); return r; });
+      const fetched = await longFetch;
+      results.outOfOrder = { order, produced, fetched: fetched.records.map(recordJson) };
+
+      // Idempotent retry: the fake drops the reply to the next produce once; the client
+      // times out, resends the same sequence and gets duplicate: true.
+      const before = client.producers.get("sc\u00000");
+      const seqBefore = before.sequence;
+      const pidBefore = before.producerId;
+      const retried = await client.produce("sc", [{ value: "v1" }], { partition: 0 });
+      const after = await client.produce("sc", [{ value: "v2" }], { partition: 0 });
+      results.retry = {
+        retried, after, seqBefore, seqAfter: before.sequence,
+        sameProducer: before.producerId === pidBefore, producerId: pidBefore.toString(),
+      };
+      const all = await client.fetch("sc", 0, 0);
+      results.log = all.records.map(recordJson);
+
+      // A wrong-typed field is refused by the Python codec with BAD_REQUEST and its data.
+      try {
+        await client.call("fetch", { topic: "sc", partition: 0, offset: "zero" });
+        results.badRequest = { error: null };
+      } catch (err) {
+        results.badRequest = { error: errorJson(err) };
+      }
+    } catch (err) {
+      results.failure = errorJson(err);
+    } finally {
+      client.close();
+    }
+    return jsonSafe(results);
+  },
+
+  // Claims of PROTOCOL.md checked against a real broker (tests/node/test_node_client.py).
+  async live(_input, url) {
+    const r = {};
+    const attempt = async (name, fn) => {
+      try {
+        r[name] = { ok: jsonSafe(await fn()) };
+      } catch (err) {
+        r[name] = { error: errorJson(err) };
+      }
+    };
+    const client = new Client(url, { requestTimeoutMs: 5_000, retryTimeoutMs: 10_000 });
+    const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+    try {
+      await attempt("hello", () => client.hello());
+      const v2 = new Connection(url, { requestTimeoutMs: 5_000 });
+      await attempt("helloV2", () => v2.hello({ versions: [2] }));
+      v2.close();
+      await attempt("create", () => client.createTopic("live", 1));
+      await attempt("createAgain", () => client.createTopic("live", 3));
+      await attempt("badName", () => client.createTopic("..bad", 1));
+      await attempt("metadataUnknown", () => client.metadata(["no-such-topic"]));
+      await attempt("metadata", async () => (await client.metadata(["live"]))[0]);
+      const endpoint = await client.endpointFor("live", 0);
+      const part = await client.actorConnection(endpoint);
+      r.partitionHello = { ok: { actor: part.actor, limits: part.limits } };
+
+      // Idempotence table of section 13, with hand-made sequences.
+      const pid = 4242424242424242n;
+      const payload = encodeRecords([{ value: "idem", timestampMs: 1 }]);
+      const produce = (seq, frames = [payload]) => part.request("produce",
+        { topic: "live", partition: 0, producer_id: pid, sequence: seq }, { frames }).then((x) => x.header);
+      await attempt("seq0", () => produce(0));
+      await attempt("seq0again", () => produce(0));
+      await attempt("seq5gap", () => produce(5));
+      await attempt("seq3gap", () => produce(3));
+      await attempt("seq3again", () => produce(3));
+      await attempt("belowOldest", () => produce(-1));
+      await attempt("noPayload", () => produce(6, []));
+      await attempt("notOwned", () => part.request("fetch", { topic: "live", partition: 7, offset: 0 }));
+      await attempt("beyondEnd", () => client.fetch("live", 0, 1_000_000));
+      await attempt("badType", () => client.call("fetch", { topic: "live", partition: 0, offset: -1 }));
+      await attempt("unknownOpAtCoordinator", () => client.call("produce", { topic: "live", partition: 0 }));
+
+      // Out-of-order replies from a real partition actor: a waiting fetch at log_end is
+      // answered after a produce sent later on the same DEALER.
+      const order = [];
+      const end = (await client.fetch("live", 0, 0)).logEnd;
+      const waiting = client.fetch("live", 0, end, { maxWaitMs: 3_000 }).then((x) => { order.push("fetch"); return x; });
+      await sleep(200);
+      await client.produce("live", [{ value: "wake" }], { partition: 0 }).then(() => order.push("produce"));
+      const woke = await waiting;
+      r.outOfOrder = { order, values: woke.records.map((x) => x.value.toString()) };
+
+      // Leases: expire one (ack_timeout_ms 300) and ack it late; then fence a member.
+      await attempt("configure", () => client.configureGroup("live-g", { ackTimeoutMs: 300, mode: "shared" }));
+      const a = client.consumer("live-g", ["live"], { sessionTimeoutMs: 10_000 });
+      await attempt("joinA", () => a.join());
+      const first = await a.poll({ maxRecords: 2, maxWaitMs: 1_000 });
+      r.firstPoll = jsonSafe(first.map(({ records, ...d }) => ({ ...d, values: records.map((x) => x.value.toString()) })));
+      await sleep(700);
+      await attempt("lateAck", () => client.call("ack", {
+        group: "live-g", member_id: a.memberId, generation: a.generation,
+        ranges: first.map((d) => [d.topic, d.partition, d.leaseId, d.start, d.end]) }));
+      const again = await a.poll({ maxRecords: 2, maxWaitMs: 1_000 });
+      r.redelivery = jsonSafe(again.map(({ records, ...d }) => d));
+      await attempt("ackInTime", () => a.ack(again));
+      const b = client.consumer("live-g", ["live"], { sessionTimeoutMs: 10_000 });
+      await attempt("joinB", () => b.join());
+      const generationBefore = a.generation;
+      await attempt("pollAfterRebalance", async () => (await a.poll({ maxRecords: 100, maxWaitMs: 200 })).length);
+      r.fence = { stats: a.stats, generationBefore, generationAfter: a.generation };
+      await attempt("heartbeat", () => a.heartbeat());
+      await sleep(300);
+      await attempt("describeGroup", () => client.describeGroup("live-g"));
+      await attempt("listGroups", () => client.listGroups());
+      await attempt("describeUnknownGroup", () => client.describeGroup("no-such-group"));
+      await attempt("describeTopic", () => client.describeTopic("live"));
+      await attempt("status", () => client.status());
+      await attempt("leaveA", () => a.leave());
+      await attempt("leaveB", () => b.leave());
+    } catch (err) {
+      r.failure = errorJson(err);
+    } finally {
+      client.close();
+    }
+    return r;
+  },
+};
+
+async function main() {
+  const [command, url] = process.argv.slice(2);
+  const fn = commands[command];
+  if (fn === undefined) {
+    process.stderr.write(`unknown command ${command}; one of ${Object.keys(commands).join(", ")}\n`);
+    process.exit(2);
+  }
+  let raw = "";
+  if (!process.stdin.isTTY) {
+    for await (const chunk of process.stdin) raw += chunk;
+  }
+  const input = raw.trim() ? JSON.parse(raw) : {};
+  const out = await fn(input, url);
+  // Exit only once stdout is flushed: a large write to a pipe completes asynchronously.
+  await new Promise((resolve) => process.stdout.write(`${JSON.stringify(out)}\n`, resolve));
+}
+
+main().then(() => process.exit(0), (err) => {
+  process.stderr.write(`${err?.stack ?? err}\n`);
+  process.exit(1);
+});

@@ -1,0 +1,876 @@
+// zbroker client for Node.js, written from docs/PROTOCOL.md (wire protocol v1) alone.
+//
+// Theory of operation
+// -------------------
+// One Connection = one ZeroMQ DEALER to one actor endpoint (PROTOCOL.md s.2).
+// Each request gets a fresh correlation id; a single read loop matches
+// replies to pending requests by id, because replies may arrive out of order
+// (s.4). Every request has its own timeout, since a DEALER silently queues
+// requests while a peer is down.
+//
+// A Client holds the coordinator connection, one connection per partition
+// actor endpoint (taken from `metadata`, s.8.2), a metadata cache, and the
+// idempotent-producer state: one (producer_id, next sequence) per
+// (topic, partition), with one batch in flight at a time (s.13).
+//
+// A Consumer (client.consumer(...)) runs the group flow of s.14: join, poll
+// for leases, fetch the leased ranges from the owning partition actor, ack
+// ranges with their lease ids; FENCED -> re-join with the same member_id,
+// UNKNOWN_MEMBER -> join fresh; STALE_LEASE -> those ranges are dropped.
+
+import crypto from "node:crypto";
+import zlib from "node:zlib";
+
+import { Decoder, Encoder } from "@msgpack/msgpack";
+import { Dealer } from "zeromq";
+
+export const PROTOCOL_VERSION = 1;
+export const SUPPORTED_VERSIONS = [1];
+export const DEFAULT_URL = "tcp://127.0.0.1:7400";
+export const CLIENT_NAME = "zbroker-node/0.1.0";
+
+const BATCH_MAGIC = Buffer.from("ZBB1", "ascii");
+export const BATCH_HEADER_SIZE = 44;
+
+// ---------------------------------------------------------------------------------------
+// Errors (PROTOCOL.md s.7)
+// ---------------------------------------------------------------------------------------
+
+export const RETRIABLE = Object.freeze({
+  BAD_REQUEST: false, UNSUPPORTED_VERSION: false, UNKNOWN_OP: false, UNKNOWN_TOPIC: false,
+  UNKNOWN_PARTITION: false, TOPIC_EXISTS: false, TOO_LARGE: false, NOT_OWNER: true,
+  FENCED: true, UNKNOWN_MEMBER: true, STALE_LEASE: false, OFFSET_OUT_OF_RANGE: false,
+  DUPLICATE_SEQUENCE: false, CORRUPT_BATCH: false, UNKNOWN_GROUP: false, UNAUTHORIZED: false,
+  UNAVAILABLE: true, SHUTTING_DOWN: true, TIMEOUT: true, INTERNAL: false,
+});
+
+/** Every error this module throws. `code` is a stable wire code; `data` carries the facts. */
+export class ZBrokerError extends Error {
+  constructor(code, message, { retriable, data = {}, op = null, local = false } = {}) {
+    super(`${code}: ${message}`);
+    this.name = "ZBrokerError";
+    this.code = code;
+    this.retriable = retriable ?? RETRIABLE[code] ?? false;
+    this.data = data;
+    this.op = op;
+    // true when raised by this client (timeout, decode failure), false when sent by an actor
+    this.local = local;
+  }
+
+  static fromWire(op, error) {
+    if (error === null || typeof error !== "object" || typeof error.code !== "string") {
+      return new ZBrokerError("INTERNAL", `malformed error reply: ${JSON.stringify(error)}`,
+        { op, local: true });
+    }
+    const known = Object.hasOwn(RETRIABLE, error.code);
+    return new ZBrokerError(error.code, String(error.message ?? ""), {
+      // unknown codes: behave like INTERNAL but honour the wire flag (s.7)
+      retriable: known ? RETRIABLE[error.code] : error.retriable === true,
+      data: error.data && typeof error.data === "object" ? error.data : {},
+      op,
+    });
+  }
+}
+
+function corrupt(message, data = {}) {
+  return new ZBrokerError("CORRUPT_BATCH", message, { data, local: true });
+}
+
+// ---------------------------------------------------------------------------------------
+// msgpack, frames, batches (PROTOCOL.md s.3, 9, 10, 11, 12)
+// ---------------------------------------------------------------------------------------
+
+// msgpack ext types are forbidden in both directions (s.1): this codec encodes nothing
+// as ext (so a Date is an error, not a timestamp ext) and rejects every ext on decode.
+const NO_EXT = {
+  tryToEncode: () => null,
+  decode: (_data, type) => { throw new Error(`msgpack ext type ${type} is not allowed`); },
+};
+// BigInt -> int64/uint64 (producer_id); undefined fields are omitted so defaults apply (s.3).
+const encoder = new Encoder({ useBigInt64: true, ignoreUndefined: true, extensionCodec: NO_EXT });
+// 64-bit integers are read as BigInt so that none loses precision (lease ids and producer
+// ids exceed 2^53); `fromWire` turns every one that fits a JS number back into a number.
+const decoder = new Decoder({ extensionCodec: NO_EXT, useBigInt64: true });
+
+/** Decoded msgpack -> JS: integers as numbers when exact, as BigInt above 2^53 (s.1, s.4). */
+export function fromWire(value) {
+  if (typeof value === "bigint") {
+    return value >= BigInt(Number.MIN_SAFE_INTEGER) && value <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(value) : value;
+  }
+  if (Array.isArray(value)) {
+    for (let i = 0; i < value.length; i++) value[i] = fromWire(value[i]);
+    return value;
+  }
+  if (value !== null && typeof value === "object" && !(value instanceof Uint8Array)) {
+    for (const k of Object.keys(value)) value[k] = fromWire(value[k]);
+  }
+  return value;
+}
+
+/**
+ * Prepare a value for the encoder: with useBigInt64, @msgpack/msgpack writes a JS number
+ * outside [-2^31, 2^32) as float64, and the protocol has no floats (s.1): a millisecond
+ * timestamp would arrive as a float. Such integers become BigInt (written as int64/uint64),
+ * and small BigInts become numbers, so every integer is written in its shortest form.
+ * A non-integer number is a programming error.
+ */
+export function wireValue(value) {
+  if (typeof value === "number") {
+    if (!Number.isInteger(value)) throw new TypeError(`protocol integers only, got ${value}`);
+    if (value >= 0x100000000 || value < -0x80000000) {
+      if (!Number.isSafeInteger(value)) throw new RangeError(`integer ${value} is not exact; pass a BigInt`);
+      return BigInt(value);
+    }
+    return value;
+  }
+  if (typeof value === "bigint") {
+    // Small BigInts as numbers, so every integer gets its shortest encoding (as Python's).
+    return value >= -0x80000000n && value < 0x100000000n ? Number(value) : value;
+  }
+  if (Array.isArray(value)) return value.map(wireValue);
+  if (value !== null && typeof value === "object" && !(value instanceof Uint8Array)) {
+    const out = {};
+    for (const [k, v] of Object.entries(value)) out[k] = wireValue(v);
+    return out;
+  }
+  return value;
+}
+
+export function toBuffer(u8) {
+  return Buffer.isBuffer(u8) ? u8 : Buffer.from(u8.buffer, u8.byteOffset, u8.byteLength);
+}
+
+/** Bytes of a key, value or header value: Buffer/Uint8Array as is, strings as UTF-8. */
+export function toBytes(x) {
+  if (x === null || x === undefined) return null;
+  if (x instanceof Uint8Array) return x;
+  if (typeof x === "string") return Buffer.from(x, "utf8");
+  throw new TypeError(`expected bytes or string, got ${typeof x}`);
+}
+
+/** IEEE CRC-32 as an unsigned 32-bit number (s.10). */
+export function crc32(bytes, initial = 0) {
+  return zlib.crc32(bytes, initial) >>> 0;
+}
+
+/** partition = crc32(key) mod partitions (s.12). */
+export function partitionForKey(key, partitions) {
+  if (!Number.isInteger(partitions) || partitions <= 0) throw new RangeError("partitions must be positive");
+  return crc32(toBytes(key)) % partitions;
+}
+
+/** A random non-zero 63-bit producer id, as a BigInt (s.13). */
+export function randomProducerId() {
+  for (;;) {
+    const id = crypto.randomBytes(8).readBigUInt64BE() & ((1n << 63n) - 1n);
+    if (id !== 0n) return id;
+  }
+}
+
+/** Frame 0 of a request: {...fields, v, op, id}. */
+export function encodeHeader(op, fields, id, version = PROTOCOL_VERSION) {
+  return encoder.encode(wireValue({ ...fields, v: version, op, id }));
+}
+
+/** Decode a frame 0 into a plain object; throws a local BAD_REQUEST if it is not a map. */
+export function decodeHeader(frame) {
+  let header;
+  try {
+    header = fromWire(decoder.decode(frame));
+  } catch (err) {
+    throw new ZBrokerError("BAD_REQUEST", `reply header is not valid msgpack: ${err.message}`, { local: true });
+  }
+  if (header === null || typeof header !== "object" || Array.isArray(header) || header instanceof Uint8Array) {
+    throw new ZBrokerError("BAD_REQUEST", "reply header is not a msgpack map", { local: true });
+  }
+  return header;
+}
+
+/**
+ * Normalise one record for a payload. Accepts a value (Buffer/Uint8Array/string) or
+ * {key, value, headers, timestampMs}. Returns [timestamp_ms, key, value, headers] (s.9).
+ */
+export function normaliseRecord(rec, defaults = {}) {
+  const r = rec instanceof Uint8Array || typeof rec === "string" ? { value: rec } : rec;
+  if (r === null || typeof r !== "object") throw new TypeError("record must be a value or an object");
+  const value = toBytes(r.value);
+  if (value === null) throw new TypeError("record value must not be null");
+  const key = toBytes(r.key !== undefined ? r.key : defaults.key);
+  const ts = r.timestampMs ?? defaults.timestampMs ?? Date.now();
+  if (!Number.isSafeInteger(ts)) throw new TypeError("timestampMs must be an integer");
+  let headers = null;
+  if (r.headers !== undefined && r.headers !== null) {
+    headers = {};
+    for (const [name, v] of Object.entries(r.headers)) headers[name] = toBytes(v) ?? new Uint8Array(0);
+  }
+  return [ts, key, value, headers];
+}
+
+/** The produce payload: a msgpack array of records, at least one (s.9). */
+export function encodeRecords(records, defaults = {}) {
+  if (!Array.isArray(records) || records.length === 0) throw new TypeError("a batch needs at least one record");
+  return encoder.encode(wireValue(records.map((r) => normaliseRecord(r, defaults))));
+}
+
+/** Both frames of a produce request (exported for the cross-language checks). */
+export function produceFrames({ topic, partition, producerId = 0n, sequence = -1, id, payload }) {
+  const header = encodeHeader("produce", {
+    topic, partition, producer_id: BigInt(producerId), sequence,
+  }, id);
+  return [header, payload];
+}
+
+/**
+ * Walk the stored batches of a fetch reply's frame 1 (s.10, s.11) and return the records
+ * with offsets in [fromOffset, untilOffset). Also returns the batches' headers and the
+ * offset after the last batch (nextOffset, or fromOffset when there was none).
+ */
+export function decodeStoredBatches(blob, { fromOffset = 0, untilOffset = Infinity, verifyCrc = true,
+  topic = null, partition = null } = {}) {
+  const buf = toBuffer(blob);
+  const records = [];
+  const batches = [];
+  let pos = 0;
+  let nextOffset = fromOffset;
+  while (pos < buf.length) {
+    if (buf.length - pos < BATCH_HEADER_SIZE) throw corrupt("short batch header", { position: pos });
+    if (!buf.subarray(pos, pos + 4).equals(BATCH_MAGIC)) throw corrupt("bad batch magic", { position: pos });
+    const crc = buf.readUInt32BE(pos + 4);
+    const length = buf.readUInt32BE(pos + 8);
+    const base = Number(buf.readBigUInt64BE(pos + 12));
+    const count = buf.readUInt32BE(pos + 20);
+    const appendTimeMs = Number(buf.readBigInt64BE(pos + 24));
+    const producerId = buf.readBigInt64BE(pos + 32);
+    const producerSeq = buf.readInt32BE(pos + 40);
+    if (count === 0) throw corrupt("batch with zero records", { position: pos });
+    const end = pos + BATCH_HEADER_SIZE + length;
+    if (end > buf.length) throw corrupt("batch runs past the end of the frame", { position: pos });
+    if (verifyCrc && crc32(buf.subarray(pos + 8, end)) !== crc) {
+      throw corrupt("batch CRC mismatch", { position: pos, base_offset: base });
+    }
+    batches.push({ baseOffset: base, recordCount: count, appendTimeMs, producerId, producerSeq, crc });
+    nextOffset = base + count;
+    if (base + count > fromOffset && base < untilOffset) {
+      let items;
+      try {
+        items = fromWire(decoder.decode(buf.subarray(pos + BATCH_HEADER_SIZE, end)));
+      } catch (err) {
+        throw corrupt(`stored payload is not valid msgpack: ${err.message}`, { base_offset: base });
+      }
+      if (!Array.isArray(items) || items.length !== count) {
+        throw corrupt("record count does not match header", { base_offset: base });
+      }
+      items.forEach((item, i) => {
+        const offset = base + i;
+        if (offset < fromOffset || offset >= untilOffset) return;  // first batch may start below
+        if (!Array.isArray(item) || item.length !== 4) throw corrupt("record is not a 4-array", { base_offset: base, index: i });
+        const [ts, key, value, headers] = item;
+        let hdrs = null;
+        if (headers !== null) {
+          hdrs = {};
+          for (const [name, v] of Object.entries(headers)) hdrs[name] = toBuffer(v);
+        }
+        records.push({
+          topic, partition, offset, timestampMs: ts,
+          key: key === null ? null : toBuffer(key), value: toBuffer(value), headers: hdrs,
+        });
+      });
+    }
+    pos = end;
+  }
+  return { records, batches, nextOffset };
+}
+
+// ---------------------------------------------------------------------------------------
+// One DEALER to one actor (PROTOCOL.md s.2, 3, 4)
+// ---------------------------------------------------------------------------------------
+
+export class Connection {
+  constructor(url, { requestTimeoutMs = 10_000 } = {}) {
+    this.url = url;
+    this.requestTimeoutMs = requestTimeoutMs;
+    this.version = PROTOCOL_VERSION;
+    this.socket = new Dealer({ linger: 0 });
+    this.socket.connect(url);
+    this.nextId = 1;
+    this.pending = new Map();
+    this.sendChain = Promise.resolve();  // zeromq v6 allows one send() at a time
+    this.closed = false;
+    this.reader = this.#readLoop();
+  }
+
+  async #readLoop() {
+    try {
+      for await (const frames of this.socket) {
+        let header;
+        try {
+          header = decodeHeader(frames[0]);
+        } catch {
+          continue;  // nothing to match it to
+        }
+        const waiter = this.pending.get(header.id);
+        if (waiter === undefined) continue;  // late reply to a timed-out request, or id nil
+        this.pending.delete(header.id);
+        clearTimeout(waiter.timer);
+        if (header.ok === true) {
+          waiter.resolve({ header, frames: frames.slice(1) });
+        } else if (header.ok === false) {
+          waiter.reject(ZBrokerError.fromWire(header.op ?? waiter.op, header.error));
+        } else {
+          waiter.reject(new ZBrokerError("BAD_REQUEST", "reply carries no 'ok'", { op: waiter.op, local: true }));
+        }
+      }
+    } catch (err) {
+      if (!this.closed) this.#failAll(new ZBrokerError("UNAVAILABLE", `socket error: ${err.message}`, { local: true }));
+    }
+  }
+
+  #failAll(err) {
+    for (const [id, waiter] of this.pending) {
+      clearTimeout(waiter.timer);
+      waiter.reject(err);
+      this.pending.delete(id);
+    }
+  }
+
+  /**
+   * Send one request; resolve with {header, frames} of an ok reply, reject with ZBrokerError.
+   * timeoutMs: local deadline for the reply (TIMEOUT, retriable, local=true).
+   */
+  request(op, fields = {}, { frames = [], timeoutMs = this.requestTimeoutMs } = {}) {
+    if (this.closed) return Promise.reject(new ZBrokerError("SHUTTING_DOWN", "connection closed", { op, local: true }));
+    const id = this.nextId++;
+    const header = encodeHeader(op, fields, id, this.version);
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        if (this.pending.delete(id)) {
+          reject(new ZBrokerError("TIMEOUT", `no reply to ${op} from ${this.url} within ${timeoutMs} ms`,
+            { op, local: true, data: { timeout_ms: timeoutMs } }));
+        }
+      }, timeoutMs);
+      this.pending.set(id, { resolve, reject, timer, op });
+      this.sendChain = this.sendChain
+        .then(() => this.socket.send([header, ...frames]))
+        .catch((err) => {
+          if (this.pending.delete(id)) {
+            clearTimeout(timer);
+            reject(new ZBrokerError("UNAVAILABLE", `send failed: ${err.message}`, { op, local: true }));
+          }
+        });
+    });
+  }
+
+  /** hello (s.5, 8.1): negotiate the version, return the reply header. */
+  async hello({ versions = SUPPORTED_VERSIONS, client = CLIENT_NAME, token } = {}) {
+    this.version = Math.min(...versions);
+    const { header } = await this.request("hello", { versions, client, token });
+    if (!versions.includes(header.version)) {
+      throw new ZBrokerError("UNSUPPORTED_VERSION", `actor chose version ${header.version}`,
+        { local: true, data: { supported: [header.version] } });
+    }
+    this.version = header.version;
+    this.limits = header.limits ?? {};
+    this.actor = header.actor;
+    return header;
+  }
+
+  close() {
+    if (this.closed) return;
+    this.closed = true;
+    this.#failAll(new ZBrokerError("SHUTTING_DOWN", "connection closed", { local: true }));
+    this.socket.close();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Client
+// ---------------------------------------------------------------------------------------
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+// Errors after which a partition request is retried once metadata has been refreshed (s.7).
+const REFRESH_CODES = new Set(["NOT_OWNER", "UNAVAILABLE", "SHUTTING_DOWN", "TIMEOUT"]);
+
+/** Open a client to the coordinator at `url` and say hello. */
+export async function connect(url = DEFAULT_URL, options = {}) {
+  const client = new Client(url, options);
+  try {
+    await client.hello();
+  } catch (err) {
+    client.close();
+    throw err;
+  }
+  return client;
+}
+
+export class Client {
+  /**
+   * requestTimeoutMs: local timeout of one request attempt.
+   * retryTimeoutMs: how long a produce/fetch keeps retrying retriable errors.
+   */
+  constructor(url = DEFAULT_URL, { requestTimeoutMs = 10_000, retryTimeoutMs = 30_000, clientName = CLIENT_NAME } = {}) {
+    this.url = url;
+    this.requestTimeoutMs = requestTimeoutMs;
+    this.retryTimeoutMs = retryTimeoutMs;
+    this.clientName = clientName;
+    this.coordinator = new Connection(url, { requestTimeoutMs });
+    this.actors = new Map();       // endpoint -> {conn, ready: Promise}
+    this.topics = new Map();       // topic -> {name, partitions: [{partition, endpoint, actor_id}], config}
+    this.producerId = randomProducerId();
+    this.producers = new Map();    // "topic\0partition" -> {producerId, sequence, tail: Promise}
+    this.roundRobin = new Map();   // topic -> next partition for key-less batches
+    this.closed = false;
+  }
+
+  /** Send a request to the coordinator; returns the reply header. */
+  async call(op, fields = {}, options = {}) {
+    const { header } = await this.coordinator.request(op, fields, options);
+    return header;
+  }
+
+  hello() {
+    return this.coordinator.hello({ client: this.clientName });
+  }
+
+  status() {
+    return this.call("status");
+  }
+
+  // -- topics ---------------------------------------------------------------------------
+
+  async createTopic(topic, partitions = 1, config = undefined) {
+    return this.call("create_topic", { topic, partitions, config });
+  }
+
+  /** metadata for `topics` (all when omitted); refreshes the endpoint cache. */
+  async metadata(topics = undefined) {
+    const reply = await this.call("metadata", { topics });
+    for (const t of reply.topics) this.topics.set(t.name, t);
+    return reply.topics;
+  }
+
+  async listTopics() {
+    return (await this.call("list_topics")).topics;
+  }
+
+  async describeTopic(topic) {
+    return this.call("describe_topic", { topic });
+  }
+
+  async partitionCount(topic) {
+    if (!this.topics.has(topic)) await this.metadata([topic]);
+    return this.topics.get(topic).partitions.length;
+  }
+
+  // -- groups (admin) -------------------------------------------------------------------
+
+  async listGroups() {
+    return (await this.call("list_groups")).groups;
+  }
+
+  async describeGroup(group) {
+    return (await this.call("describe_group", { group })).group;
+  }
+
+  /** settings: {mode, ackTimeoutMs, maxDeliveries, maxInFlight, dlq, start}; omitted = unchanged. */
+  async configureGroup(group, settings = {}) {
+    const reply = await this.call("configure_group", {
+      group, mode: settings.mode, ack_timeout_ms: settings.ackTimeoutMs,
+      max_deliveries: settings.maxDeliveries, max_in_flight: settings.maxInFlight,
+      dlq: settings.dlq, start: settings.start,
+    });
+    return reply.config;
+  }
+
+  async resetGroup(group, topic, to) {
+    return this.call("reset_group", { group, topic, to });
+  }
+
+  consumer(group, topics, options = {}) {
+    return new Consumer(this, group, topics, options);
+  }
+
+  // -- partition actors -----------------------------------------------------------------
+
+  /** Endpoint of the actor owning (topic, partition); waits while it is unplaced (nil). */
+  async endpointFor(topic, partition, { refresh = false, deadline = Date.now() + this.retryTimeoutMs } = {}) {
+    for (let attempt = 0; ; attempt++) {
+      if (refresh || attempt > 0 || !this.topics.has(topic)) await this.metadata([topic]);
+      const meta = this.topics.get(topic);
+      const p = meta?.partitions.find((x) => x.partition === partition);
+      if (p === undefined) {
+        throw new ZBrokerError("UNKNOWN_PARTITION", `${topic}/${partition} is not in metadata`,
+          { local: true, data: { topic, partition } });
+      }
+      if (p.endpoint) return p.endpoint;
+      if (Date.now() >= deadline) {
+        throw new ZBrokerError("UNAVAILABLE", `${topic}/${partition} has no endpoint`, { local: true, data: { topic, partition } });
+      }
+      await sleep(Math.min(50 * 2 ** attempt, 500));
+    }
+  }
+
+  /** The connection to a partition actor, said hello to once (to learn its limits). */
+  async actorConnection(endpoint) {
+    let entry = this.actors.get(endpoint);
+    if (entry === undefined) {
+      const conn = new Connection(endpoint, { requestTimeoutMs: this.requestTimeoutMs });
+      entry = { conn, ready: conn.hello({ client: this.clientName }) };
+      this.actors.set(endpoint, entry);
+    }
+    try {
+      await entry.ready;
+    } catch (err) {
+      if (this.actors.get(endpoint) === entry) this.actors.delete(endpoint);
+      entry.conn.close();
+      throw err;
+    }
+    return entry.conn;
+  }
+
+  /**
+   * A request to the actor owning (topic, partition). Retriable errors (NOT_OWNER,
+   * UNAVAILABLE, SHUTTING_DOWN, TIMEOUT) refresh metadata and retry until retryTimeoutMs,
+   * resending exactly the same fields and frames.
+   */
+  async partitionRequest(topic, partition, op, fields, { frames = [], timeoutMs } = {}) {
+    const deadline = Date.now() + this.retryTimeoutMs;
+    let refresh = false;
+    for (let attempt = 0; ; attempt++) {
+      try {
+        const endpoint = await this.endpointFor(topic, partition, { refresh, deadline });
+        const conn = await this.actorConnection(endpoint);
+        if (op === "produce" && frames[0] && conn.limits?.max_batch_bytes !== undefined
+            && frames[0].length > conn.limits.max_batch_bytes) {
+          throw new ZBrokerError("TOO_LARGE", "batch payload exceeds the actor's max_batch_bytes",
+            { local: true, data: { limit: conn.limits.max_batch_bytes, got: frames[0].length } });
+        }
+        return await conn.request(op, fields, { frames, timeoutMs: timeoutMs ?? this.requestTimeoutMs });
+      } catch (err) {
+        if (!(err instanceof ZBrokerError) || !REFRESH_CODES.has(err.code) || Date.now() >= deadline || this.closed) throw err;
+        refresh = true;
+        await sleep(Math.min(25 * 2 ** attempt, 1000));
+      }
+    }
+  }
+
+  // -- produce (s.8.3, 9, 12, 13) -------------------------------------------------------
+
+  /**
+   * Append `records` as ONE batch to one partition of `topic`.
+   * records: values (Buffer/Uint8Array/string) or {key, value, headers, timestampMs}.
+   * options.partition: target partition; otherwise options.key picks it with the key
+   * partitioner (and is the default key of every record); otherwise round-robin.
+   * Returns {topic, partition, baseOffset, count, duplicate}.
+   */
+  async produce(topic, records, { partition, key, timestampMs } = {}) {
+    const payload = encodeRecords(records, { key, timestampMs: timestampMs ?? Date.now() });
+    const n = await this.partitionCount(topic);
+    if (partition === undefined || partition === null) {
+      if (key !== undefined && key !== null) {
+        partition = partitionForKey(key, n);
+      } else {
+        partition = (this.roundRobin.get(topic) ?? 0) % n;
+        this.roundRobin.set(topic, partition + 1);
+      }
+    }
+    const stream = this.#producerStream(topic, partition);
+    // One batch in flight per (producer, topic, partition): chain on the previous one.
+    const run = stream.tail.then(() => this.#produceOne(stream, topic, partition, payload));
+    stream.tail = run.catch(() => {});
+    return run;
+  }
+
+  /**
+   * Produce records that carry their own keys: group them by partition (one batch per
+   * partition, in input order) and produce the batches concurrently. Returns the results.
+   */
+  async produceKeyed(topic, records, options = {}) {
+    const n = await this.partitionCount(topic);
+    const byPartition = new Map();
+    for (const rec of records) {
+      const p = partitionForKey(rec.key, n);
+      if (!byPartition.has(p)) byPartition.set(p, []);
+      byPartition.get(p).push(rec);
+    }
+    return Promise.all([...byPartition].map(([p, recs]) => this.produce(topic, recs, { ...options, partition: p })));
+  }
+
+  #producerStream(topic, partition) {
+    const k = `${topic}\0${partition}`;
+    let s = this.producers.get(k);
+    if (s === undefined) {
+      s = { producerId: this.producerId, sequence: 0, tail: Promise.resolve() };
+      this.producers.set(k, s);
+    }
+    return s;
+  }
+
+  async #produceOne(stream, topic, partition, payload) {
+    if (stream.sequence > 0x7fffffff) {
+      stream.producerId = randomProducerId();
+      stream.sequence = 0;
+    }
+    const fields = { topic, partition, producer_id: stream.producerId, sequence: stream.sequence };
+    try {
+      const { header } = await this.partitionRequest(topic, partition, "produce", fields, { frames: [payload] });
+      stream.sequence += 1;
+      return { topic, partition, baseOffset: header.base_offset, count: header.count, duplicate: header.duplicate === true };
+    } catch (err) {
+      // The batch may or may not have been appended (s.13): never reuse this sequence for
+      // other records. Gaps are allowed, so the next batch simply takes the next number.
+      const last = err instanceof ZBrokerError ? err.data?.last_sequence : undefined;
+      stream.sequence = Number.isInteger(last) && last >= stream.sequence ? last + 1 : stream.sequence + 1;
+      throw err;
+    }
+  }
+
+  // -- fetch (s.8.3, 10, 11) ------------------------------------------------------------
+
+  /**
+   * Fetch records of one partition from `offset`. Returns
+   * {records, logStart, logEnd, nextOffset, batches}; records below `offset` are skipped
+   * and, with options.untilOffset, records at or above it are dropped.
+   */
+  async fetch(topic, partition, offset, { maxBytes, maxWaitMs = 0, untilOffset = Infinity, verifyCrc = true } = {}) {
+    const { header, frames } = await this.partitionRequest(topic, partition, "fetch",
+      { topic, partition, offset, max_bytes: maxBytes, max_wait_ms: maxWaitMs },
+      { timeoutMs: maxWaitMs + this.requestTimeoutMs });
+    const blob = frames[0] ?? new Uint8Array(0);
+    const decoded = decodeStoredBatches(blob, { fromOffset: offset, untilOffset, verifyCrc, topic, partition });
+    return {
+      records: decoded.records, batches: decoded.batches, nextOffset: decoded.nextOffset,
+      logStart: header.log_start, logEnd: header.log_end,
+    };
+  }
+
+  close() {
+    if (this.closed) return;
+    this.closed = true;
+    this.coordinator.close();
+    for (const { conn } of this.actors.values()) conn.close();
+    this.actors.clear();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Consumer (PROTOCOL.md s.8.4, 14)
+// ---------------------------------------------------------------------------------------
+
+const RANGE_OPS = new Set(["ack", "nack", "extend", "reject"]);
+
+function toRange(d) {
+  if (Array.isArray(d)) return d.slice(0, 5);
+  return [d.topic, d.partition, d.leaseId, d.start, d.end];
+}
+
+export class Consumer {
+  constructor(client, group, topics, { sessionTimeoutMs = 10_000, memberId = "", onError = () => {} } = {}) {
+    this.client = client;
+    this.group = group;
+    this.topics = topics;
+    this.sessionTimeoutMs = sessionTimeoutMs;
+    this.memberId = memberId;
+    this.generation = -1;
+    this.mode = null;
+    this.assignment = [];
+    this.ackTimeoutMs = null;
+    this.onError = onError;
+    this.heartbeatTimer = null;
+    this.joining = null;
+    this.stats = { joins: 0, fenced: 0, unknownMember: 0, staleRanges: 0 };
+  }
+
+  /** join (fresh when memberId is "", else re-join as the same member). */
+  async join() {
+    if (this.joining) return this.joining;
+    this.joining = (async () => {
+      const reply = await this.client.call("join", {
+        group: this.group, topics: this.topics, member_id: this.memberId,
+        session_timeout_ms: this.sessionTimeoutMs,
+      });
+      this.memberId = reply.member_id;
+      this.generation = reply.generation;
+      this.mode = reply.mode;
+      this.assignment = reply.assignment;
+      this.ackTimeoutMs = reply.ack_timeout_ms;
+      this.stats.joins += 1;
+      this.#startHeartbeat();
+      return reply;
+    })();
+    try {
+      return await this.joining;
+    } finally {
+      this.joining = null;
+    }
+  }
+
+  #startHeartbeat() {
+    if (this.heartbeatTimer) return;
+    const every = Math.max(50, Math.floor(this.sessionTimeoutMs / 3));
+    let busy = false;
+    this.heartbeatTimer = setInterval(async () => {
+      if (busy || this.joining) return;
+      busy = true;
+      try {
+        await this.heartbeat();
+      } catch (err) {
+        this.onError(err);
+      } finally {
+        busy = false;
+      }
+    }, every);
+    this.heartbeatTimer.unref?.();
+  }
+
+  /**
+   * heartbeat (s.8.4). FENCED and UNKNOWN_MEMBER are handled by re-joining (which is
+   * itself a sign of life), so this returns null then.
+   */
+  async heartbeat() {
+    return this.#groupCall("heartbeat", {}, { retry: false });
+  }
+
+  /**
+   * A group request with member_id and generation filled in (s.14):
+   * FENCED -> re-join as the same member, then retry with the new generation;
+   * UNKNOWN_MEMBER -> join fresh, then retry (poll) or report every range as stale
+   * (ack, nack, extend, reject: a fresh member holds none of the old leases).
+   * With retry=false the call returns null after re-joining instead of retrying.
+   */
+  async #groupCall(op, fields, { retry = true, timeoutMs } = {}) {
+    for (let attempt = 0; ; attempt++) {
+      if (this.generation < 0) await this.join();
+      const sentGeneration = this.generation;
+      const sentMember = this.memberId;
+      try {
+        return await this.client.call(op, {
+          group: this.group, member_id: sentMember, generation: sentGeneration, ...fields,
+        }, { timeoutMs });
+      } catch (err) {
+        if (!(err instanceof ZBrokerError) || attempt >= 5) throw err;
+        if (err.code === "FENCED") {
+          this.stats.fenced += 1;
+          // Someone else (heartbeat, a concurrent poll) may have re-joined already.
+          if (this.generation === sentGeneration && this.memberId === sentMember) await this.join();
+        } else if (err.code === "UNKNOWN_MEMBER") {
+          this.stats.unknownMember += 1;
+          if (this.memberId === sentMember) {
+            this.memberId = "";
+            await this.join();
+          }
+          if (RANGE_OPS.has(op)) {
+            err.staleRanges = fields.ranges;
+            throw err;
+          }
+        } else {
+          throw err;
+        }
+        if (!retry) return null;
+      }
+    }
+  }
+
+  /**
+   * poll for leases and fetch their records. Returns deliveries:
+   * [{topic, partition, leaseId, start, end, attempt, reason, records}].
+   */
+  async poll({ maxRecords = 1000, maxWaitMs = 0, fetchMaxBytes } = {}) {
+    const reply = await this.#groupCall("poll", { max_records: maxRecords, max_wait_ms: maxWaitMs },
+      { timeoutMs: maxWaitMs + this.client.requestTimeoutMs });
+    if (reply.generation !== undefined) this.generation = reply.generation;
+    if (reply.ack_timeout_ms !== undefined) this.ackTimeoutMs = reply.ack_timeout_ms;
+    const deliveries = reply.deliveries.map(([topic, partition, leaseId, start, end, attempt, reason]) =>
+      ({ topic, partition, leaseId, start, end, attempt, reason, records: [] }));
+    await Promise.all(deliveries.map((d) => this.#fetchLease(d, fetchMaxBytes)));
+    return deliveries;
+  }
+
+  /** Fetch [start, end) of a delivery from the partition actor that owns it (s.14 step 4). */
+  async #fetchLease(d, maxBytes) {
+    let offset = d.start;
+    const deadline = Date.now() + this.client.retryTimeoutMs;
+    while (offset < d.end) {
+      let res;
+      try {
+        res = await this.client.fetch(d.topic, d.partition, offset,
+          { maxBytes, maxWaitMs: 100, untilOffset: d.end });
+      } catch (err) {
+        if (err.code === "OFFSET_OUT_OF_RANGE" && Number.isInteger(err.data.log_start) && err.data.log_start > offset) {
+          offset = err.data.log_start;  // removed by retention: nothing left to deliver below it
+          continue;
+        }
+        throw err;
+      }
+      d.records.push(...res.records);
+      if (res.batches.length === 0) {
+        if (Date.now() >= deadline) {
+          throw new ZBrokerError("TIMEOUT", `leased ${d.topic}/${d.partition} [${offset}, ${d.end}) not fetchable`,
+            { local: true, data: { topic: d.topic, partition: d.partition, offset, end: d.end } });
+        }
+        continue;
+      }
+      offset = res.nextOffset;
+    }
+  }
+
+  /**
+   * ack/nack/extend/reject: ranges are deliveries or [topic, partition, lease_id, start, end].
+   * Returns {applied, stale}; stale lists ranges the coordinator refused as STALE_LEASE
+   * (their records are redelivered, s.14).
+   */
+  ack(ranges) {
+    return this.#rangeOp("ack", ranges, {});
+  }
+
+  nack(ranges, { delayMs, reason } = {}) {
+    return this.#rangeOp("nack", ranges, { delay_ms: delayMs, reason });
+  }
+
+  extend(ranges, { extendMs } = {}) {
+    return this.#rangeOp("extend", ranges, { extend_ms: extendMs });
+  }
+
+  reject(ranges, { reason } = {}) {
+    return this.#rangeOp("reject", ranges, { reason });
+  }
+
+  async #rangeOp(op, items, extra) {
+    const ranges = items.map(toRange);
+    if (ranges.length === 0) return { applied: 0, stale: [] };
+    try {
+      const reply = await this.#groupCall(op, { ranges, ...extra });
+      return { ...reply, applied: reply.applied, stale: [] };
+    } catch (err) {
+      if (err.code === "STALE_LEASE") {
+        const stale = Array.isArray(err.data.stale) ? err.data.stale : ranges;
+        this.stats.staleRanges += stale.length;
+        return { applied: Number.isInteger(err.data.applied) ? err.data.applied : 0, stale };
+      }
+      if (err.code === "UNKNOWN_MEMBER" && err.staleRanges) {
+        this.stats.staleRanges += ranges.length;
+        return { applied: 0, stale: ranges };
+      }
+      throw err;
+    }
+  }
+
+  /** leave the group (its leases are released at once) and stop heartbeats. */
+  async leave() {
+    this.#stopHeartbeat();
+    if (this.generation < 0 || this.memberId === "") return;
+    try {
+      await this.client.call("leave", { group: this.group, member_id: this.memberId, generation: this.generation });
+    } finally {
+      this.generation = -1;
+    }
+  }
+
+  #stopHeartbeat() {
+    if (this.heartbeatTimer) clearInterval(this.heartbeatTimer);
+    this.heartbeatTimer = null;
+  }
+
+  close() {
+    this.#stopHeartbeat();
+  }
+}

@@ -1,0 +1,120 @@
+"""The Node.js client (written from docs/PROTOCOL.md alone) against a real broker.
+
+`clients/node/e2e.js` creates a 2-partition topic, produces 500 keyed records with
+headers, fetches them back, consumes them through a group with acks and waits
+until `describe_group` shows every partition committed up to its log end. If it
+passes, the document was enough to write a working client in another language.
+
+Skips without Node.js unless ZBROKER_REQUIRE_NODE=1 (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = [pytest.mark.node, pytest.mark.processes]
+
+TOPIC = "node-e2e"
+
+
+def _tail(path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no broker log)"
+
+
+def test_node_client_end_to_end(run_node, tmp_path):
+    from zbroker.supervisor import start_broker
+
+    log_file = tmp_path / "broker.log"
+    handle = start_broker(tmp_path / "data", port=0, log_file=log_file)
+    try:
+        proc = run_node("e2e.js", handle.url, TOPIC, timeout=180)
+    finally:
+        handle.stop()
+    assert proc.returncode == 0, (
+        f"e2e.js exited {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}\n"
+        f"broker log (tail):\n{_tail(log_file)}")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["produced"] == summary["fetched"] == summary["consumed"] == 500, summary
+    # A fresh topic: every partition's committed offset is its log end, 500 records in all.
+    assert set(summary["committed"]) == {"0", "1"}, summary
+    assert sum(summary["committed"].values()) == 500, summary
+
+
+def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
+    """Specific statements of docs/PROTOCOL.md, checked through the Node client (selfcheck.js live)."""
+    from zbroker.supervisor import start_broker
+
+    log_file = tmp_path / "broker.log"
+    handle = start_broker(tmp_path / "data", port=0, log_file=log_file)
+    try:
+        proc = run_node("selfcheck.js", "live", handle.url, timeout=120)
+    finally:
+        handle.stop()
+    assert proc.returncode == 0, f"{proc.stderr}\nbroker log (tail):\n{_tail(log_file)}"
+    r = json.loads(proc.stdout, object_hook=lambda d: int(d["$bigint"]) if set(d) == {"$bigint"} else d)
+    assert "failure" not in r, r["failure"]
+
+    def error(name: str) -> dict:
+        assert "error" in r[name], f"{name}: expected an error, got {r[name]}"
+        return r[name]["error"]
+
+    def ok(name: str):
+        assert "ok" in r[name], f"{name}: {r[name]}"
+        return r[name]["ok"]
+
+    # s.5, 8.1: hello, version negotiation and limits.
+    assert ok("hello")["actor"] == "group-coordinator" and ok("hello")["version"] == 1
+    assert set(ok("hello")["limits"]) == {"max_header_bytes"}
+    assert error("helloV2")["code"] == "UNSUPPORTED_VERSION" and error("helloV2")["data"] == {"supported": [1]}
+    assert r["partitionHello"]["ok"]["actor"].startswith("partition-log:")
+    assert set(r["partitionHello"]["ok"]["limits"]) == {"max_batch_bytes", "max_fetch_bytes", "max_header_bytes"}
+    # s.8.2: topics.
+    assert ok("create")["created"] is True
+    assert error("createAgain")["code"] == "TOPIC_EXISTS" and error("createAgain")["data"]["partitions"] == 1
+    assert error("badName")["code"] == "BAD_REQUEST"
+    assert error("metadataUnknown")["code"] == "UNKNOWN_TOPIC"
+    assert set(ok("metadata")["config"]) == {"segment_bytes", "index_interval_bytes", "retention_bytes",
+                                             "retention_ms", "producer_window_segments"}
+    # s.13: the idempotence table.
+    assert (ok("seq0")["duplicate"], ok("seq0again")["duplicate"]) == (False, True)
+    assert ok("seq0again")["base_offset"] == ok("seq0")["base_offset"]
+    assert ok("seq5gap")["duplicate"] is False and ok("seq3gap")["duplicate"] is False
+    assert ok("seq3again")["duplicate"] is True and ok("seq3again")["base_offset"] == ok("seq3gap")["base_offset"]
+    dup = error("belowOldest")
+    assert dup["code"] == "DUPLICATE_SEQUENCE"
+    assert {"producer_id", "sequence", "last_sequence", "oldest_remembered_sequence"} <= set(dup["data"])
+    # s.7, 8.3: error data.
+    assert error("noPayload")["code"] == "BAD_REQUEST"
+    assert error("notOwned")["code"] == "NOT_OWNER" and error("notOwned")["retriable"] is True
+    assert {"log_start", "log_end"} <= set(error("beyondEnd")["data"])
+    assert error("badType")["code"] == "BAD_REQUEST" and error("badType")["data"]["field"] == "offset"
+    assert error("unknownOpAtCoordinator")["code"] == "UNKNOWN_OP"
+    # s.4: replies out of order on one DEALER.
+    assert r["outOfOrder"] == {"order": ["produce", "fetch"], "values": ["wake"]}
+    # s.8.4, 14: leases, STALE_LEASE data, redelivery, FENCED re-sync.
+    assert ok("configure") == {"mode": "shared", "ack_timeout_ms": 300, "max_deliveries": 5,
+                               "max_in_flight": 1000, "dlq": None, "start": "earliest"}
+    first = r["firstPoll"]
+    assert first and first[0]["leaseId"] > 2**53 and first[0]["reason"] == "new"
+    stale = error("lateAck")
+    assert stale["code"] == "STALE_LEASE" and stale["data"]["applied"] == 0
+    assert stale["data"]["stale"] == [[d["topic"], d["partition"], d["leaseId"], d["start"], d["end"]] for d in first]
+    assert [(d["reason"], d["attempt"]) for d in r["redelivery"]] == [("timeout", 2)]
+    assert ok("ackInTime")["applied"] == sum(d["end"] - d["start"] for d in r["redelivery"])
+    assert r["fence"]["stats"]["fenced"] >= 1 and r["fence"]["generationAfter"] > r["fence"]["generationBefore"]
+    assert ok("heartbeat")["generation"] == r["fence"]["generationAfter"]
+    group = ok("describeGroup")
+    assert {"group", "config", "generation", "reset_epoch", "members", "assignment", "partitions"} <= set(group)
+    assert {"topic", "partition", "log_start", "log_end", "committed", "committed_pending", "lag"} <= set(
+        group["partitions"][0])
+    assert ok("listGroups") == [{"group": "live-g", "mode": "shared", "members": 2,
+                                 "generation": r["fence"]["generationAfter"]}]
+    assert error("describeUnknownGroup")["code"] == "UNKNOWN_GROUP"
+    assert {"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint"} == set(
+        ok("describeTopic")["partitions"][0])
+    assert {"kind", "actor_id"} <= set(ok("status")["actors"][0])
