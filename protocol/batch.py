@@ -129,8 +129,9 @@ def payload_record_count(payload: bytes | memoryview) -> int:
 def validate_payload(payload: bytes) -> int:
     """Fully decode a payload and check every record's shape. Returns the count.
 
-    Used by tests, fuzzers and the strict mode of the partition actor; the hot
-    path relies on `payload_record_count` plus the client's own encoder.
+    Used by tests and fuzzers; the partition actor's hot path relies on
+    `payload_record_count` alone, and consumers reject a malformed record with
+    CorruptBatch when they decode it.
     """
     try:
         records = msgpack.unpackb(payload, raw=False, strict_map_key=True,
@@ -233,13 +234,17 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
             records = msgpack.unpackb(payload, raw=False, use_list=False, ext_hook=_reject_ext)
         except Exception as exc:
             raise CorruptBatch(f"stored payload is not valid msgpack: {exc}", base_offset=base) from exc
-        if len(records) != header.record_count:
+        if not isinstance(records, tuple) or len(records) != header.record_count:
             raise CorruptBatch("record count does not match header", base_offset=base)
-        for i, (ts, key, value, headers) in enumerate(records):
-            off = base + i
-            if off < from_offset:
-                continue
-            if until_offset is not None and off >= until_offset:
-                break
-            append(make(topic, partition, off, ts, key, value, headers, *extra))
+        try:
+            for i, (ts, key, value, headers) in enumerate(records):
+                off = base + i
+                if off < from_offset:
+                    continue
+                if until_offset is not None and off >= until_offset:
+                    break
+                append(make(topic, partition, off, ts, key, value, headers, *extra))
+        except (TypeError, ValueError):
+            raise CorruptBatch("stored record is not [timestamp_ms, key, value, headers]",
+                               base_offset=base) from None
     return out

@@ -25,7 +25,6 @@ from protocol.errors import ProtocolError, TooLarge, UnknownOp, UnsupportedVersi
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4
-_RESERVED = ("v", "op", "id", "ok", "error")
 
 _packer = msgpack.Packer(use_bin_type=True)
 
@@ -82,8 +81,6 @@ def _valid_id(corr_id: Any) -> bool:
 def _check_envelope(frames: Sequence[bytes], *, reply: bool = False) -> tuple[dict, Any, Any]:
     if not frames:
         raise _fail(ProtocolError("empty message"), None, None)
-    if len(frames) > MAX_FRAMES:
-        raise _fail(ProtocolError("too many frames", limit=MAX_FRAMES, got=len(frames)), None, None)
     try:
         header = _unpack_header(frames[0])
     except ProtocolError as exc:
@@ -96,8 +93,11 @@ def _check_envelope(frames: Sequence[bytes], *, reply: bool = False) -> tuple[di
     op = header.get("op")
     if not _valid_id(corr_id):
         raise _fail(ProtocolError("'id' must be an unsigned 64-bit integer or nil"), None, op)
+    if len(frames) > MAX_FRAMES:
+        # Checked after the header so that the error reply carries the request's id.
+        raise _fail(ProtocolError("too many frames", limit=MAX_FRAMES, got=len(frames)), corr_id, op)
     version = header.get("v")
-    if version not in m.SUPPORTED_VERSIONS:
+    if not isinstance(version, int) or isinstance(version, bool) or version not in m.SUPPORTED_VERSIONS:
         raise _fail(UnsupportedVersion(f"protocol version {version!r} is not supported",
                                        supported=list(m.SUPPORTED_VERSIONS)), corr_id, op)
     # An error reply to a request that could not be read carries a nil op.
@@ -169,7 +169,7 @@ def decode_any(frames: Sequence[bytes]) -> tuple[bool, Envelope]:
     header_is_reply = False
     if frames and len(frames[0]) <= MAX_HEADER_BYTES:
         try:
-            header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, ext_hook=_reject_ext)
+            header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True, ext_hook=_reject_ext)
             header_is_reply = isinstance(header, dict) and "ok" in header
         except Exception:
             header_is_reply = False

@@ -20,6 +20,9 @@ from protocol.errors import ProtocolError
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 
+# Long polls wait at most this long; a client wanting more simply polls again.
+MAX_WAIT_MS = 60_000
+
 REQUESTS: dict[str, type["Message"]] = {}
 REPLIES: dict[str, type["Message"]] = {}
 # Ops for which the sender expects no reply (fire and forget, "tell").
@@ -152,7 +155,7 @@ class Hello(Message):
     token: str = ""
 
     def check(self) -> None:
-        if not self.versions or not all(isinstance(v, int) for v in self.versions):
+        if not self.versions or not all(isinstance(v, int) and not isinstance(v, bool) for v in self.versions):
             raise ProtocolError("'versions' must be a non-empty list of integers", op="hello")
 
 
@@ -246,6 +249,13 @@ class Produce(Message):
 
     def check(self) -> None:
         _nonneg("produce", partition=self.partition, producer_id=self.producer_id)
+        if self.producer_id >= 1 << 63:
+            raise ProtocolError("'producer_id' must be below 2**63", op="produce", field="producer_id")
+        if self.producer_id and not 0 <= self.sequence < 1 << 31:
+            raise ProtocolError("an idempotent producer's 'sequence' must be in [0, 2**31)", op="produce",
+                                field="sequence", got=self.sequence)
+        if self.partition >= 1 << 31:
+            raise ProtocolError("'partition' out of range", op="produce", field="partition")
 
 
 @reply("produce")
@@ -266,6 +276,8 @@ class Fetch(Message):
     def check(self) -> None:
         _nonneg("fetch", partition=self.partition, offset=self.offset, max_bytes=self.max_bytes,
                 max_wait_ms=self.max_wait_ms)
+        if self.max_wait_ms > MAX_WAIT_MS:
+            raise ProtocolError(f"'max_wait_ms' must be at most {MAX_WAIT_MS}", op="fetch", field="max_wait_ms")
 
 
 @reply("fetch")
@@ -343,6 +355,8 @@ class Poll(Message):
         if not (1 <= self.max_records <= 1_000_000):
             raise ProtocolError("'max_records' must be between 1 and 1000000", op="poll")
         _nonneg("poll", max_wait_ms=self.max_wait_ms)
+        if self.max_wait_ms > MAX_WAIT_MS:
+            raise ProtocolError(f"'max_wait_ms' must be at most {MAX_WAIT_MS}", op="poll", field="max_wait_ms")
 
 
 @reply("poll")

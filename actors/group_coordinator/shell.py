@@ -36,7 +36,7 @@ from actors.group_coordinator.topics import AssignActor, PersistTopics, TopicReg
 from protocol import codec
 from protocol import messages as m
 from protocol.batch import decode_fetched, encode_records
-from protocol.errors import (ProtocolError, ShuttingDown, TopicExists, Unavailable, UnknownOp,
+from protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists, Unavailable, UnknownOp,
                              ZBrokerError)
 
 TURN_BUDGET = 512
@@ -190,6 +190,13 @@ class CoordinatorShell:
                 raise UnknownOp(f"op {op!r} is not served by the coordinator", op=op)
         except ZBrokerError as err:
             self.reply_error(token, err)
+        except OSError:
+            self.log.exception("meta.io_error", op=op)
+            raise
+        except Exception as exc:
+            # A bug must cost one request, not the coordinator.
+            self.log.exception("request.internal_error", op=op)
+            self.reply_error(token, ZBrokerError(f"internal error: {type(exc).__name__}", code=ErrorCode.INTERNAL))
 
     def group_request(self, token: runtime.RouterToken, op: str, msg: m.Message, now: int) -> None:
         key = id(token)

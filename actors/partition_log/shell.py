@@ -22,7 +22,7 @@ from actors.partition_log.core import (FsyncPolicy, Limits, OpenFailed, Partitio
                                        ReplyError)
 from protocol import codec
 from protocol import messages as m
-from protocol.errors import ProtocolError
+from protocol.errors import ErrorCode, ProtocolError, ZBrokerError
 from storage.log.partition_log import LogConfig, PartitionLog
 
 TURN_BUDGET = 512
@@ -166,7 +166,7 @@ def _handle(core: PartitionActorCore, route: tuple, frames: list, now: int, rout
         _send(route, error)
         return
     token = (route, env.corr_id, env.op)
-    for effect in core.handle(token, env, now):
+    for effect in _guarded(core, token, env, now, log):
         _apply(effect, router, dealer, log)
 
 
@@ -185,8 +185,26 @@ def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, r
             log.warning("coordinator.error", op=env.op, code=env.error.code.value, reason=env.error.message)
         return
     token = ((dealer, None), env.corr_id, env.op)
-    for effect in core.handle(token, env, now):
+    for effect in _guarded(core, token, env, now, log):
         _apply(effect, router, dealer, log)
+
+
+def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int, log: Any) -> list:
+    """No request may take the actor down: a bug becomes an INTERNAL error reply.
+
+    An OSError from the log (disk full, I/O error) is different: the log may be
+    inconsistent in memory, so the actor exits and the supervisor restarts it,
+    and recovery truncates whatever half-written tail the failure left.
+    """
+    try:
+        return core.handle(token, env, now)
+    except OSError:
+        log.exception("log.io_error", op=env.op)
+        raise
+    except Exception as exc:
+        log.exception("request.internal_error", op=env.op)
+        return [ReplyError(token, env.op, ZBrokerError(f"internal error: {type(exc).__name__}",
+                                                       code=ErrorCode.INTERNAL))]
 
 
 def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> None:

@@ -85,9 +85,8 @@ def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
     assert ok("seq0again")["base_offset"] == ok("seq0")["base_offset"]
     assert ok("seq5gap")["duplicate"] is False and ok("seq3gap")["duplicate"] is False
     assert ok("seq3again")["duplicate"] is True and ok("seq3again")["base_offset"] == ok("seq3gap")["base_offset"]
-    dup = error("belowOldest")
-    assert dup["code"] == "DUPLICATE_SEQUENCE"
-    assert {"producer_id", "sequence", "last_sequence", "oldest_remembered_sequence"} <= set(dup["data"])
+    bad = error("belowOldest")  # sequence -1 with a producer id: out of range
+    assert bad["code"] == "BAD_REQUEST" and bad["data"]["field"] == "sequence"
     # s.7, 8.3: error data.
     assert error("noPayload")["code"] == "BAD_REQUEST"
     assert error("notOwned")["code"] == "NOT_OWNER" and error("notOwned")["retriable"] is True

@@ -224,3 +224,35 @@ def test_error_reply_to_an_unreadable_request_decodes():
     frames = codec.encode_error(None, None, ProtocolError("header is not a valid msgpack map"))
     env = codec.decode_reply(frames)
     assert env.op is None and env.corr_id is None and env.error.code is ErrorCode.BAD_REQUEST
+
+
+def test_out_of_range_producer_fields_are_refused():
+    for fields in ({"producer_id": 1 << 63, "sequence": 0}, {"producer_id": 5, "sequence": -1},
+                   {"producer_id": 5, "sequence": 1 << 31}):
+        with pytest.raises(ProtocolError):
+            m.build(m.Produce, {"topic": "t", "partition": 0, **fields})
+    m.build(m.Produce, {"topic": "t", "partition": 0, "producer_id": 0, "sequence": -1})
+
+
+def test_too_many_frames_error_keeps_the_request_id():
+    with pytest.raises(ProtocolError) as info:
+        codec.decode_request([msgpack.packb({"v": 1, "op": "status", "id": 41}), b"", b"", b"", b""])
+    assert info.value.corr_id == 41
+
+
+def test_boolean_versions_are_not_versions():
+    with pytest.raises(ProtocolError):
+        codec.decode_request([msgpack.packb({"v": True, "op": "status", "id": 1})])
+    with pytest.raises(ProtocolError):
+        m.build(m.Hello, {"versions": [True]})
+
+
+def test_malformed_stored_records_are_corrupt_batches():
+    for payload in (msgpack.packb([[1, 2]]), msgpack.packb([5])):
+        stored = build_batch_header(payload, base_offset=0, record_count=1, append_time_ms=1) + payload
+        with pytest.raises(CorruptBatch):
+            decode_fetched(stored, "t", 0)
+    payload = msgpack.packb(7)
+    stored = build_batch_header(payload, base_offset=0, record_count=1, append_time_ms=1) + payload
+    with pytest.raises(CorruptBatch):
+        decode_fetched(stored, "t", 0)
