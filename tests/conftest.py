@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.pg import *  # noqa: F401,F403  (pg_dsn, pg_schema: one session fixture for every directory)
 from zbroker.supervisor import BrokerHandle, start_broker
+
+
+def pytest_addoption(parser):
+    parser.addoption("--chaos-duration", type=float, default=180.0,
+                     help="seconds of nemesis activity in the chaos run (make chaos DURATION=...)")
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

@@ -1,0 +1,231 @@
+"""The offset store: where a consumer group's progress becomes durable.
+
+Theory of operation
+-------------------
+One row per (group_id, topic, partition) holds ``committed_offset`` (the next
+offset to deliver), the ack holes above it (acked ranges ``[start, end)``),
+the group generation and the reset epoch. The commit writer is the only
+regular writer; it sends whole batches through `OffsetStore.upsert`, which is
+one statement in one transaction whatever the batch size.
+
+Every write goes through the *monotonic guard*, inside the statement itself
+so that no interleaving of writers can move an offset backwards::
+
+    apply  if  new.reset_epoch >  cur.reset_epoch
+           or (new.reset_epoch == cur.reset_epoch and new.committed_offset >= cur.committed_offset)
+
+An equal offset is applied so that holes (and the generation) can change
+while the offset stands still. A ``groups reset`` bumps the reset epoch,
+which is the only way to move an offset down; an advance still carrying the
+old epoch arrives late and is then ignored. `winner` is the same rule in
+Python, used to fold duplicate keys of one batch (a single ``INSERT … ON
+CONFLICT`` may not touch a row twice) and by the commit writer to coalesce.
+
+Backends live beside this module (`sqlite`, `postgres`) and are picked by
+`open_offset_store` from a URL. Both are tested by one contract suite
+(tests/offsets/test_store_contract.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib.resources
+import re
+from typing import Iterable
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from protocol.errors import ErrorCode, ZBrokerError
+
+TABLE = "consumer_group_offsets"
+MIGRATIONS_TABLE = "zbroker_schema_migrations"
+
+# Schema names end up quoted inside SQL text, so they are restricted to plain
+# identifiers rather than escaped: a name that needs quoting is a mistake.
+_SCHEMA_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+class OffsetStoreError(ZBrokerError):
+    """The offset store failed. Retriable: the database may come back.
+
+    ``data`` carries ``backend``, ``operation`` and, where known, ``cause``
+    (the exception class) and ``sqlstate``.
+    """
+
+    code = ErrorCode.UNAVAILABLE
+
+
+class InvalidOffsetsUrl(ZBrokerError):
+    """``--offsets`` names no backend we know, or an unusable schema."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+@dataclasses.dataclass(slots=True)
+class OffsetRow:
+    """One durable position: what the coordinator sends and what it reloads."""
+
+    group_id: str
+    topic: str
+    partition: int
+    committed_offset: int
+    holes: list[tuple[int, int]]
+    generation: int
+    reset_epoch: int
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.group_id, self.topic, self.partition)
+
+    def to_wire(self) -> list:
+        """A LoadOffsetsReply row: [group, topic, partition, committed, holes, generation, reset_epoch]."""
+        return [self.group_id, self.topic, self.partition, self.committed_offset,
+                [[s, e] for s, e in self.holes], self.generation, self.reset_epoch]
+
+
+def winner(current: OffsetRow, new: OffsetRow) -> OffsetRow:
+    """The monotonic guard in Python: the row that an upsert of `new` over `current` leaves."""
+    if new.reset_epoch > current.reset_epoch:
+        return new
+    if new.reset_epoch == current.reset_epoch and new.committed_offset >= current.committed_offset:
+        return new
+    return current
+
+
+def fold(rows: Iterable[OffsetRow]) -> list[OffsetRow]:
+    """Reduce a batch to one row per key, as if its rows were applied in order.
+
+    Sorted by key so that two writers (an old and a new writer process that
+    briefly overlap) lock rows in the same order and cannot deadlock.
+    """
+    by_key: dict[tuple[str, str, int], OffsetRow] = {}
+    for row in rows:
+        key = row.key
+        cur = by_key.get(key)
+        by_key[key] = row if cur is None else winner(cur, row)
+    return [by_key[k] for k in sorted(by_key)]
+
+
+class OffsetStore(abc.ABC):
+    """One connection's worth of offset storage. Not safe across event loops.
+
+    Every method raises `OffsetStoreError` (never a driver exception), so the
+    commit writer has one thing to catch. A store reconnects by itself on the
+    next call after a failure; `connect` only makes the first attempt eager.
+    """
+
+    backend: str
+    schema: str | None
+
+    @abc.abstractmethod
+    async def connect(self) -> None:
+        """Open the connection (idempotent)."""
+
+    @abc.abstractmethod
+    async def migrate(self) -> list[int]:
+        """Apply pending migrations; return the versions applied now (empty when up to date)."""
+
+    @abc.abstractmethod
+    async def upsert(self, rows: Iterable[OffsetRow]) -> int:
+        """Write `rows` through the monotonic guard in ONE statement; return rows changed."""
+
+    @abc.abstractmethod
+    async def load_all(self) -> list[OffsetRow]:
+        """Every row, ordered by (group_id, topic, partition)."""
+
+    @abc.abstractmethod
+    async def ping(self) -> None:
+        """One round trip, to tell whether the database answers."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the connection (idempotent)."""
+
+    def statistics(self) -> dict[str, int]:
+        """Counters kept by the store itself (statements sent, reconnects)."""
+        return {}
+
+    async def __aenter__(self) -> "OffsetStore":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    sql: str  # with "{schema}" standing for the quoted schema name
+
+
+def load_migrations(backend: str) -> list[Migration]:
+    """The versioned migrations of one backend: ``migrations/NNNN_name.<backend>.sql``.
+
+    Each file must be idempotent on its own (IF NOT EXISTS) as well: the
+    version table makes reapplying rare, the SQL makes it harmless.
+    """
+    out = []
+    folder = importlib.resources.files("storage.offsets").joinpath("migrations")
+    suffix = f".{backend}.sql"
+    for entry in folder.iterdir():
+        if not entry.name.endswith(suffix):
+            continue
+        stem = entry.name[: -len(suffix)]
+        version, _, name = stem.partition("_")
+        out.append(Migration(int(version), name, entry.read_text(encoding="utf-8")))
+    out.sort(key=lambda mig: mig.version)
+    if len({mig.version for mig in out}) != len(out):
+        raise ZBrokerError("two migrations share a version", backend=backend)
+    return out
+
+
+def check_schema(schema: str | None) -> str | None:
+    if schema is not None and not _SCHEMA_RE.match(schema):
+        raise InvalidOffsetsUrl(f"schema {schema!r} is not a plain identifier", schema=schema)
+    return schema
+
+
+def split_schema(url: str) -> tuple[str, str | None]:
+    """Take a ``schema=`` query parameter out of `url`; the rest goes to the driver."""
+    # By hand rather than urlunsplit, which rewrites "sqlite:///x" to "sqlite:/x".
+    base, sep, query = url.partition("?")
+    schema = None
+    rest = []
+    for k, v in parse_qsl(query, keep_blank_values=True):
+        if k == "schema":
+            schema = v
+        else:
+            rest.append((k, v))
+    return (base + "?" + urlencode(rest) if rest else base), schema
+
+
+def open_offset_store(url: str, *, schema: str | None = None, **options) -> OffsetStore:
+    """Build an (unconnected) store from an ``--offsets`` URL.
+
+    ``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite:///:memory:``
+    or ``postgresql://user@host:port/db`` (``postgres://`` too). A ``schema=``
+    query parameter, or the `schema` argument (which wins), puts the tables in
+    that schema: a PostgreSQL schema, or for SQLite an attached database file
+    ``<path>.<schema>``. `options` go to the backend's constructor (timeouts).
+    """
+    if not isinstance(url, str):
+        raise InvalidOffsetsUrl("offsets URL must be a string", got=type(url).__name__)
+    url, url_schema = split_schema(url)
+    schema = check_schema(schema if schema is not None else (url_schema or None))
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "sqlite":
+        from storage.offsets.sqlite import SQLiteOffsetStore
+
+        prefix = "sqlite:///"
+        if not url.startswith(prefix) or len(url) == len(prefix):
+            raise InvalidOffsetsUrl("SQLite URL must look like sqlite:///path", url=url)
+        path = url[len(prefix):]  # SQLAlchemy's convention: a 4th slash makes it absolute
+        return SQLiteOffsetStore(path, schema=schema, **options)
+    if scheme in ("postgresql", "postgres"):
+        from storage.offsets.postgres import PostgresOffsetStore
+
+        return PostgresOffsetStore(url, schema=schema, **options)
+    raise InvalidOffsetsUrl(f"unknown offsets backend {scheme!r}; use sqlite:/// or postgresql://",
+                            scheme=scheme)

@@ -1,0 +1,197 @@
+"""PostgreSQL offset store through asyncpg (``--offsets postgresql://…``).
+
+Theory of operation
+-------------------
+One connection, used by one operation at a time (an asyncio lock: asyncpg
+refuses concurrent use, and the writer flushes one batch at a time anyway).
+
+A flush is one round trip. The batch goes as seven parallel arrays to
+``INSERT … SELECT … FROM unnest(…) ON CONFLICT … DO UPDATE … WHERE <guard>``.
+A lone statement outside an explicit block is its own transaction in
+PostgreSQL, so the batch commits atomically without the two extra round trips
+of ``BEGIN``/``COMMIT``. asyncpg caches the prepared statement, so after the
+first flush each one is Bind/Execute/Sync in a single write.
+
+Failures: every operation has a timeout (connect and command), and after any
+error the connection is terminated rather than reused, because after a
+timeout or a cut network its state is unknown; the next call reconnects.
+A statement that timed out may still have committed on the server: the
+caller must treat it as *not* durable and write it again, which the monotonic
+guard makes harmless.
+
+Schemas: ``schema=None`` uses ``public``. A named schema is created by
+`migrate` if missing. Migrations run in one transaction under an advisory
+lock keyed on the schema name, so concurrent migrators take turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
+
+import asyncpg
+
+from storage.offsets.base import (
+    MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations,
+)
+
+T = TypeVar("T")
+
+APPLICATION_NAME = "zbroker-offsets"
+
+_UPSERT = """
+INSERT INTO {s}.{table} AS cur
+    (group_id, topic, partition, committed_offset, holes, generation, reset_epoch, updated_at)
+SELECT u.g, u.t, u.p, u.o, u.h::jsonb, u.gen, u.e, now()
+FROM unnest($1::text[], $2::text[], $3::int4[], $4::int8[], $5::text[], $6::int8[], $7::int8[])
+    AS u(g, t, p, o, h, gen, e)
+ON CONFLICT (group_id, topic, partition) DO UPDATE SET
+    committed_offset = excluded.committed_offset,
+    holes = excluded.holes,
+    generation = excluded.generation,
+    reset_epoch = excluded.reset_epoch,
+    updated_at = excluded.updated_at
+WHERE excluded.reset_epoch > cur.reset_epoch
+   OR (excluded.reset_epoch = cur.reset_epoch AND excluded.committed_offset >= cur.committed_offset)
+"""
+
+_SELECT = """
+SELECT group_id, topic, partition, committed_offset, holes::text AS holes, generation, reset_epoch
+FROM {s}.{table} ORDER BY group_id, topic, partition
+"""
+
+
+class PostgresOffsetStore(OffsetStore):
+    backend = "postgresql"
+
+    def __init__(self, dsn: str, *, schema: str | None = None, connect_timeout: float = 5.0,
+                 command_timeout: float = 5.0, application_name: str = APPLICATION_NAME) -> None:
+        self.dsn = dsn
+        self.schema = schema
+        self.connect_timeout = connect_timeout
+        self.command_timeout = command_timeout
+        self.application_name = application_name
+        self._qualifier = f'"{schema or "public"}"'
+        self._conn: asyncpg.Connection | None = None
+        self._lock = asyncio.Lock()
+        self._stats = {"statements": 0, "connects": 0, "failures": 0}
+        self._upsert_sql = _UPSERT.format(s=self._qualifier, table=TABLE)
+        self._select_sql = _SELECT.format(s=self._qualifier, table=TABLE)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    async def _with_conn(self, operation: str, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        async with self._lock:
+            try:
+                if self._conn is None or self._conn.is_closed():
+                    self._conn = None
+                    self._conn = await asyncpg.connect(
+                        self.dsn, timeout=self.connect_timeout, command_timeout=self.command_timeout,
+                        # A reply says "durable": make sure the server's commit means it even
+                        # where synchronous_commit was turned off for everyone else.
+                        server_settings={"application_name": self.application_name,
+                                         "synchronous_commit": "on"})
+                    self._stats["connects"] += 1
+                return await fn(self._conn)
+            except BaseException as exc:
+                # Unknown connection state after any failure (even a cancellation):
+                # drop it so that the next call starts clean.
+                self._stats["failures"] += 1
+                self._drop()
+                if isinstance(exc, Exception) and not isinstance(exc, OffsetStoreError):
+                    raise OffsetStoreError(
+                        f"postgresql {operation} failed: {type(exc).__name__}: {exc}",
+                        backend=self.backend, operation=operation, cause=type(exc).__name__,
+                        sqlstate=getattr(exc, "sqlstate", None)) from exc
+                raise
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.is_closed():
+            conn.terminate()
+
+    # -- OffsetStore ----------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        async def noop(conn: asyncpg.Connection) -> None:
+            return None
+
+        await self._with_conn("connect", noop)
+
+    async def migrate(self) -> list[int]:
+        migrations = load_migrations("postgres")
+        q = self._qualifier
+        schema = self.schema or "public"
+
+        async def run(conn: asyncpg.Connection) -> list[int]:
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"zbroker-migrate:{schema}")
+                # Checked first: CREATE SCHEMA IF NOT EXISTS still needs CREATE on the database.
+                if not await conn.fetchval("SELECT true FROM pg_namespace WHERE nspname = $1", schema):
+                    await conn.execute(f"CREATE SCHEMA {q}")
+                await conn.execute(f"CREATE TABLE IF NOT EXISTS {q}.{MIGRATIONS_TABLE} ("
+                                   "version integer PRIMARY KEY, name text NOT NULL, "
+                                   "applied_at timestamptz NOT NULL DEFAULT now())")
+                done = {r[0] for r in await conn.fetch(f"SELECT version FROM {q}.{MIGRATIONS_TABLE}")}
+                applied = []
+                for mig in migrations:
+                    if mig.version in done:
+                        continue
+                    await conn.execute(mig.sql.replace("{schema}", q))
+                    await conn.execute(f"INSERT INTO {q}.{MIGRATIONS_TABLE} (version, name) VALUES ($1, $2)",
+                                       mig.version, mig.name)
+                    applied.append(mig.version)
+                return applied
+
+        return await self._with_conn("migrate", run)
+
+    async def upsert(self, rows: Iterable[OffsetRow]) -> int:
+        batch = fold(rows)
+        if not batch:
+            return 0
+        columns: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
+        g, t, p, o, h, gen, e = columns
+        dumps = json.JSONEncoder(separators=(",", ":")).encode
+        for r in batch:
+            g.append(r.group_id)
+            t.append(r.topic)
+            p.append(r.partition)
+            o.append(r.committed_offset)
+            h.append(dumps([list(x) for x in r.holes]) if r.holes else "[]")
+            gen.append(r.generation)
+            e.append(r.reset_epoch)
+
+        async def run(conn: asyncpg.Connection) -> int:
+            self._stats["statements"] += 1
+            status = await conn.execute(self._upsert_sql, *columns)
+            return int(status.rsplit(" ", 1)[-1])  # "INSERT 0 <rows changed>"
+
+        return await self._with_conn("upsert", run)
+
+    async def load_all(self) -> list[OffsetRow]:
+        async def run(conn: asyncpg.Connection) -> list[OffsetRow]:
+            records = await conn.fetch(self._select_sql)
+            return [OffsetRow(r[0], r[1], r[2], r[3], [(s, x) for s, x in json.loads(r[4])], r[5], r[6])
+                    for r in records]
+
+        return await self._with_conn("load_all", run)
+
+    async def ping(self) -> None:
+        async def run(conn: asyncpg.Connection) -> None:
+            await conn.fetchval("SELECT 1")
+
+        await self._with_conn("ping", run)
+
+    async def close(self) -> None:
+        async with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is None or conn.is_closed():
+                return
+            try:
+                await conn.close(timeout=self.connect_timeout)
+            except Exception:
+                conn.terminate()
+
+    def statistics(self) -> dict[str, int]:
+        return dict(self._stats)

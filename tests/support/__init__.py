@@ -1,0 +1,1 @@
+"""Shared test support: PostgreSQL fixtures (`pg`) and a cuttable TCP proxy (`tcp_proxy`)."""
