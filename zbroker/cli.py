@@ -52,7 +52,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from zbroker.supervisor import BrokerConfig, serve
     return serve(BrokerConfig(data_dir=args.data, host=args.host, port=args.port,
                               partition_actors=args.partition_actors, fsync=args.fsync,
-                              offsets_url=args.offsets, log_level=args.log_level))
+                              offsets_url=args.offsets, log_level=args.log_level, curve_dir=args.curve))
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
@@ -60,7 +60,21 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from actors.partition_log.shell import run
     FsyncPolicy.parse(args.fsync)
     actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
-    run(actor_id, args.broker, args.data, bind=args.bind, fsync=args.fsync, log_level=args.log_level)
+    run(actor_id, args.broker, args.data, bind=args.bind, fsync=args.fsync, log_level=args.log_level,
+        curve_dir=args.curve)
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from actors.security import keygen
+    written = keygen(args.dir, clients=args.client)
+    for name, path in written.items():
+        print(f"{name}: {path}")
+    if not written:
+        print("nothing new: every key already exists")
+    print(f"broker: zbroker up --curve {args.dir}")
+    print(f"client: ZBROKER_CURVE_SERVER_KEY={args.dir}/server.key "
+          f"ZBROKER_CURVE_KEY={args.dir}/clients/<name>.key_secret zbroker status")
     return 0
 
 
@@ -246,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--fsync", default="interval:1000", help="always | never | interval:MS (default interval:1000)")
     up.add_argument("--offsets", default=None, help="sqlite:///path (default <data>/offsets.sqlite3) or postgresql://…")
     up.add_argument("--log-level", default="info")
+    up.add_argument("--curve", default=None, metavar="DIR", help="CurveZMQ keys (see `zbroker keygen`); off by default")
     up.set_defaults(func=cmd_up)
 
     part = sub.add_parser("partition", help="start an extra partition-log actor that joins a broker")
@@ -255,7 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--actor-id", default=None)
     part.add_argument("--fsync", default="interval:1000")
     part.add_argument("--log-level", default="info")
+    part.add_argument("--curve", default=None, metavar="DIR", help="the broker's CurveZMQ key directory")
     part.set_defaults(func=cmd_partition)
+
+    keys = sub.add_parser("keygen", help="create CurveZMQ keys: the broker's pair and one pair per client")
+    keys.add_argument("dir")
+    keys.add_argument("--client", action="append", default=[], help="client name (repeat for more)")
+    keys.set_defaults(func=cmd_keygen)
 
     topics = client_cmd("topics", "create, list and describe topics")
     tsub = topics.add_subparsers(dest="topics_cmd", required=True)

@@ -46,6 +46,7 @@ class BrokerConfig:
     fsync: str = "interval:1000"
     offsets_url: str | None = None  # default: sqlite:///<data_dir>/offsets.sqlite3
     log_level: str = "info"
+    curve_dir: str | None = None  # CurveZMQ keys (actors/security.py); None = no encryption
 
     @property
     def coordinator_endpoint(self) -> str:
@@ -89,16 +90,17 @@ class Supervisor:
         self.children: list[_Child] = [
             _Child("coordinator", "actors.group_coordinator.shell:run",
                    {"endpoint": coordinator, "data_dir": str(data / "coordinator"),
-                    "log_level": config.log_level}),
+                    "log_level": config.log_level, "curve_dir": config.curve_dir}),
             _Child("commit-writer", "actors.commit_writer.shell:run",
                    {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
-                    "log_level": config.log_level}),
+                    "log_level": config.log_level, "curve_dir": config.curve_dir}),
         ]
         for i in range(config.partition_actors):
             self.children.append(_Child(
                 f"partition-{i}", "actors.partition_log.shell:run",
                 {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(data / "partitions"),
-                 "bind": config.partition_bind(i), "fsync": config.fsync, "log_level": config.log_level}))
+                 "bind": config.partition_bind(i), "fsync": config.fsync, "log_level": config.log_level,
+                 "curve_dir": config.curve_dir}))
 
     def _start(self, child: _Child) -> None:
         child.process = self.ctx.Process(target=_spawn_target, args=(child.target, child.kwargs),
@@ -262,16 +264,20 @@ class BrokerHandle:
 
 def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int = 1,
                  fsync: str = "interval:1000", offsets_url: str | None = None, log_level: str = "warning",
-                 wait: bool = True, log_file: str | Path | None = None, timeout: float = 30.0) -> BrokerHandle:
+                 wait: bool = True, log_file: str | Path | None = None, timeout: float = 30.0,
+                 curve_dir: str | Path | None = None) -> BrokerHandle:
     """Start ``zbroker up`` as a subprocess; with ``port=0`` pick free ports."""
     if port == 0:
         port = free_port_block(partition_actors + 1)
     config = BrokerConfig(data_dir=str(data_dir), port=port, partition_actors=partition_actors, fsync=fsync,
-                          offsets_url=offsets_url, log_level=log_level)
+                          offsets_url=offsets_url, log_level=log_level,
+                          curve_dir=str(curve_dir) if curve_dir else None)
     cmd = [sys.executable, "-m", "zbroker", "up", "--data", str(data_dir), "--port", str(port),
            "--partition-actors", str(partition_actors), "--fsync", fsync, "--log-level", log_level]
     if offsets_url:
         cmd += ["--offsets", offsets_url]
+    if curve_dir:
+        cmd += ["--curve", str(curve_dir)]
     stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
     try:
         process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
@@ -281,21 +287,24 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
     handle = BrokerHandle(process, config)
     if wait:
         try:
-            wait_ready(handle.url, partition_actors=partition_actors, timeout=timeout)
+            wait_ready(handle.url, partition_actors=partition_actors, timeout=timeout, curve_dir=curve_dir)
         except BaseException:
             handle.stop()
             raise
     return handle
 
 
-def wait_ready(url: str, *, partition_actors: int = 1, timeout: float = 30.0) -> dict:
+def wait_ready(url: str, *, partition_actors: int = 1, timeout: float = 30.0,
+               curve_dir: str | Path | None = None) -> dict:
     """Block until the coordinator answers status with every actor healthy and offsets loaded."""
-    from zbroker.client import Admin
+    from actors.security import KeyRing
     from protocol.errors import ZBrokerError
+    from zbroker.client import Admin
 
     deadline = time.monotonic() + timeout
     last: Any = None
-    with Admin(url, request_timeout=1.0) as admin:
+    curve = KeyRing(curve_dir).internal_client() if curve_dir else None
+    with Admin(url, request_timeout=1.0, curve=curve) as admin:
         while time.monotonic() < deadline:
             try:
                 status = admin.status()

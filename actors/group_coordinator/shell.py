@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import zmq
 
-from actors import runtime
+from actors import runtime, security
 from actors.group_coordinator import effects as fx
 from actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
 from actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
@@ -105,8 +105,9 @@ class Outbound:
 
 
 class CoordinatorShell:
-    def __init__(self, router: zmq.Socket, data_dir: Path, log: Any) -> None:
+    def __init__(self, router: zmq.Socket, data_dir: Path, log: Any, acl: security.Acl | None = None) -> None:
         self.router = router
+        self.acl = acl
         self.log = log
         self.meta = MetaFiles(data_dir)
         self.topics = TopicRegistry()
@@ -137,7 +138,10 @@ class CoordinatorShell:
 
     # -- inbound ----------------------------------------------------------------------------
 
-    def on_message(self, identity: bytes, frames: list, now: int) -> None:
+    def on_message(self, identity: bytes, frames: list, now: int, user: str | None = None) -> None:
+        if self.acl is not None and user != self.acl.broker_key:
+            self.on_client_message(identity, frames, now, user)
+            return
         if identity == WRITER_IDENTITY or identity.startswith(b"partition:"):
             try:
                 is_reply, env = codec.decode_any(frames)
@@ -149,10 +153,20 @@ class CoordinatorShell:
                 return
             self.on_request(identity, env, now)
             return
+        self.on_client_message(identity, frames, now, user)
+
+    def on_client_message(self, identity: bytes, frames: list, now: int, user: str | None) -> None:
         env, error = runtime.decode_or_error(frames, self.log)
         if error is not None:
             runtime.send_reply(self.router, identity, error)
             return
+        if self.acl is not None:
+            try:
+                self.acl.check(user, env.op, env.msg)
+            except ZBrokerError as err:
+                self.log.warning("auth.denied", op=env.op, reason=err.message, data=err.data)
+                self.reply_error(runtime.RouterToken(identity, env.corr_id, env.op), err)
+                return
         self.on_request(identity, env, now)
 
     def on_request(self, identity: bytes, env: codec.Envelope, now: int) -> None:
@@ -429,17 +443,21 @@ class CoordinatorShell:
         self.open_polls.clear()
 
 
-def run(endpoint: str, data_dir: str, *, log_level: str = "info") -> None:
+def run(endpoint: str, data_dir: str, *, log_level: str = "info", curve_dir: str | None = None) -> None:
     """Process main for the group coordinator."""
     log = runtime.configure_logging(log_level, actor="group-coordinator")
     stop = runtime.StopFlag().install()
     data = Path(data_dir)
     data.mkdir(parents=True, exist_ok=True)
     ctx = zmq.Context()
+    keys = security.KeyRing(curve_dir) if curve_dir else None
+    auth = security.start_authenticator(ctx, keys, log) if keys else None
     router = runtime.make_socket(ctx, zmq.ROUTER)
+    if keys is not None:
+        keys.make_server(router)
     try:
         bound = runtime.bind_endpoint(router, endpoint)
-        shell = CoordinatorShell(router, data, log)
+        shell = CoordinatorShell(router, data, log, keys.acl() if keys else None)
         log.info("actor.started", endpoint=bound, data_dir=str(data), topics=len(shell.topics.topics))
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
@@ -455,17 +473,23 @@ def run(endpoint: str, data_dir: str, *, log_level: str = "info") -> None:
             if ready:
                 for _ in range(TURN_BUDGET):
                     try:
-                        frames = router.recv_multipart(zmq.NOBLOCK)
+                        frames = router.recv_multipart(zmq.NOBLOCK, copy=keys is None)
                     except zmq.Again:
                         break
                     if len(frames) < 2:
                         continue
-                    shell.on_message(frames[0], frames[1:], now)
+                    if keys is None:
+                        shell.on_message(frames[0], frames[1:], now)
+                    else:  # frames are zmq.Frame objects carrying the authenticated User-Id
+                        shell.on_message(frames[0].bytes, [f.bytes for f in frames[1:]], now,
+                                         security.user_id(frames[1]))
             shell.tick(now)
         shell.shutdown()
         log.info("actor.stopped", signal=stop.signal)
     finally:
         router.close(linger=0)
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
 

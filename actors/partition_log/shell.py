@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from actors import runtime
+from actors import runtime, security
 from actors.partition_log.core import (FsyncPolicy, Limits, OpenFailed, PartitionActorCore, Reply,
                                        ReplyError)
 from protocol import codec
@@ -83,7 +83,7 @@ def storage_id_for(data_dir: Path) -> str:
 
 def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://127.0.0.1:0",
         advertise_host: str | None = None, fsync: str = "interval:1000", log_level: str = "info",
-        max_batch_bytes: int = Limits.max_batch_bytes) -> None:
+        max_batch_bytes: int = Limits.max_batch_bytes, curve_dir: str | None = None) -> None:
     """Process main. Runs until SIGTERM/SIGINT, then drains and exits 0."""
     log = runtime.configure_logging(log_level, actor="partition-log", actor_id=actor_id)
     stop = runtime.StopFlag().install()
@@ -92,8 +92,15 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     core = PartitionActorCore(actor_id, open_log=LockedLogOpener(data), fsync=FsyncPolicy.parse(fsync),
                               limits=Limits(max_batch_bytes=max_batch_bytes))
     ctx = zmq.Context()
+    keys = security.KeyRing(curve_dir) if curve_dir else None
+    auth = security.start_authenticator(ctx, keys, log) if keys else None
     router = runtime.make_socket(ctx, zmq.ROUTER)
     dealer = runtime.make_socket(ctx, zmq.DEALER, identity=f"partition:{actor_id}".encode())
+    acl = None
+    if keys is not None:
+        keys.make_server(router)
+        keys.internal_client().apply(dealer)
+        acl = keys.acl()
     try:
         endpoint = runtime.bind_endpoint(router, bind)
         if advertise_host:
@@ -101,18 +108,20 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         dealer.connect(coordinator)
         log.info("actor.started", endpoint=endpoint, coordinator=coordinator, fsync=str(core.fsync),
                  data_dir=str(data))
-        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log)
+        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl)
         for effect in core.close():
             _apply(effect, router, dealer, log)
         log.info("actor.stopped", signal=stop.signal)
     finally:
         router.close(linger=0)
         dealer.close(linger=0)
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
 
 def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
-          storage_id: str, stop: runtime.StopFlag, log: Any) -> None:
+          storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None) -> None:
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
@@ -142,7 +151,9 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
                 if len(frames) < 2:
                     continue
                 # Payload frames stay zero-copy views; the log writes them as they are.
-                _handle(core, (router, frames[0].bytes), [f.buffer for f in frames[1:]], now, router, dealer, log)
+                user = security.user_id(frames[1]) if acl is not None else None
+                _handle(core, (router, frames[0].bytes), [f.buffer for f in frames[1:]], now, router, dealer, log,
+                        acl, user)
         if dealer in ready:
             for _ in range(TURN_BUDGET):
                 try:
@@ -160,12 +171,19 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
 
 
 def _handle(core: PartitionActorCore, route: tuple, frames: list, now: int, router: zmq.Socket,
-            dealer: zmq.Socket, log: Any) -> None:
+            dealer: zmq.Socket, log: Any, acl: security.Acl | None = None, user: str | None = None) -> None:
     env, error = runtime.decode_or_error(frames, log)
     if error is not None:
         _send(route, error)
         return
     token = (route, env.corr_id, env.op)
+    if acl is not None:
+        try:
+            acl.check(user, env.op, env.msg)
+        except ZBrokerError as err:
+            log.warning("auth.denied", op=env.op, reason=err.message, data=err.data)
+            _apply(ReplyError(token, env.op, err), router, dealer, log)
+            return
     for effect in _guarded(core, token, env, now, log):
         _apply(effect, router, dealer, log)
 

@@ -22,13 +22,16 @@ from protocol.batch import decode_fetched
 from protocol.errors import ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
                                  MetadataCache, PendingBatch, group_by_lease)
-from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError
+from actors.security import ClientKeys
+from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, curve_from_env
 
 
 class AsyncConnection:
-    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0) -> None:
+    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
+                 curve: ClientKeys | None = None) -> None:
         self.url = url
         self.request_timeout = request_timeout
+        self.curve = curve if curve is not None else curve_from_env()
         self.ctx = zmq.asyncio.Context()
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.readers: list[asyncio.Task] = []
@@ -43,6 +46,8 @@ class AsyncConnection:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.SNDTIMEO, int(self.request_timeout * 1000))
+            if self.curve is not None:
+                self.curve.apply(sock)
             sock.connect(endpoint)
             self.sockets[endpoint] = sock
             self.readers.append(asyncio.get_running_loop().create_task(self._read(sock)))
@@ -252,7 +257,11 @@ class AsyncConsumer:
         self._heartbeat_task: asyncio.Task | None = None
 
     async def start(self) -> "AsyncConsumer":
-        await self._join()
+        try:
+            await self._join()
+        except BaseException:
+            await self.conn.close()
+            raise
         self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
         return self
 

@@ -11,6 +11,7 @@ instead of being delivered to its successor minutes later.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -18,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 import structlog
 import zmq
 
+from actors.security import ClientKeys
 from protocol import codec
 from protocol import messages as m
 from protocol.batch import decode_fetched
@@ -34,9 +36,11 @@ RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEO
 class Connection:
     """Sockets to the coordinator and the partition actors, with request/reply matching."""
 
-    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0) -> None:
+    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
+                 curve: ClientKeys | None = None) -> None:
         self.url = url
         self.request_timeout = request_timeout
+        self.curve = curve if curve is not None else curve_from_env()
         self.ctx = zmq.Context()
         self.sockets: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
@@ -54,6 +58,8 @@ class Connection:
             sock.setsockopt(zmq.SNDTIMEO, int(self.request_timeout * 1000))
             sock.setsockopt(zmq.SNDHWM, 100_000)
             sock.setsockopt(zmq.RCVHWM, 100_000)
+            if self.curve is not None:
+                self.curve.apply(sock)
             sock.connect(endpoint)
             self.sockets[endpoint] = sock
             self.poller.register(sock, zmq.POLLIN)
@@ -142,11 +148,18 @@ class Connection:
         self.ctx.term()
 
 
+def curve_from_env() -> ClientKeys | None:
+    """CURVE keys from ZBROKER_CURVE_SERVER_KEY and ZBROKER_CURVE_KEY (file paths), if both are set."""
+    server, client = os.environ.get("ZBROKER_CURVE_SERVER_KEY"), os.environ.get("ZBROKER_CURVE_KEY")
+    return ClientKeys.load(server, client) if server and client else None
+
+
 class Admin:
     """Topics, groups and status."""
 
-    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0) -> None:
-        self.conn = Connection(url, request_timeout=request_timeout)
+    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
+                 curve: ClientKeys | None = None) -> None:
+        self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
 
     def hello(self) -> dict:
         return self.conn.coordinator(m.Hello(versions=list(m.SUPPORTED_VERSIONS), client="zbroker-python")).to_fields()
@@ -204,8 +217,8 @@ class Producer:
 
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
                  batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000, request_timeout: float = 5.0,
-                 retries: int = 20, producer_id: int | None = None) -> None:
-        self.conn = Connection(url, request_timeout=request_timeout)
+                 retries: int = 20, producer_id: int | None = None, curve: ClientKeys | None = None) -> None:
+        self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
         self.linger_s = linger_ms / 1000.0
         self.max_in_flight_records = max_in_flight_records
         self.retries = retries
@@ -399,8 +412,9 @@ class Consumer:
                  session_timeout_ms: int = 10_000, ack_batch: int = 1000, ack_interval_ms: float = 5.0,
                  request_timeout: float = 5.0, max_in_flight: int | None = None,
                  on_assign: Callable[[list], None] | None = None,
-                 on_revoke: Callable[[list], None] | None = None, heartbeat: bool = True) -> None:
-        self.conn = Connection(url, request_timeout=request_timeout)
+                 on_revoke: Callable[[list], None] | None = None, heartbeat: bool = True,
+                 curve: ClientKeys | None = None) -> None:
+        self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
         self.group = group
         self.topics = list(topics)
         self.member_id = member_id
@@ -420,9 +434,13 @@ class Consumer:
         self._needs_rejoin = threading.Event()
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
-        if max_in_flight is not None:
-            self.conn.coordinator(m.ConfigureGroup(group=group, max_in_flight=max_in_flight))
-        self._join()
+        try:
+            if max_in_flight is not None:
+                self.conn.coordinator(m.ConfigureGroup(group=group, max_in_flight=max_in_flight))
+            self._join()
+        except BaseException:
+            self.conn.close()  # a consumer that never joined owns no sockets afterwards
+            raise
         if heartbeat:
             self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="zbroker-heartbeat",
                                                       daemon=True)
@@ -458,6 +476,8 @@ class Consumer:
         ctx = self.conn.ctx
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.conn.curve is not None:
+            self.conn.curve.apply(sock)
         sock.connect(self.conn.url)
         interval = self.session_timeout_ms / 3000.0
         ids = itertools.count(1)

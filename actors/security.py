@@ -1,0 +1,202 @@
+"""CurveZMQ authentication and per-topic authorization.
+
+Theory of operation
+-------------------
+With ``--curve DIR`` every socket an actor binds is a CURVE server and every
+socket it dials is a CURVE client. The directory holds::
+
+    DIR/server.key, DIR/server.key_secret     the broker's key pair (all actors share it)
+    DIR/clients/<name>.key                     public keys of allowed clients
+    DIR/clients/<name>.key_secret              handed to that client, not needed by the broker
+    DIR/acl.json                               optional: {"<name>": {"produce": [...], "consume": [...], "admin": bool}}
+
+Authentication happens in libzmq's handshake, through a ZAP handler thread
+(pyzmq's `ThreadAuthenticator`) that asks `KeyRing.allowed`: a client whose
+key is not in ``clients/`` never completes the handshake, so it never sends
+a request nor sees a byte of data, and the refusal is logged. libzmq then
+stamps each message with the client's z85 public key as its ``User-Id``.
+
+Authorization is a pure decision (`Acl.check`) made per request from that
+user id: produce needs ``produce`` on the topic, fetch/join/acks need
+``consume``, creating topics and configuring or resetting groups needs
+``admin``, internal ops need the broker's own key. A client without an
+``acl.json`` entry may do everything a client can. A refusal is an
+UNAUTHORIZED error reply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from protocol.errors import Unauthorized
+
+ZAP_DOMAIN = "zbroker"
+INTERNAL_OPS = {"register", "report", "assign", "writer_status", "advance", "load_offsets"}
+ADMIN_OPS = {"create_topic", "configure_group", "reset_group"}
+MEMBER_OPS = {"heartbeat", "leave", "poll", "ack", "nack", "extend", "reject"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Permissions:
+    """``None`` means every topic."""
+
+    produce: frozenset[str] | None = None
+    consume: frozenset[str] | None = None
+    admin: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Permissions":
+        def topics(key: str) -> frozenset[str] | None:
+            value = d.get(key, [])
+            if value == "*" or value == ["*"]:
+                return None
+            if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+                raise ValueError(f"acl {key!r} must be a list of topic names or '*'")
+            return frozenset(value)
+        return cls(produce=topics("produce"), consume=topics("consume"), admin=bool(d.get("admin", False)))
+
+    def may(self, action: str, topic: str) -> bool:
+        allowed = self.produce if action == "produce" else self.consume
+        return allowed is None or topic in allowed
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientKeys:
+    """What a client needs: the broker's public key and its own key pair (z85 bytes)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, server_key_file: str | Path, client_secret_file: str | Path) -> "ClientKeys":
+        server_public, _ = zmq.auth.load_certificate(str(server_key_file))
+        public, secret = zmq.auth.load_certificate(str(client_secret_file))
+        if secret is None:
+            raise ValueError(f"{client_secret_file} holds no secret key (use the .key_secret file)")
+        return cls(server_public, public, secret)
+
+    def apply(self, sock: zmq.Socket) -> None:
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+
+class KeyRing:
+    """The broker's keys, the allowed clients and their permissions, read from DIR."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.public, self.secret = zmq.auth.load_certificate(str(self.directory / "server.key_secret"))
+        if self.secret is None:
+            raise ValueError(f"{self.directory / 'server.key_secret'} holds no secret key")
+        self.names: dict[str, str] = {}  # z85 public key -> client name
+        for key_file in sorted((self.directory / "clients").glob("*.key")):
+            public, _ = zmq.auth.load_certificate(str(key_file))
+            self.names[public.decode()] = key_file.stem
+        acl_file = self.directory / "acl.json"
+        raw = json.loads(acl_file.read_text()) if acl_file.exists() else {}
+        self.permissions = {name: Permissions.from_dict(p) for name, p in raw.items()}
+
+    def allowed(self, public_z85: bytes) -> bool:
+        key = public_z85.decode()
+        return key == self.public.decode() or key in self.names
+
+    def acl(self) -> "Acl":
+        by_key = {key: self.permissions.get(name, Permissions()) for key, name in self.names.items()}
+        return Acl(self.public.decode(), by_key, self.names)
+
+    def internal_client(self) -> ClientKeys:
+        """Actors dial each other with the broker's own key pair."""
+        return ClientKeys(self.public, self.public, self.secret)
+
+    def make_server(self, sock: zmq.Socket) -> None:
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.curve_server = True
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+
+class Acl:
+    """Pure: may the client with this user id (z85 public key) make this request?"""
+
+    def __init__(self, broker_key: str, permissions: dict[str, Permissions], names: dict[str, str]) -> None:
+        self.broker_key = broker_key
+        self.permissions = permissions
+        self.names = names
+
+    def check(self, user_id: str | None, op: str, msg: Any) -> None:
+        if user_id == self.broker_key:
+            return  # another actor of this broker
+        perms = self.permissions.get(user_id or "")
+        who = self.names.get(user_id or "", "unknown")
+        if perms is None:
+            raise Unauthorized("client key is not allowed", client=who, op=op)
+        if op in INTERNAL_OPS:
+            raise Unauthorized(f"{op!r} is reserved for the broker's own actors", client=who, op=op)
+        if op in ADMIN_OPS and not perms.admin:
+            raise Unauthorized(f"{op!r} needs admin rights", client=who, op=op)
+        for action, topic in _topics_touched(op, msg):
+            if not perms.may(action, topic):
+                raise Unauthorized(f"client may not {action} topic {topic!r}", client=who, op=op,
+                                   action=action, topic=topic)
+
+
+def _topics_touched(op: str, msg: Any) -> list[tuple[str, str]]:
+    if op == "produce":
+        return [("produce", msg.topic)]
+    if op == "fetch":
+        return [("consume", msg.topic)]
+    if op == "join":
+        return [("consume", t) for t in msg.topics]
+    if op in MEMBER_OPS and hasattr(msg, "ranges"):
+        return [("consume", t) for t in {r[0] for r in msg.ranges}]
+    return []
+
+
+def start_authenticator(ctx: zmq.Context, keys: KeyRing, log: Any) -> ThreadAuthenticator:
+    """Start the ZAP handler; must run before any CURVE server socket binds."""
+
+    class Provider:
+        def callback(self, domain: str, key: bytes) -> bool:
+            ok = keys.allowed(key)
+            if not ok:
+                log.warning("auth.refused", client_key=key.decode(errors="replace"), domain=domain)
+            return ok
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=Provider())
+    return auth
+
+
+def user_id(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+
+
+def keygen(directory: str | Path, *, clients: list[str] = ()) -> dict[str, Path]:
+    """Create DIR with a broker key pair (if missing) and a key pair per client name."""
+    root = Path(directory)
+    (root / "clients").mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    if not (root / "server.key_secret").exists():
+        _public, secret = zmq.auth.create_certificates(str(root), "server")
+        written["server"] = Path(secret)
+    for name in clients:
+        if (root / "clients" / f"{name}.key_secret").exists():
+            continue
+        _public, secret = zmq.auth.create_certificates(str(root / "clients"), name)
+        written[name] = Path(secret)
+    for path in list(root.glob("*.key_secret")) + list((root / "clients").glob("*.key_secret")):
+        path.chmod(0o600)
+    return written
