@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from operator import itemgetter
 from typing import Any, Iterable
 
 from protocol.batch import Record, encode_records
@@ -27,14 +28,12 @@ from protocol.partitioner import partition_for_key
 class ConsumedRecord(Record):
     """A record with the lease under which this consumer holds it."""
 
-    __slots__ = ("lease_id", "attempt", "reason")
+    __slots__ = ()
+    _fields = Record._fields + ("lease_id", "attempt", "reason")
 
-    def __init__(self, topic: str, partition: int, offset: int, timestamp_ms: int, key: bytes | None,
-                 value: bytes, headers: dict | None, lease_id: int, attempt: int, reason: str) -> None:
-        Record.__init__(self, topic, partition, offset, timestamp_ms, key, value, headers)
-        self.lease_id = lease_id
-        self.attempt = attempt
-        self.reason = reason
+    lease_id = property(itemgetter(7))
+    attempt = property(itemgetter(8))
+    reason = property(itemgetter(9))
 
     @property
     def lease(self) -> list:
@@ -171,6 +170,10 @@ class BatchAccumulator:
         self._sequences[key] = seq + 1
         return PendingBatch(topic, partition, encode_records(records), len(records), seq, handles)
 
+    def oldest_opened_at(self) -> float | None:
+        """When the longest-waiting open batch got its first record (None: nothing buffered)."""
+        return min(self._opened_at.values()) if self._opened_at else None
+
     def due(self, now: float, linger_s: float) -> list[PendingBatch]:
         """Batches whose first record has waited at least the linger time."""
         keys = [k for k, t in self._opened_at.items() if now - t >= linger_s]
@@ -184,31 +187,45 @@ class BatchAccumulator:
 
 
 class AckAccumulator:
-    """Folds individual acks into ranges: consecutive offsets of one lease merge."""
+    """Folds individual acks into ranges: consecutive offsets of one lease merge.
+
+    The common case, the next offset of the range acked last, touches only
+    ``_tail``; the dict finds the open range of any other lease.
+    """
 
     def __init__(self) -> None:
         self._ranges: list[list] = []
         self._last: dict[tuple[str, int, int], list] = {}
+        self._tail: list | None = None
         self.count = 0
 
     def add(self, topic: str, partition: int, lease_id: int, offset: int) -> None:
         self.count += 1
+        tail = self._tail
+        if (tail is not None and tail[4] == offset and tail[2] == lease_id and tail[1] == partition
+                and tail[0] == topic):
+            tail[4] = offset + 1
+            return
         key = (topic, partition, lease_id)
         last = self._last.get(key)
         if last is not None and last[4] == offset:
             last[4] = offset + 1
+            self._tail = last
             return
         rng = [topic, partition, lease_id, offset, offset + 1]
         self._ranges.append(rng)
         self._last[key] = rng
+        self._tail = rng
 
     def add_range(self, item: list) -> None:
         self.count += item[4] - item[3]
         self._ranges.append(list(item))
+        self._tail = None
 
     def take(self) -> list[list]:
         ranges, self._ranges = self._ranges, []
         self._last.clear()
+        self._tail = None
         self.count = 0
         return ranges
 

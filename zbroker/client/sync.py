@@ -229,6 +229,8 @@ class Producer:
         self.results: list[tuple[str, int, int, int]] = []  # (topic, partition, base_offset, count)
         self.keep_results = False
         self.stats = {"batches": 0, "records": 0, "retries": 0, "duplicates": 0}
+        self._oldest_open: float | None = None  # first-record time of the longest-waiting open batch
+        self._sends = 0
 
     @property
     def producer_id(self) -> int:
@@ -242,13 +244,26 @@ class Producer:
             partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), key)
         handle = DeliveryHandle(topic, partition)
         ts = time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms
-        batch = self.acc.add(topic, partition, [ts, key, value, headers], len(value) + 16, time.monotonic(), handle)
+        now = time.monotonic()
+        batch = self.acc.add(topic, partition, [ts, key, value, headers], len(value) + 16, now, handle)
         if batch is not None:
             self._dispatch(batch)
+            self._oldest_open = self.acc.oldest_opened_at()
         elif self.linger_s == 0:
             for b in self.acc.drain():
                 self._dispatch(b)
-        self._service(time.monotonic())
+            self._oldest_open = None
+        elif self._oldest_open is None:
+            self._oldest_open = now
+        elif now - self._oldest_open >= self.linger_s:
+            for b in self.acc.due(now, self.linger_s):
+                self._dispatch(b)
+            self._oldest_open = self.acc.oldest_opened_at()
+        self._sends += 1
+        if self.in_flight and self._sends & 63 == 0:
+            # Collect replies now and then so the window keeps moving between batches.
+            for env in self.conn.recv_nowait_all():
+                self._on_reply(env)
         return handle
 
     def send_many(self, topic: str, values: list[bytes], partition: int | None = None) -> None:
@@ -346,18 +361,11 @@ class Producer:
             self._retry_or_fail(batch, RequestTimeout("produce timed out", topic=batch.topic,
                                                       partition=batch.partition))
 
-    def _service(self, now: float) -> None:
-        if self.linger_s > 0:
-            for batch in self.acc.due(now, self.linger_s):
-                self._dispatch(batch)
-        if self.in_flight:
-            for env in self.conn.recv_nowait_all():
-                self._on_reply(env)
-
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered and wait until all of it is acknowledged."""
         for batch in self.acc.drain():
             self._dispatch(batch)
+        self._oldest_open = None
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.in_flight:
             if deadline is not None and time.monotonic() > deadline:
@@ -579,10 +587,14 @@ class Consumer:
     # -- acks -------------------------------------------------------------------------------
 
     def ack(self, record: ConsumedRecord) -> None:
-        self.acks.add(record.topic, record.partition, record.lease_id, record.offset)
+        acks = self.acks
+        acks.add(record[0], record[1], record[7], record[2])  # topic, partition, lease_id, offset
         if self._acks_since is None:
             self._acks_since = time.monotonic()
-        if self.acks.count >= self.ack_batch or time.monotonic() - self._acks_since >= self.ack_interval_s:
+        # The clock is read every 64 acks, not every ack: poll() flushes anyway,
+        # so the interval bounds how long acks wait while a handler loops.
+        if acks.count >= self.ack_batch or (acks.count & 63 == 0 and
+                                            time.monotonic() - self._acks_since >= self.ack_interval_s):
             self.flush_acks(wait=False)
 
     def ack_many(self, records: Iterable[ConsumedRecord]) -> None:
