@@ -587,10 +587,23 @@ class AdvanceReply(Message):
 
 @request("load_offsets")
 class LoadOffsets(Message):
-    pass
+    """One page of stored offsets, ordered by (group, topic, partition), after the key ``after``."""
+    after: list | None = None
+    limit: int = 2000
+
+    def check(self) -> None:
+        if self.after is not None and not (len(self.after) == 3 and isinstance(self.after[0], str)
+                                           and isinstance(self.after[1], str) and isinstance(self.after[2], int)):
+            raise ProtocolError("'after' must be [group, topic, partition]", op="load_offsets")
+        if not 1 <= self.limit <= 10_000:
+            raise ProtocolError("'limit' must be between 1 and 10000", op="load_offsets")
 
 
 @reply("load_offsets")
 class LoadOffsetsReply(Message):
-    """rows: [[group, topic, partition, committed_offset, holes, generation, reset_epoch], ...]"""
+    """rows: [[group, topic, partition, committed_offset, holes, generation, reset_epoch], ...]
+
+    ``more`` is true when further rows follow: ask again with ``after`` = the last row's key.
+    """
     rows: list
+    more: bool = False

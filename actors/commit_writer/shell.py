@@ -202,7 +202,9 @@ class CommitWriterShell:
         if isinstance(env.msg, m.Advance):
             self._apply(self.core.on_advance(token, env.msg.advances, now))
         elif isinstance(env.msg, m.LoadOffsets):
-            self._apply(self.core.on_load_offsets(token, now))
+            # The page wanted rides in the (opaque to the core) token.
+            page = (env.op, env.corr_id, env.msg.after, env.msg.limit)
+            self._apply(self.core.on_load_offsets(page, now))
         else:
             self._send(codec.encode_error(env.op, env.corr_id, UnknownOp(
                 f"the commit writer does not serve {env.op!r}", op=env.op)))
@@ -215,7 +217,7 @@ class CommitWriterShell:
                 op, corr_id = effect.token
                 self._send(codec.encode_reply(m.AdvanceReply(durable=effect.durable), corr_id))
             elif isinstance(effect, ReplyError):
-                op, corr_id = effect.token
+                op, corr_id = effect.token[:2]
                 self._send(codec.encode_error(op, corr_id, effect.error))
             elif isinstance(effect, Flush):
                 self._spawn(self._flush(effect))
@@ -285,11 +287,11 @@ class CommitWriterShell:
         self._apply(effects)
         self._wake.set()
 
-    async def _load(self, token: tuple[str, Any]) -> None:
-        op, corr_id = token
+    async def _load(self, token: tuple) -> None:
+        op, corr_id, after, limit = token
         try:
             await self._ensure_store()
-            rows = await self.store.load_all()
+            rows = sorted(await self.store.load_all(), key=lambda r: r.key)
         except OffsetStoreError as exc:
             self._store_failed("load_offsets failed", exc)
             self._send(codec.encode_error(op, corr_id, exc))
@@ -297,11 +299,14 @@ class CommitWriterShell:
         except asyncio.CancelledError:
             self._send(codec.encode_error(op, corr_id, ShuttingDown("commit writer is stopping")))
             raise
-        frames = codec.encode_reply(m.LoadOffsetsReply(rows=[r.to_wire() for r in rows]), corr_id)
+        if after is not None:
+            rows = [r for r in rows if r.key > tuple(after)]
+        page, more = rows[:limit], len(rows) > limit
+        frames = codec.encode_reply(m.LoadOffsetsReply(rows=[r.to_wire() for r in page], more=more), corr_id)
         if len(frames[0]) > codec.MAX_HEADER_BYTES:
-            # The coordinator would reject the frame; say why instead (protocol has no paging yet).
+            # Rows carry up to 1000 hole ranges each; a smaller limit always fits.
             frames = codec.encode_error(op, corr_id, TooLarge(
-                "offsets table too large for one load_offsets reply", rows=len(rows),
+                "load_offsets page too large; ask with a smaller limit", rows=len(page),
                 bytes=len(frames[0]), limit=codec.MAX_HEADER_BYTES))
         self._send(frames)
 

@@ -128,6 +128,7 @@ class CoordinatorShell:
         self.offsets_loaded = False
         self.next_load_ms = 0
         self.load_in_flight = False
+        self.loaded_rows: list[tuple] = []
         self.unconfirmed: dict[tuple[str, str, int], list] = {}  # newest advance per key not yet durable
         self.to_send: dict[tuple[str, str, int], list] = {}
         self.last_advance_sent_ms = 0
@@ -289,7 +290,8 @@ class CoordinatorShell:
         if not self.offsets_loaded:
             if self.writer["last_seen_ms"] is not None and not self.load_in_flight and now >= self.next_load_ms:
                 self.load_in_flight = True
-                self.request(WRITER_IDENTITY, m.LoadOffsets(), now, lambda env: self.on_offsets_loaded(env))
+                self.loaded_rows = []
+                self.request(WRITER_IDENTITY, m.LoadOffsets(), now, self.on_offsets_loaded)
             return
         if not self.to_send and self.unconfirmed and now - self.last_advance_sent_ms > ADVANCE_RESEND_MS:
             self.to_send.update(self.unconfirmed)
@@ -307,7 +309,13 @@ class CoordinatorShell:
             self.log.warning("offsets.load_failed", reason=None if env is None or env.error is None
                              else env.error.message)
             return
-        rows = [tuple(r) for r in env.msg.rows]
+        self.loaded_rows.extend(tuple(r) for r in env.msg.rows)
+        if env.msg.more:
+            last = self.loaded_rows[-1]
+            self.load_in_flight = True
+            self.request(WRITER_IDENTITY, m.LoadOffsets(after=list(last[:3])), now, self.on_offsets_loaded)
+            return
+        rows, self.loaded_rows = self.loaded_rows, []
         self.offsets_loaded = True
         self.log.info("offsets.loaded", rows=len(rows))
         self.apply(self.core.load_offsets(rows, now), now)

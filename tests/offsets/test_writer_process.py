@@ -79,6 +79,9 @@ class FakeCoordinator:
         while (left := end - time.monotonic()) > 0:
             self.pump(left)
 
+    def load_pages(self, limit: int) -> list:
+        return load_pages(self, limit)
+
     def wait_reply(self, corr_id: int, timeout_s: float = 10.0) -> codec.Envelope:
         end = time.monotonic() + timeout_s
         while corr_id not in self.replies:
@@ -186,7 +189,8 @@ def test_advances_become_rows_and_bad_frames_get_errors(coordinator, offsets_url
         ("other", 1, 99, [(100, 101)])]
 
     loaded = coordinator.wait_reply(coordinator.send(m.LoadOffsets()))
-    assert loaded.msg.rows == [r.to_wire() for r in rows]
+    assert loaded.msg.rows == [r.to_wire() for r in rows] and loaded.msg.more is False
+    assert load_pages(coordinator, limit=1) == [r.to_wire() for r in rows]  # one row per page
 
     # Whatever arrives, the writer answers with an error and carries on.
     coordinator.send_raw([b"\xc1not msgpack"])
@@ -363,8 +367,7 @@ def test_sigkill_mid_batch_then_restart_leaves_a_consistent_table(coordinator, p
         restarted = writers(coordinator.endpoint, url, batch_size=keys)
         coordinator.wait_status(healthy=True, pid=restarted.proc.pid)
         coordinator.replies.clear()
-        loaded = coordinator.wait_reply(coordinator.send(m.LoadOffsets()))
-        assert loaded.msg.rows == [r.to_wire() for r in rows]
+        assert load_pages(coordinator, limit=1500) == sorted(r.to_wire() for r in rows)
         replay = coordinator.wait_reply(coordinator.send(m.Advance(advances=round_items(1))))
         assert replay.ok and len(replay.msg.durable) == keys
         assert {row.committed_offset for row in load_rows(url)} == {table_round}  # not backwards
@@ -387,3 +390,14 @@ def test_sigterm_while_the_database_is_down_answers_and_exits(coordinator, pg_ds
         assert error.code == ErrorCode.SHUTTING_DOWN  # not durable, and not left hanging
         assert writer.stop() == 0
         assert time.monotonic() - started < shell.SHUTDOWN_GRACE_MS / 1000 + 3
+
+
+def load_pages(coordinator, limit: int) -> list:
+    """Page through load_offsets as the coordinator does: ``after`` = the last row's key."""
+    rows, after = [], None
+    while True:
+        reply = coordinator.wait_reply(coordinator.send(m.LoadOffsets(after=after, limit=limit)))
+        rows += reply.msg.rows
+        if not reply.msg.more:
+            return rows
+        after = rows[-1][:3]
