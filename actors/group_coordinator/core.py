@@ -1,0 +1,791 @@
+"""Consumer groups, leases and commits: the group coordinator's pure core.
+
+Theory of operation
+-------------------
+A *group* is a set of *members* consuming some topics. The coordinator never
+touches record bytes: it hands out *leases* on offset ranges ("member m may
+process offsets [s, e) of topic/partition until its deadline"), and members
+fetch the records from the partition actors and then ack, nack, extend or
+reject those ranges. From the acks it computes each partition's *committed
+offset*, the first offset not yet finished, and asks the commit writer to
+persist it.
+
+Every entry point takes the time (`now_ms`, monotonic milliseconds) and
+returns a list of effects (`effects.py`): replies, offsets to persist,
+records to dead-letter, group configs to store, log events. Nothing here
+does I/O or reads a clock, so every behaviour can be driven by hand in
+tests.
+
+Per (group, topic, partition) the state is a `PartitionState`: offset
+*ranges* that are finished (acked or dead-lettered above the committed
+offset: the "holes"), leased, ready for redelivery, delayed by a nack, or on
+their way to the dead-letter topic; above `next_new` lies what was never
+delivered. Cost therefore follows the number of ranges, never the number of
+records. `GroupCoordinatorCore` decides who may lease what:
+
+* Membership. Join, leave, session expiry and subscription changes start a
+  new *generation*. Requests carry the generation they were made in; any
+  other one is FENCED, so a member acting on an old assignment cannot touch
+  records it no longer owns. Joining again with the same member id and topics
+  re-syncs (current generation, no rebalance).
+* Assignment. `exclusive` groups give each partition one owner (`assignor`,
+  sticky and balanced); when a partition changes owner its leases are revoked
+  and the records become ready again ("rebalance"). `shared` groups let every
+  subscribed member lease from every partition. In both modes a record is
+  leased to at most one member at a time.
+* Leases. A poll leases redeliveries first, then new records up to the
+  partition's known log end, spread round-robin over the member's partitions,
+  within the in-flight limits. Each delivery gets its own lease id; the
+  `LeaseRecord` registry remembers where a lease lives and what was acked
+  under it, so a repeated ack is idempotent and anything else not leased under
+  that id is STALE (reported, never applied). A poll that finds nothing may
+  wait ("parked") until records, capacity or its deadline arrive.
+* Time. One heap holds every deadline (lease expiry, member sessions, nack
+  delays, parked polls, dead-letter retries); each call first runs the timers
+  that are due, so a lease past its deadline is expired no matter how late the
+  shell ticks. Stale heap entries are skipped when popped.
+* Commit. The committed offset advances only over the contiguous finished
+  prefix. Every change of it (or of the holes above it) yields at most one
+  `PersistOffsets` per partition per call. The writer's answer (`on_durable`)
+  is kept separately: describe shows both.
+* Restart. A new core answers UNAVAILABLE until `load_offsets`; offsets
+  between the committed offset and the highest stored hole are redelivered
+  with reason "restart", everything above is fresh. Lease ids continue from
+  `lease_id_base`, which the shell must make larger than any id an earlier
+  incarnation issued, so old lease ids can never match new leases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Any, Callable
+
+from actors.group_coordinator.assignor import assign
+from actors.group_coordinator.effects import (DeadLetter, Log, PersistGroupConfig, PersistOffsets, Reply,
+                                              ReplyError)
+from actors.group_coordinator.group_state import Group, GroupConfig, Key, LeaseRecord, Member, ParkedPoll
+from actors.group_coordinator.partition_state import TIMEOUT, DeadLettering, Lease, LogRange, PartitionState, Piece
+from actors.group_coordinator.ranges import RangeSet
+from protocol import messages as m
+from protocol.errors import (Fenced, ProtocolError, StaleLease, Unavailable, UnknownGroup, UnknownMember,
+                             UnknownTopic)
+
+__all__ = ["DEAD_LETTER_RETRY_MS", "GroupConfig", "GroupCoordinatorCore"]
+
+DEAD_LETTER_RETRY_MS = 1000
+
+# Timer kinds; heap entries are (when_ms, seq, kind, payload).
+_LEASE, _SESSION, _DELAYED, _PARKED, _DEAD_LETTER_RETRY = range(5)
+
+
+class GroupCoordinatorCore:
+    def __init__(self, *, lease_id_base: int, default_config: GroupConfig = GroupConfig(),
+                 max_persisted_holes: int = 1000) -> None:
+        self._lease_id_base = lease_id_base
+        self._next_lease_id = lease_id_base
+        self._member_seq = 0
+        self._default_config = default_config
+        self._max_holes = max_persisted_holes
+        self._loaded = False
+        self._topics: dict[str, int] = {}
+        self._logs: dict[Key, LogRange] = {}
+        self._groups: dict[str, Group] = {}
+        self._groups_on: dict[Key, list[Group]] = {}  # groups with state for a partition
+        self._leases: dict[int, LeaseRecord] = {}
+        self._parked: dict[Any, ParkedPoll] = {}
+        self._timers: list[tuple] = []
+        self._timer_seq = 0
+        self._grown_topics: set[str] = set()  # set_topic grew them; rebalanced at the next call
+        # Per-call scratch, emptied by _end().
+        self._dirty: dict[tuple[str, Key], PartitionState] = {}
+        self._wake: set[str] = set()
+        self._metrics = {"holes_truncated": 0, "dead_letters_emitted": 0, "records_expired": 0,
+                         "rebalances": 0}
+
+    # ==================================================================================
+    # Topology and store
+    # ==================================================================================
+
+    def set_topic(self, topic: str, partitions: int) -> None:
+        """A topic exists with `partitions` partitions (counts only ever grow).
+
+        Groups subscribed to a topic that grew are rebalanced at the next call that
+        carries a time; `next_deadline()` reports 0 until then so the shell ticks.
+        """
+        if partitions > self._topics.get(topic, 0):
+            self._topics[topic] = partitions
+            self._grown_topics.add(topic)
+
+    def on_log_range(self, topic: str, partition: int, log_start: int, log_end: int, now_ms: int) -> list:
+        """A partition actor reported its log range: may resolve start positions, apply
+        retention and answer waiting polls."""
+        key = (topic, partition)
+        self._logs.setdefault(key, LogRange()).update(log_start, log_end, now_ms)
+        return self._event(now_ms, lambda out: self._log_moved(key, now_ms, out))
+
+    def load_offsets(self, rows: list, now_ms: int) -> list:
+        """Stored progress, (group, topic, partition, committed, holes, generation, reset_epoch)
+        rows; afterwards the core serves requests."""
+        for group_name, topic, partition, committed, holes, generation, reset_epoch in rows:
+            group = self._group(group_name)
+            group.generation = max(group.generation, generation)
+            group.reset_epoch = max(group.reset_epoch, reset_epoch)
+            state = self._add_state(group, (topic, partition), fresh=True)
+            state.load(committed, holes, now_ms)
+            state.durable_committed, state.durable_epoch = committed, reset_epoch
+        self._loaded = True
+        self._grown_topics.clear()  # no group has members yet: nothing to rebalance
+
+        def resolve(out: list) -> None:
+            out.append(Log("offsets_loaded", {"groups": len(self._groups), "partitions": len(rows)}))
+            for group in self._groups.values():
+                for state in group.partitions.values():
+                    self._resolve_start(group, state, now_ms, out)
+        return self._event(now_ms, resolve)
+
+    def on_durable(self, durable: list, now_ms: int) -> list:
+        """The writer reports (group, topic, partition, committed, reset_epoch) rows on disk."""
+        for group_name, topic, partition, committed, reset_epoch in durable:
+            group = self._groups.get(group_name)
+            state = group.partitions.get((topic, partition)) if group else None
+            # A later reset epoch wins even with a lower offset; within an epoch, only up.
+            if state is not None and (state.durable_committed is None or
+                                      (reset_epoch, committed) > (state.durable_epoch, state.durable_committed)):
+                state.durable_committed, state.durable_epoch = committed, reset_epoch
+        return self._event(now_ms)
+
+    def restore_group_config(self, group: str, config: GroupConfig) -> None:
+        self._group(group).config = config
+
+    # ==================================================================================
+    # Requests. Each returns exactly one Reply/ReplyError for `token`, except a parked
+    # poll, which is answered by a later call.
+    # ==================================================================================
+
+    def join(self, token, msg: m.Join, now_ms: int) -> list:
+        return self._serve(self._join, token, msg, now_ms)
+
+    def heartbeat(self, token, msg: m.Heartbeat, now_ms: int) -> list:
+        return self._serve(self._heartbeat, token, msg, now_ms)
+
+    def leave(self, token, msg: m.Leave, now_ms: int) -> list:
+        return self._serve(self._leave, token, msg, now_ms)
+
+    def poll(self, token, msg: m.Poll, now_ms: int) -> list:
+        return self._serve(self._poll, token, msg, now_ms)
+
+    def ack(self, token, msg: m.Ack, now_ms: int) -> list:
+        return self._serve(self._settle, token, msg, now_ms)
+
+    def nack(self, token, msg: m.Nack, now_ms: int) -> list:
+        return self._serve(self._settle, token, msg, now_ms)
+
+    def extend(self, token, msg: m.Extend, now_ms: int) -> list:
+        return self._serve(self._settle, token, msg, now_ms)
+
+    def reject(self, token, msg: m.Reject, now_ms: int) -> list:
+        return self._serve(self._settle, token, msg, now_ms)
+
+    def list_groups(self, token, msg: m.ListGroups, now_ms: int) -> list:
+        return self._serve(self._list_groups, token, msg, now_ms)
+
+    def describe_group(self, token, msg: m.DescribeGroup, now_ms: int) -> list:
+        return self._serve(self._describe_group, token, msg, now_ms)
+
+    def configure_group(self, token, msg: m.ConfigureGroup, now_ms: int) -> list:
+        return self._serve(self._configure_group, token, msg, now_ms)
+
+    def reset_group(self, token, msg: m.ResetGroup, now_ms: int) -> list:
+        return self._serve(self._reset_group, token, msg, now_ms)
+
+    # -- dead-letter confirmations, timers, introspection -------------------------------
+
+    def on_dead_letter_done(self, group: str, topic: str, partition: int, offset: int, now_ms: int) -> list:
+        return self._confirm_dead_letter(group, (topic, partition), offset, now_ms, done=True)
+
+    def on_dead_letter_failed(self, group: str, topic: str, partition: int, offset: int, now_ms: int) -> list:
+        return self._confirm_dead_letter(group, (topic, partition), offset, now_ms, done=False)
+
+    def cancel_parked(self, token) -> None:
+        parked = self._parked.get(token)
+        if parked is not None:
+            self._unpark(self._groups[parked.group], parked)
+
+    def tick(self, now_ms: int) -> list:
+        return self._event(now_ms)
+
+    def next_deadline(self) -> int | None:
+        """When `tick` has work next (monotonic ms; a past value means "now")."""
+        if self._grown_topics and self._loaded:
+            return 0
+        return self._timers[0][0] if self._timers else None
+
+    def statistics(self) -> dict:
+        states = [s for g in self._groups.values() for s in g.partitions.values()]
+        ranges: dict[str, int] = {}
+        for state in states:
+            for name, n in state.range_entries().items():
+                ranges[name] = ranges.get(name, 0) + n
+        return {
+            "groups": len(self._groups),
+            "members": sum(len(g.members) for g in self._groups.values()),
+            "partition_states": len(states),
+            **{f"{name}_ranges": n for name, n in ranges.items()},
+            "range_entries": sum(ranges.values()),
+            "lease_records": len(self._leases),
+            "lease_acked_ranges": sum(r.acked.len_ranges() for r in self._leases.values()),
+            "timers": len(self._timers),
+            "parked_polls": len(self._parked),
+            "records_in_flight": sum(s.leased.count for s in states),
+            **self._metrics,
+        }
+
+    # ==================================================================================
+    # Call framing
+    # ==================================================================================
+
+    def _serve(self, handler: Callable, token, msg, now_ms: int) -> list:
+        if not self._loaded:
+            return [ReplyError(token, Unavailable("the group coordinator is still loading stored offsets",
+                                                  op=getattr(msg, "op", None)))]
+        return self._event(now_ms, lambda out: handler(out, token, msg, now_ms))
+
+    def _event(self, now_ms: int, body: Callable[[list], None] | None = None) -> list:
+        """The frame of every call that carries a time.
+
+        First what time and topology changes make due (so a lease past its deadline is
+        expired however late the shell ticks), then `body`, then `_end`.
+        """
+        out: list = []
+        if not self._loaded:
+            return out
+        if self._grown_topics:
+            grown, self._grown_topics = self._grown_topics, set()
+            for group in list(self._groups.values()):
+                if any(t in grown for mem in group.members.values() for t in mem.topics):
+                    self._rebalance(group, now_ms, out, "partitions_added", None, membership_changed=False)
+        self._run_timers(now_ms, out)
+        if body is not None:
+            body(out)
+        self._end(out, now_ms)
+        return out
+
+    def _end(self, out: list, now: int) -> None:
+        """Answer parked polls that can now be served, then persist changed progress."""
+        while self._wake:
+            group = self._groups[self._wake.pop()]
+            for parked in list(group.parked):
+                member = group.members[parked.member_id]
+                deliveries = self._lease_records(group, member, parked.max_records, now)
+                if deliveries:
+                    self._unpark(group, parked)
+                    member.last_seen_ms = now
+                    out.append(Reply(parked.token, self._poll_reply(group, deliveries)))
+        for (group_name, key), state in self._dirty.items():
+            group = self._groups[group_name]
+            holes, truncated = state.holes(self._max_holes)
+            if truncated:
+                self._metrics["holes_truncated"] += 1
+                if not state.holes_truncated:
+                    out.append(Log("holes_truncated", {"group": group_name, "topic": key[0], "partition": key[1],
+                                                       "holes": state.finished.len_ranges(),
+                                                       "persisted": self._max_holes}))
+            state.holes_truncated = truncated
+            out.append(PersistOffsets(group_name, key[0], key[1], state.committed, holes,
+                                      group.generation, group.reset_epoch))
+        self._dirty.clear()
+
+    # ==================================================================================
+    # Membership
+    # ==================================================================================
+
+    def _join(self, out: list, token, msg: m.Join, now: int) -> None:
+        topics = tuple(sorted(set(msg.topics)))
+        unknown = [t for t in topics if t not in self._topics]
+        if unknown:
+            out.append(ReplyError(token, UnknownTopic(f"unknown topic {unknown[0]!r}", topic=unknown[0],
+                                                      topics=unknown, group=msg.group)))
+            return
+        group = self._group(msg.group)
+        member = group.members.get(msg.member_id) if msg.member_id else None
+        if member is not None and member.topics == topics:
+            # Re-sync: how a fenced member learns the current generation, without a rebalance.
+            member.session_timeout_ms, member.last_seen_ms = msg.session_timeout_ms, now
+        elif member is not None:
+            member.topics, member.session_timeout_ms, member.last_seen_ms = topics, msg.session_timeout_ms, now
+            self._rebalance(group, now, out, "subscription_changed", member.member_id)
+        else:
+            member = Member(msg.member_id or self._new_member_id(), topics, msg.session_timeout_ms, now)
+            group.members[member.member_id] = member
+            self._push(now + member.session_timeout_ms, _SESSION, (group.name, member))
+            self._rebalance(group, now, out, "member_joined", member.member_id)
+        out.append(Reply(token, m.JoinReply(member_id=member.member_id, generation=group.generation,
+                                            mode=group.config.mode, assignment=[list(k) for k in member.assignment],
+                                            ack_timeout_ms=group.config.ack_timeout_ms)))
+
+    def _heartbeat(self, out: list, token, msg: m.Heartbeat, now: int) -> None:
+        found = self._check_member(out, token, msg, now)
+        if found:
+            group, member = found
+            out.append(Reply(token, m.HeartbeatReply(generation=group.generation,
+                                                     assignment=[list(k) for k in member.assignment])))
+
+    def _leave(self, out: list, token, msg: m.Leave, now: int) -> None:
+        # Accepted in any generation and for unknown members: leaving cannot harm anyone.
+        group = self._groups.get(msg.group)
+        member = group.members.pop(msg.member_id, None) if group else None
+        if member is not None:
+            self._rebalance(group, now, out, "member_left", member.member_id)
+        out.append(Reply(token, m.LeaveReply()))
+
+    def _expire_member(self, group: Group, member: Member, now: int, out: list) -> None:
+        if member.parked:  # a member waiting on us is alive; its session restarts when answered
+            self._push(now + member.session_timeout_ms, _SESSION, (group.name, member))
+            return
+        expiry = member.last_seen_ms + member.session_timeout_ms
+        if expiry > now:
+            self._push(expiry, _SESSION, (group.name, member))
+            return
+        del group.members[member.member_id]
+        out.append(Log("member_expired", {"group": group.name, "member_id": member.member_id,
+                                          "silent_ms": now - member.last_seen_ms}))
+        self._rebalance(group, now, out, "member_expired", member.member_id)
+
+    def _check_member(self, out: list, token, msg, now: int) -> tuple[Group, Member] | None:
+        """Fence old generations, reject unknown members; a passing request is a heartbeat."""
+        group = self._groups.get(msg.group)
+        member = group.members.get(msg.member_id) if group else None
+        if group is not None and msg.generation != group.generation:
+            out.append(ReplyError(token, Fenced(
+                f"generation {msg.generation} of group {msg.group!r} is over; the current one is "
+                f"{group.generation}", group=msg.group, generation=group.generation,
+                member_id=msg.member_id, member_known=member is not None)))
+            return None
+        if member is None:
+            out.append(ReplyError(token, UnknownMember(
+                f"member {msg.member_id!r} is not in group {msg.group!r}; join again",
+                group=msg.group, member_id=msg.member_id)))
+            return None
+        member.last_seen_ms = now
+        return group, member
+
+    def _rebalance(self, group: Group, now: int, out: list, cause: str, member_id: str | None,
+                   membership_changed: bool = True) -> None:
+        """Recompute who may lease what; revoke leases that lost their right.
+
+        A new generation starts when membership changed or an owner changed.
+        """
+        exclusive = group.config.mode == "exclusive"
+        subscribed = {t for mem in group.members.values() for t in mem.topics}
+        for topic in subscribed:
+            for p in range(self._topics.get(topic, 0)):
+                self._add_state(group, (topic, p), now=now, out=out)
+        owners = {}
+        if exclusive:
+            owners = assign(group.owners, {mid: mem.topics for mid, mem in group.members.items()},
+                            {t: self._topics[t] for t in subscribed if t in self._topics})
+        moved = [k for k in set(group.owners) | set(owners) if group.owners.get(k) != owners.get(k)]
+        group.owners = owners
+        for mem in group.members.values():
+            mem.assignment = (sorted(k for k, o in owners.items() if o == mem.member_id) if exclusive else
+                              [(t, p) for t in mem.topics for p in range(self._topics.get(t, 0))])
+        revoked = 0
+        for key, state in group.partitions.items():
+            if state.leased:
+                for start, end, lease in state.revoke(self._entitled(group, key), now):
+                    revoked += end - start
+                    self._uncount(group, lease, end - start)
+        if revoked:
+            self._wake.add(group.name)
+        if not (membership_changed or moved):
+            return
+        group.generation += 1
+        self._metrics["rebalances"] += 1
+        self._fence_parked(group, out)
+        self._wake.add(group.name)
+        out.append(Log("rebalance", {"group": group.name, "generation": group.generation, "cause": cause,
+                                     "member_id": member_id, "members": len(group.members),
+                                     "moved_partitions": len(moved), "revoked_records": revoked}))
+
+    def _entitled(self, group: Group, key: Key) -> Callable[[Lease], bool]:
+        if group.config.mode == "exclusive":
+            owner = group.owners.get(key)
+            return lambda lease: lease.member_id == owner
+
+        def subscribed(lease: Lease) -> bool:
+            mem = group.members.get(lease.member_id)
+            return mem is not None and key[0] in mem.topics
+        return subscribed
+
+    # ==================================================================================
+    # Leasing
+    # ==================================================================================
+
+    def _poll(self, out: list, token, msg: m.Poll, now: int) -> None:
+        found = self._check_member(out, token, msg, now)
+        if not found:
+            return
+        group, member = found
+        deliveries = self._lease_records(group, member, msg.max_records, now)
+        if deliveries or msg.max_wait_ms == 0:
+            out.append(Reply(token, self._poll_reply(group, deliveries)))
+            return
+        parked = ParkedPoll(token, group.name, member.member_id, msg.max_records, now + msg.max_wait_ms)
+        group.parked.append(parked)
+        self._parked[token] = parked
+        member.parked += 1
+        self._push(parked.deadline_ms, _PARKED, parked)
+
+    def _lease_records(self, group: Group, member: Member, max_records: int, now: int) -> list:
+        """Lease up to `max_records` across the member's partitions, fairly.
+
+        The budget is spread like water over the partitions that have records, so one
+        busy partition cannot starve the others; the starting partition rotates so
+        that remainders do not always favour the same one. Each partition is then
+        taken from once, giving one lease per partition and reason.
+        """
+        budget = min(max_records, group.config.max_in_flight - member.in_flight)
+        keys = member.assignment
+        if budget <= 0 or not keys:
+            return []
+        first = member.cursor % len(keys)
+        member.cursor = first + 1
+        room = {}
+        for key in keys[first:] + keys[:first]:
+            state, log = group.partitions.get(key), self._logs.get(key)
+            if state is not None and state.committed is not None:
+                n = min(state.available(log.end if log else 0), group.config.max_in_flight - state.leased.count)
+                if n > 0:
+                    room[key] = n
+        share = dict.fromkeys(room, 0)
+        hungry = list(room)
+        while budget > 0 and hungry:
+            portion = max(1, budget // len(hungry))
+            still = []
+            for key in hungry:
+                give = min(portion, room[key] - share[key], budget)
+                share[key] += give
+                budget -= give
+                if share[key] < room[key]:
+                    still.append(key)
+            hungry = still
+        deliveries: list = []
+        for key, n in share.items():
+            if n:
+                self._lease_from(group, member, key, n, now, deliveries)
+        return deliveries
+
+    def _lease_from(self, group: Group, member: Member, key: Key, limit: int, now: int,
+                    deliveries: list) -> None:
+        state, log = group.partitions[key], self._logs.get(key)
+        for start, end, lease in state.take(member.member_id, limit, log.end if log else 0, now,
+                                            self._new_lease_id, group.config.ack_timeout_ms):
+            self._leases[lease.lease_id] = LeaseRecord(lease.lease_id, group.name, key, member.member_id,
+                                                       start, end, lease.deadline_ms)
+            self._push(lease.deadline_ms, _LEASE, lease.lease_id)
+            deliveries.append([key[0], key[1], lease.lease_id, start, end, lease.attempt, lease.reason])
+            member.in_flight += end - start
+
+    def _poll_reply(self, group: Group, deliveries: list) -> m.PollReply:
+        return m.PollReply(generation=group.generation, deliveries=deliveries,
+                           ack_timeout_ms=group.config.ack_timeout_ms)
+
+    def _unpark(self, group: Group, parked: ParkedPoll) -> None:
+        del self._parked[parked.token]
+        group.parked.remove(parked)
+        member = group.members.get(parked.member_id)
+        if member is not None:
+            member.parked -= 1
+
+    def _fence_parked(self, group: Group, out: list) -> None:
+        for parked in list(group.parked):
+            self._unpark(group, parked)
+            out.append(ReplyError(parked.token, Fenced(
+                f"group {group.name!r} moved to generation {group.generation} while the poll waited",
+                group=group.name, generation=group.generation, member_id=parked.member_id,
+                member_known=parked.member_id in group.members)))
+
+    # ==================================================================================
+    # Settling leases: ack, nack, extend, reject
+    # ==================================================================================
+
+    def _settle(self, out: list, token, msg, now: int) -> None:
+        found = self._check_member(out, token, msg, now)
+        if not found:
+            return
+        group, member = found
+        applied, stale = 0, []
+        for topic, partition, lease_id, start, end in msg.ranges:
+            key = (topic, partition)
+            record = self._leases.get(lease_id)
+            state = group.partitions.get(key)
+            if (record is None or state is None or record.group != group.name or record.key != key
+                    or record.member_id != member.member_id):
+                stale.append([topic, partition, lease_id, start, end])
+                continue
+            pieces = state.leased_under(lease_id, start, end)
+            valid = RangeSet([(s, e) for s, e, _ in pieces])
+            if msg.op == "ack":  # acking again what this lease already acked is harmless
+                for s, e in record.acked.intersection(start, end):
+                    valid.add(s, e)
+            stale.extend([topic, partition, lease_id, s, e] for s, e in valid.gaps(start, end))
+            applied += valid.count()
+            if pieces:
+                self._apply(msg, group, member, state, record, pieces, now, out)
+        deadline_in_ms = (msg.extend_ms or group.config.ack_timeout_ms) if msg.op == "extend" else None
+        if stale:
+            data = {"deadline_in_ms": deadline_in_ms} if deadline_in_ms is not None else {}
+            out.append(ReplyError(token, StaleLease(
+                f"{len(stale)} range(s) are not leased under the given lease id; nothing was applied to them",
+                group=group.name, member_id=member.member_id, stale=stale, applied=applied, **data)))
+        elif msg.op == "ack":
+            out.append(Reply(token, m.AckReply(applied=applied)))
+        elif msg.op == "nack":
+            out.append(Reply(token, m.NackReply(applied=applied)))
+        elif msg.op == "extend":
+            out.append(Reply(token, m.ExtendReply(applied=applied, deadline_in_ms=deadline_in_ms)))
+        else:
+            out.append(Reply(token, m.RejectReply(applied=applied)))
+
+    def _apply(self, msg, group: Group, member: Member, state: PartitionState, record: LeaseRecord,
+               pieces: list[Piece], now: int, out: list) -> None:
+        if msg.op == "extend":
+            # Like a visibility timeout: the new deadline is now + extend_ms, as asked.
+            deadline = now + (msg.extend_ms or group.config.ack_timeout_ms)
+            state.extend(pieces, deadline)
+            record.deadline_ms = max(record.deadline_ms, deadline)
+            self._push(deadline, _LEASE, record.lease_id)
+            return
+        member.in_flight -= sum(e - s for s, e, _ in pieces)
+        self._wake.add(group.name)  # capacity freed, maybe records ready
+        if msg.op == "ack":
+            state.ack(pieces)
+            for start, end, _ in pieces:
+                record.acked.add(start, end)
+            self._dirty[(group.name, state.key)] = state
+        elif msg.op == "nack":
+            ready_at = now + msg.delay_ms
+            doomed = state.requeue(pieces, f"nack:{msg.reason}" if msg.reason else "nack", ready_at, now,
+                                   group.config.max_deliveries)
+            if ready_at > now:
+                self._push(ready_at, _DELAYED, (group.name, state.key))
+            self._dead_letter(group, state, doomed, out)
+        else:
+            self._dead_letter(group, state, state.reject(pieces, f"reject:{msg.reason}" if msg.reason
+                                                         else "reject", now), out)
+
+    # ==================================================================================
+    # Timers
+    # ==================================================================================
+
+    def _push(self, when_ms: int, kind: int, payload) -> None:
+        self._timer_seq += 1
+        heapq.heappush(self._timers, (when_ms, self._timer_seq, kind, payload))
+
+    def _run_timers(self, now: int, out: list) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            _, _, kind, payload = heapq.heappop(self._timers)
+            if kind == _LEASE:
+                self._expire_lease(payload, now, out)
+            elif kind == _SESSION:
+                group_name, member = payload
+                group = self._groups[group_name]
+                if group.members.get(member.member_id) is member:
+                    self._expire_member(group, member, now, out)
+            elif kind == _DELAYED:
+                group_name, key = payload
+                if self._groups[group_name].partitions[key].release_delayed(now):
+                    self._wake.add(group_name)
+            elif kind == _PARKED:
+                if self._parked.get(payload.token) is payload:
+                    group = self._groups[payload.group]
+                    self._unpark(group, payload)
+                    group.members[payload.member_id].last_seen_ms = now
+                    out.append(Reply(payload.token, self._poll_reply(group, [])))
+            else:  # _DEAD_LETTER_RETRY
+                group_name, key, offset = payload
+                group = self._groups[group_name]
+                state = group.partitions[key]
+                info = state.dead_lettering.get(offset)
+                if info is not None:
+                    out.append(self._dead_letter_effect(group, state, offset, info))
+
+    def _expire_lease(self, lease_id: int, now: int, out: list) -> None:
+        record = self._leases.get(lease_id)
+        if record is None:
+            return
+        group = self._groups[record.group]
+        state = group.partitions[record.key]
+        expired = state.expire(lease_id, record.start, record.end, now)
+        if expired:
+            count = sum(e - s for s, e, _ in expired)
+            self._metrics["records_expired"] += count
+            self._uncount(group, expired[0][2], count)
+            self._dead_letter(group, state, state.requeue(expired, TIMEOUT, now, now, group.config.max_deliveries),
+                              out)
+            self._wake.add(group.name)
+        if now >= record.deadline_ms and not state.leased_under(lease_id, record.start, record.end):
+            del self._leases[lease_id]  # nothing can be leased under it any more
+
+    # ==================================================================================
+    # Dead letters
+    # ==================================================================================
+
+    def _dead_letter(self, group: Group, state: PartitionState, doomed: list, out: list) -> None:
+        for start, end, info in doomed:
+            out.append(Log("dead_letter", {"group": group.name, "topic": state.topic, "partition": state.partition,
+                                           "start": start, "end": end, "attempts": info.attempts,
+                                           "reason": info.last_reason,
+                                           "dlq_topic": group.config.dlq_topic(state.topic)}))
+            for offset in range(start, end):
+                out.append(self._dead_letter_effect(group, state, offset, info))
+
+    def _dead_letter_effect(self, group: Group, state: PartitionState, offset: int,
+                            info: DeadLettering) -> DeadLetter:
+        self._metrics["dead_letters_emitted"] += 1
+        return DeadLetter(group.name, state.topic, state.partition, offset, group.config.dlq_topic(state.topic),
+                          info.attempts, info.last_reason)
+
+    def _confirm_dead_letter(self, group_name: str, key: Key, offset: int, now: int, *, done: bool) -> list:
+        def confirm(out: list) -> None:
+            group = self._groups.get(group_name)
+            state = group.partitions.get(key) if group else None
+            fields = {"group": group_name, "topic": key[0], "partition": key[1], "offset": offset}
+            if state is None or state.dead_lettering.get(offset) is None:
+                # E.g. the group was reset meanwhile: the record is no longer ours to finish.
+                out.append(Log("dead_letter_confirmation_ignored", {**fields, "done": done}))
+            elif done:
+                state.dead_letter_done(offset)
+                self._dirty[(group_name, key)] = state
+            else:
+                self._push(now + DEAD_LETTER_RETRY_MS, _DEAD_LETTER_RETRY, (group_name, key, offset))
+                out.append(Log("dead_letter_failed", {**fields, "retry_in_ms": DEAD_LETTER_RETRY_MS}))
+        return self._event(now, confirm)
+
+    # ==================================================================================
+    # Admin: list, describe, configure, reset
+    # ==================================================================================
+
+    def _list_groups(self, out: list, token, msg, now: int) -> None:
+        groups = [g.summary() for g in sorted(self._groups.values(), key=lambda g: g.name)]
+        out.append(Reply(token, m.ListGroupsReply(groups=groups)))
+
+    def _describe_group(self, out: list, token, msg: m.DescribeGroup, now: int) -> None:
+        group = self._groups.get(msg.group)
+        if group is None:
+            out.append(ReplyError(token, UnknownGroup(f"unknown group {msg.group!r}", group=msg.group)))
+        else:
+            out.append(Reply(token, m.DescribeGroupReply(group=group.report(self._logs, now))))
+
+    def _configure_group(self, out: list, token, msg: m.ConfigureGroup, now: int) -> None:
+        changes = {f.name: getattr(msg, f.name) for f in dataclasses.fields(GroupConfig)
+                   if getattr(msg, f.name) is not None}
+        if changes.get("dlq") == "":
+            changes["dlq"] = None  # "" restores the default "<topic>.dlq"
+        group = self._group(msg.group)
+        try:
+            config = dataclasses.replace(group.config, **changes)
+        except ValueError as exc:
+            out.append(ReplyError(token, ProtocolError(str(exc), op="configure_group", group=msg.group)))
+            return
+        old, group.config = group.config, config
+        if config.mode != old.mode:
+            self._rebalance(group, now, out, "mode_changed", None, membership_changed=False)
+        self._wake.add(group.name)  # limits may have grown
+        out.append(PersistGroupConfig(group.name, config.to_dict()))
+        out.append(Log("group_configured", {"group": group.name, **changes}))
+        out.append(Reply(token, m.ConfigureGroupReply(config=config.to_dict())))
+
+    def _reset_group(self, out: list, token, msg: m.ResetGroup, now: int) -> None:
+        group = self._groups.get(msg.group)
+        if group is None:
+            out.append(ReplyError(token, UnknownGroup(f"unknown group {msg.group!r}", group=msg.group)))
+            return
+        if msg.topic not in self._topics:
+            out.append(ReplyError(token, UnknownTopic(f"unknown topic {msg.topic!r}", topic=msg.topic)))
+            return
+        keys = [(msg.topic, p) for p in range(self._topics[msg.topic])]
+        missing = [k for k in keys if k not in self._logs]
+        if missing:
+            out.append(ReplyError(token, Unavailable(
+                f"the log range of {msg.topic}/{missing[0][1]} is not known yet", topic=msg.topic,
+                partition=missing[0][1])))
+            return
+        group.reset_epoch += 1
+        result = []
+        for key in keys:
+            log = self._logs[key]
+            target = {"earliest": log.start, "latest": log.end}.get(msg.to) if isinstance(msg.to, str) else \
+                min(max(msg.to, log.start), log.end)
+            state = self._add_state(group, key)
+            for start, end, lease in state.reset_to(target):
+                self._uncount(group, lease, end - start)
+            self._dirty[(group.name, key)] = state
+            result.append([key[1], target])
+        self._wake.add(group.name)
+        out.append(Log("group_reset", {"group": group.name, "topic": msg.topic, "to": msg.to,
+                                       "reset_epoch": group.reset_epoch, "partitions": result}))
+        out.append(Reply(token, m.ResetGroupReply(partitions=result, reset_epoch=group.reset_epoch)))
+
+    # ==================================================================================
+    # Helpers
+    # ==================================================================================
+
+    def _group(self, name: str) -> Group:
+        group = self._groups.get(name)
+        if group is None:
+            group = self._groups[name] = Group(name, self._default_config)
+        return group
+
+    def _add_state(self, group: Group, key: Key, *, fresh: bool = False, now: int | None = None,
+                   out: list | None = None) -> PartitionState:
+        """The group's state for `key`, created if needed (and its start resolved if `now` given)."""
+        state = group.partitions.get(key)
+        if state is None or fresh:
+            if state is None:
+                self._groups_on.setdefault(key, []).append(group)
+            state = group.partitions[key] = PartitionState(*key)
+        if now is not None:
+            self._resolve_start(group, state, now, out)
+        return state
+
+    def _log_moved(self, key: Key, now: int, out: list) -> None:
+        groups = self._groups_on.get(key, [])
+        for group in groups:
+            self._resolve_start(group, group.partitions[key], now, out)
+            self._wake.add(group.name)  # new records may answer waiting polls
+        committed = [g.partitions[key].committed for g in groups if g.partitions[key].committed is not None]
+        if committed:  # first-seen times below every group's commit are no longer needed
+            self._logs[key].forget_below(min(committed))
+
+    def _resolve_start(self, group: Group, state: PartitionState, now: int, out: list) -> None:
+        """Apply the `start` rule where there is no offset, or the offset fell below the log start."""
+        log = self._logs.get(state.key)
+        if log is None or (state.committed is not None and state.committed >= log.start):
+            return
+        offset = log.start if group.config.start == "earliest" else log.end
+        fields = {"group": group.name, "topic": state.topic, "partition": state.partition,
+                  "start": group.config.start, "offset": offset}
+        if state.committed is None:
+            state.start_at(offset)
+            out.append(Log("start_position", fields))
+        else:
+            out.append(Log("committed_below_log_start", {**fields, "committed": state.committed,
+                                                         "log_start": log.start}))
+            for start, end, lease in state.skip_to(offset):
+                self._uncount(group, lease, end - start)
+        self._dirty[(group.name, state.key)] = state
+
+    def _uncount(self, group: Group, lease: Lease, records: int) -> None:
+        member = group.members.get(lease.member_id)
+        if member is not None:
+            member.in_flight -= records
+
+    def _new_lease_id(self) -> int:
+        self._next_lease_id += 1
+        return self._next_lease_id
+
+    def _new_member_id(self) -> str:
+        self._member_seq += 1
+        return f"m-{self._lease_id_base}-{self._member_seq}"

@@ -1,0 +1,78 @@
+"""What the group coordinator core asks its shell to do.
+
+Every entry point of `GroupCoordinatorCore` returns a list of these plain
+values; the shell performs them in order. None of them is a request *to* the
+core: results come back through the core's `on_*` methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.errors import ZBrokerError
+from protocol.messages import Message
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Send `msg` as the reply to the request identified by `token`."""
+    token: Any
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyError:
+    """Answer the request identified by `token` with an error reply."""
+    token: Any
+    error: ZBrokerError
+
+
+@dataclass(frozen=True, slots=True)
+class PersistOffsets:
+    """Hand the newest progress of one (group, topic, partition) to the commit writer.
+
+    `holes` are the finished (acked or dead-lettered) ranges above `committed`,
+    lowest first, at most the core's `max_persisted_holes`. The writer replies
+    with what became durable; the shell passes that to `core.on_durable`.
+    A higher `reset_epoch` must override a higher `committed` (see reset_group).
+    """
+    group: str
+    topic: str
+    partition: int
+    committed: int
+    holes: list[list[int]] = field(hash=False)
+    generation: int
+    reset_epoch: int
+
+    def as_advance(self) -> list:
+        """The element of an `Advance` message (protocol.messages.Advance)."""
+        return [self.group, self.topic, self.partition, self.committed, self.holes,
+                self.generation, self.reset_epoch]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Copy record `offset` of topic/partition to `dlq_topic`, then call
+    `core.on_dead_letter_done` (or `on_dead_letter_failed`) with the same key."""
+    group: str
+    topic: str
+    partition: int
+    offset: int
+    dlq_topic: str
+    attempts: int
+    last_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PersistGroupConfig:
+    """Store a group's configuration; give it back through `core.restore_group_config`."""
+    group: str
+    config: dict = field(hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """A state change worth a log line. `fields` is structured context."""
+    event: str
+    fields: dict = field(hash=False)

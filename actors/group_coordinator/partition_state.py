@@ -1,0 +1,315 @@
+"""Where one consumer group stands in one topic-partition, kept as ranges.
+
+The offsets of a partition, seen by one group, fall into these regions::
+
+    [0, committed)            finished, forgotten (committed = first offset not finished)
+    [committed, next_new)     each offset in exactly one of:
+                                finished        acked or dead-lettered (the "holes")
+                                leased          handed to a member under a lease id
+                                ready           deliverable again now (timeout, nack, rebalance, restart)
+                                delayed         nacked with a delay; moves to `ready` on time
+                                dead_lettering  being copied to the dead-letter topic
+    [next_new, log_end)       never delivered ("new")
+
+Every region is a `RangeMap`/`RangeSet`, so a million records leased under
+one lease are one entry. Attempt counts live in the `Lease`/`Ready`/
+`DeadLettering` values: a range's value says how many times its records were
+handed out, so equal neighbours merge and cost stays per range.
+
+This module only moves ranges between regions. Decisions that need the rest
+of the group (who may lease, member counters, effects) are made by
+`core.GroupCoordinatorCore`, which owns these objects.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable
+
+from actors.group_coordinator.ranges import RangeMap, RangeSet
+
+NEW, TIMEOUT, REBALANCE, RESTART = "new", "timeout", "rebalance", "restart"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Records handed to `member_id`; `attempt` counts deliveries including this one."""
+    lease_id: int
+    member_id: str
+    attempt: int
+    reason: str
+    deadline_ms: int
+    since_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Records delivered `attempts` times that may be delivered again at `ready_at_ms`."""
+    attempts: int
+    reason: str
+    ready_at_ms: int
+    since_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLettering:
+    """Records on their way to the dead-letter topic."""
+    attempts: int
+    last_reason: str
+    since_ms: int
+
+
+Piece = tuple[int, int, Lease]  # [start, end) of one lease
+
+
+class LogRange:
+    """What the coordinator knows of one topic-partition log, shared by all groups.
+
+    It also remembers, at about one-second resolution, when each offset was first
+    seen to exist, so lag can be reported as an age ("oldest unfinished record
+    appeared N ms ago") and not only as a count.
+    """
+
+    SEEN_RESOLUTION_MS = 1000
+    MAX_SEEN_STEPS = 4096
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.end = 0
+        self._seen_ends: list[int] = []  # offsets below _seen_ends[i] (and above i-1) ...
+        self._seen_ms: list[int] = []    # ... were first seen at _seen_ms[i]
+
+    def update(self, log_start: int, log_end: int, now_ms: int) -> None:
+        if log_end > self.end or not self._seen_ends:
+            if self._seen_ms and now_ms - self._seen_ms[-1] < self.SEEN_RESOLUTION_MS:
+                self._seen_ends[-1] = max(self._seen_ends[-1], log_end)
+            elif log_end > 0:
+                self._seen_ends.append(log_end)
+                self._seen_ms.append(now_ms)
+        self.start, self.end = log_start, log_end
+        self.forget_below(log_start)
+        if len(self._seen_ends) > self.MAX_SEEN_STEPS:
+            # Halve the resolution; merged steps keep the older time, so ages err high.
+            self._seen_ends = self._seen_ends[1::2] + ([self._seen_ends[-1]] if len(self._seen_ends) % 2 else [])
+            self._seen_ms = self._seen_ms[0::2]
+
+    def forget_below(self, offset: int) -> None:
+        cut = bisect_right(self._seen_ends, offset)
+        if cut:
+            del self._seen_ends[:cut], self._seen_ms[:cut]
+
+    def first_seen_ms(self, offset: int) -> int | None:
+        i = bisect_right(self._seen_ends, offset)
+        return self._seen_ms[i] if i < len(self._seen_ms) else None
+
+
+class PartitionState:
+    """One group's progress and outstanding work in one topic-partition."""
+
+    def __init__(self, topic: str, partition: int) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.committed: int | None = None  # None until a start position is known
+        self.next_new = 0
+        self.finished = RangeSet()
+        self.leased: RangeMap[Lease] = RangeMap()
+        self.ready: RangeMap[Ready] = RangeMap()
+        self.delayed: RangeMap[Ready] = RangeMap()
+        self.dead_lettering: RangeMap[DeadLettering] = RangeMap()
+        self.durable_committed: int | None = None  # last value the writer reported on disk
+        self.durable_epoch = 0
+        self.redeliveries = 0  # records handed out again (attempt > 1)
+        self.dead_letters = 0  # records confirmed in the dead-letter topic
+        self.holes_truncated = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.topic, self.partition
+
+    # -- start positions ------------------------------------------------------------
+
+    def start_at(self, offset: int) -> None:
+        """First position of a group that has no stored offset here."""
+        self.committed = self.next_new = offset
+
+    def load(self, committed: int, holes: Iterable, now_ms: int) -> None:
+        """Stored progress after a coordinator restart.
+
+        What lies between `committed` and the end of the highest hole without being
+        in a hole was delivered before (we cannot tell how often): it becomes ready
+        with reason "restart" and one previous attempt. Above that is fresh.
+        """
+        self.committed = committed
+        for start, end in holes:
+            if end > committed:
+                self.finished.add(max(start, committed), end)
+        self._advance_committed()
+        top = self.finished.last()[1] if self.finished else self.committed
+        for start, end in self.finished.gaps(self.committed, top):
+            self.ready.set(start, end, Ready(1, RESTART, now_ms, now_ms))
+        self.next_new = top
+
+    # -- handing out ----------------------------------------------------------------
+
+    def take(self, member_id: str, limit: int, log_end: int, now_ms: int,
+             new_lease_id: Callable[[], int], ack_timeout_ms: int) -> list[Piece]:
+        """Lease up to `limit` records: redeliveries first, in offset order, then new ones."""
+        grants: list[Piece] = []
+        deadline = now_ms + ack_timeout_ms
+        while limit > 0 and self.ready:
+            start, end, ready = self.ready.first()
+            end = min(end, start + limit)
+            self.ready.remove(start, end)
+            lease = Lease(new_lease_id(), member_id, ready.attempts + 1, ready.reason, deadline, now_ms)
+            self.leased.set(start, end, lease)
+            grants.append((start, end, lease))
+            self.redeliveries += end - start
+            limit -= end - start
+        if limit > 0 and log_end > self.next_new:
+            start, end = self.next_new, min(log_end, self.next_new + limit)
+            lease = Lease(new_lease_id(), member_id, 1, NEW, deadline, now_ms)
+            self.leased.set(start, end, lease)
+            grants.append((start, end, lease))
+            self.next_new = end
+        return grants
+
+    def available(self, log_end: int) -> int:
+        """How many records `take` could hand out now."""
+        return self.ready.count + max(0, log_end - self.next_new)
+
+    def leased_under(self, lease_id: int, start: int, end: int) -> list[Piece]:
+        return [p for p in self.leased.pieces(start, end) if p[2].lease_id == lease_id]
+
+    # -- settling leased pieces -----------------------------------------------------
+
+    def ack(self, pieces: list[Piece]) -> None:
+        for start, end, _ in pieces:
+            self.leased.remove(start, end)
+            self.finished.add(start, end)
+        self._advance_committed()
+
+    def requeue(self, pieces: list[Piece], reason: str, ready_at_ms: int, now_ms: int,
+                max_deliveries: int | None) -> list[tuple[int, int, DeadLettering]]:
+        """Make leased pieces deliverable again, or dead-letter those out of attempts.
+
+        `max_deliveries` None means "never dead-letter" (used for revocation, which
+        is not the consumer's failure). Returns the pieces that must be dead-lettered.
+        """
+        doomed = []
+        for start, end, lease in pieces:
+            self.leased.remove(start, end)
+            if max_deliveries is not None and lease.attempt >= max_deliveries:
+                doomed.append((start, end, DeadLettering(lease.attempt, reason, now_ms)))
+                self.dead_lettering.set(start, end, doomed[-1][2])
+            else:
+                region = self.ready if ready_at_ms <= now_ms else self.delayed
+                region.set(start, end, Ready(lease.attempt, reason, ready_at_ms, now_ms))
+        return doomed
+
+    def reject(self, pieces: list[Piece], reason: str, now_ms: int) -> list[tuple[int, int, DeadLettering]]:
+        doomed = []
+        for start, end, lease in pieces:
+            self.leased.remove(start, end)
+            doomed.append((start, end, DeadLettering(lease.attempt, reason, now_ms)))
+            self.dead_lettering.set(start, end, doomed[-1][2])
+        return doomed
+
+    def extend(self, pieces: list[Piece], deadline_ms: int) -> None:
+        for start, end, lease in pieces:
+            self.leased.set(start, end, replace(lease, deadline_ms=deadline_ms))
+
+    def expire(self, lease_id: int, start: int, end: int, now_ms: int) -> list[Piece]:
+        """Pieces of `lease_id` within [start, end) whose deadline has passed."""
+        return [p for p in self.leased_under(lease_id, start, end) if p[2].deadline_ms <= now_ms]
+
+    def revoke(self, keep: Callable[[Lease], bool], now_ms: int) -> list[Piece]:
+        """Take back every lease `keep` rejects; its records become ready ("rebalance")."""
+        pieces = [p for p in self.leased if not keep(p[2])]
+        self.requeue(pieces, REBALANCE, now_ms, now_ms, None)
+        return pieces
+
+    def release_delayed(self, now_ms: int) -> bool:
+        """Move nacked-with-delay records whose time has come to `ready`."""
+        moved = False
+        for start, end, ready in self.delayed:
+            if ready.ready_at_ms <= now_ms:
+                self.delayed.remove(start, end)
+                self.ready.set(start, end, ready)
+                moved = True
+        return moved
+
+    def dead_letter_done(self, offset: int) -> bool:
+        if self.dead_lettering.get(offset) is None:
+            return False
+        self.dead_lettering.remove(offset, offset + 1)
+        self.finished.add(offset, offset + 1)
+        self.dead_letters += 1
+        self._advance_committed()
+        return True
+
+    # -- jumps ----------------------------------------------------------------------
+
+    def skip_to(self, offset: int) -> list[Piece]:
+        """Retention deleted everything below `offset`: forget it. Returns dropped leases."""
+        dropped = self.leased.remove(0, offset)
+        for region in (self.ready, self.delayed, self.dead_lettering):
+            region.remove(0, offset)
+        self.finished.remove(0, offset)
+        self.committed = max(self.committed or 0, offset)
+        self.next_new = max(self.next_new, self.committed)
+        self._advance_committed()
+        return dropped
+
+    def reset_to(self, offset: int) -> list[Piece]:
+        """Operator reset: start over at `offset`, forgetting all progress. Returns dropped leases."""
+        dropped = list(self.leased)
+        for region in (self.leased, self.ready, self.delayed, self.dead_lettering):
+            region.clear()
+        self.finished.clear()
+        self.committed = self.next_new = offset
+        return dropped
+
+    def _advance_committed(self) -> None:
+        # Only the contiguous finished prefix counts: 11 and 13 acked, 12 not -> 12.
+        new = self.finished.first_gap_from(self.committed)
+        if new != self.committed:
+            self.finished.remove(self.committed, new)
+            self.committed = new
+
+    # -- reporting ------------------------------------------------------------------
+
+    def holes(self, limit: int) -> tuple[list[list[int]], bool]:
+        """The lowest `limit` finished ranges above committed, and whether more exist."""
+        out = []
+        for start, end in self.finished:
+            if len(out) == limit:
+                return out, True
+            out.append([start, end])
+        return out, False
+
+    def blocker(self, log: LogRange | None, now_ms: int) -> dict | None:
+        """The record the committed offset waits for, and why it is not finished."""
+        offset = self.committed
+        if offset is None or (offset >= self.next_new and (log is None or offset >= log.end)):
+            return None
+        info: dict = {"offset": offset}
+        if (lease := self.leased.get(offset)) is not None:
+            info.update(state="leased", member=lease.member_id, since_ms=now_ms - lease.since_ms,
+                        attempt=lease.attempt, deadline_in_ms=lease.deadline_ms - now_ms)
+        elif (ready := self.ready.get(offset) or self.delayed.get(offset)) is not None:
+            info.update(state="ready", member=None, since_ms=now_ms - ready.since_ms,
+                        attempt=ready.attempts, reason=ready.reason,
+                        ready_in_ms=max(0, ready.ready_at_ms - now_ms))
+        elif (dead := self.dead_lettering.get(offset)) is not None:
+            info.update(state="dead_lettering", member=None, since_ms=now_ms - dead.since_ms,
+                        attempt=dead.attempts, reason=dead.last_reason)
+        else:
+            seen = log.first_seen_ms(offset) if log else None
+            info.update(state="not_delivered", member=None,
+                        since_ms=None if seen is None else now_ms - seen, attempt=0)
+        return info
+
+    def range_entries(self) -> dict[str, int]:
+        return {"leased": len(self.leased), "ready": len(self.ready), "delayed": len(self.delayed),
+                "finished": self.finished.len_ranges(), "dead_lettering": len(self.dead_lettering)}

@@ -1,0 +1,241 @@
+"""Leases: polling, expiry, nack, extend, reject, dead letters, limits and waiting polls."""
+
+from actors.group_coordinator.core import DEAD_LETTER_RETRY_MS, GroupConfig
+from actors.group_coordinator.effects import DeadLetter
+from protocol import messages as m
+from protocol.errors import StaleLease
+from tests.coordinator import PARKED, Driver, deliveries_of
+
+
+def spans(reply):
+    return [(s, e, attempt, reason) for _t, _p, _l, s, e, attempt, reason in reply.deliveries]
+
+
+def test_poll_leases_new_records_up_to_the_known_log_end():
+    d = Driver(config=GroupConfig(ack_timeout_ms=7_000))
+    a = d.join()
+    assert d.poll(a).deliveries == []  # log end not known yet
+    d.log_range("t", 0, 0, 5)
+    reply = d.poll(a)
+    assert spans(reply) == [(0, 5, 1, "new")] and reply.ack_timeout_ms == 7_000
+    assert d.poll(a).deliveries == []
+    d.log_range("t", 0, 0, 8)
+    assert spans(d.poll(a, max_records=2)) == [(5, 7, 1, "new")]
+
+
+def test_expired_lease_is_redelivered_as_timeout_and_its_late_ack_is_stale():
+    d = Driver(config=GroupConfig(ack_timeout_ms=1_000), logs={("t", 0): (0, 10)})
+    a = d.join()
+    lease = d.poll(a, max_records=10).deliveries[0][2]
+    d.advance(999)
+    assert d.poll(a).deliveries == []
+    d.advance(1)  # the deadline itself: expired
+    got = d.poll(a, max_records=4)
+    assert spans(got) == [(0, 4, 2, "timeout")]
+    err = d.settle("ack", a, [["t", 0, lease, 0, 10]])
+    assert isinstance(err, StaleLease)
+    assert err.data["stale"] == [["t", 0, lease, 0, 10]] and err.data["applied"] == 0
+    assert d.committed() == 0  # never silently applied
+    assert d.settle("ack", a, [["t", 0, got.deliveries[0][2], 0, 4]]).applied == 4
+    assert d.committed() == 4
+
+
+def test_a_lease_past_its_deadline_is_expired_even_if_the_shell_did_not_tick():
+    d = Driver(config=GroupConfig(ack_timeout_ms=1_000), logs={("t", 0): (0, 3)})
+    a = d.join()
+    lease = d.poll(a).deliveries[0][2]
+    d.now += 5_000  # no tick
+    assert isinstance(d.settle("ack", a, [["t", 0, lease, 0, 3]]), StaleLease)
+
+
+def test_redeliveries_come_first_in_offset_order():
+    d = Driver(logs={("t", 0): (0, 20)})
+    a = d.join()
+    first = d.poll(a, max_records=10).deliveries[0][2]
+    d.settle("nack", a, [["t", 0, first, 6, 8]])
+    d.settle("nack", a, [["t", 0, first, 2, 4]], reason="bad")
+    assert spans(d.poll(a, max_records=20)) == [(2, 4, 2, "nack:bad"), (6, 8, 2, "nack"), (10, 20, 1, "new")]
+
+
+def test_nack_with_delay_and_a_waiting_poll_woken_by_it():
+    d = Driver(logs={("t", 0): (0, 2)})
+    a = d.join()
+    lease = d.poll(a).deliveries[0][2]
+    assert d.settle("nack", a, [["t", 0, lease, 0, 2]], delay_ms=500).applied == 2
+    assert d.call("poll", m.Poll(group="g", member_id=a.member_id, generation=1, max_wait_ms=10_000),
+                  token="w") is PARKED
+    assert d.core.next_deadline() == d.now + 500
+    d.advance(499)
+    assert "w" not in d.answers
+    d.advance(1)
+    assert spans(d.answers["w"]) == [(0, 2, 2, "nack")]
+
+
+def test_extend_pushes_the_deadline():
+    d = Driver(config=GroupConfig(ack_timeout_ms=1_000), logs={("t", 0): (0, 4)})
+    a = d.join()
+    lease = d.poll(a).deliveries[0][2]
+    d.advance(800)
+    reply = d.settle("extend", a, [["t", 0, lease, 0, 2]], extend_ms=5_000)
+    assert reply == m.ExtendReply(applied=2, deadline_in_ms=5_000)
+    d.advance(500)  # 1300: [2, 4) expired, [0, 2) did not
+    assert spans(d.poll(a)) == [(2, 4, 2, "timeout")]
+    assert d.settle("ack", a, [["t", 0, lease, 0, 2]]).applied == 2
+    assert d.settle("extend", a, [["t", 0, lease, 0, 2]]).data["stale"] == [["t", 0, lease, 0, 2]]
+
+
+def test_max_deliveries_then_dead_letter_and_commit_after_confirmation():
+    d = Driver(config=GroupConfig(ack_timeout_ms=100, max_deliveries=2), logs={("t", 0): (0, 2)})
+    a = d.join()
+    assert spans(d.poll(a)) == [(0, 2, 1, "new")]
+    d.advance(100)
+    assert spans(d.poll(a)) == [(0, 2, 2, "timeout")]
+    mark = d.mark()
+    d.advance(100)
+    assert d.dead_letters(mark) == [DeadLetter("g", "t", 0, o, "t.dlq", 2, "timeout") for o in (0, 1)]
+    assert d.poll(a).deliveries == []
+    assert d.partition()["blocker"]["state"] == "dead_lettering"
+    assert d.committed() == 0
+    d.feed(d.core.on_dead_letter_done("g", "t", 0, 1, d.now))
+    assert d.committed() == 0
+    d.feed(d.core.on_dead_letter_done("g", "t", 0, 0, d.now))
+    assert d.committed() == 2
+    assert d.partition()["dead_letters"] == 2
+
+
+def test_nack_at_max_deliveries_dead_letters_with_the_nack_reason_and_configured_dlq():
+    d = Driver(config=GroupConfig(max_deliveries=1, dlq="parking"), logs={("t", 0): (0, 1)})
+    a = d.join()
+    lease = d.poll(a).deliveries[0][2]
+    mark = d.mark()
+    d.settle("nack", a, [["t", 0, lease, 0, 1]], reason="boom")
+    assert d.dead_letters(mark) == [DeadLetter("g", "t", 0, 0, "parking", 1, "nack:boom")]
+
+
+def test_reject_dead_letters_immediately():
+    d = Driver(logs={("t", 0): (0, 5)})
+    a = d.join()
+    lease = d.poll(a).deliveries[0][2]
+    mark = d.mark()
+    assert d.settle("reject", a, [["t", 0, lease, 1, 3]], reason="poison") == m.RejectReply(applied=2)
+    assert [(x.offset, x.attempts, x.last_reason) for x in d.dead_letters(mark)] == \
+        [(1, 1, "reject:poison"), (2, 1, "reject:poison")]
+    d.settle("ack", a, [["t", 0, lease, 0, 1], ["t", 0, lease, 3, 5]])
+    d.feed(d.core.on_dead_letter_done("g", "t", 0, 2, d.now))
+    assert d.committed() == 1
+    d.feed(d.core.on_dead_letter_done("g", "t", 0, 1, d.now))
+    assert d.committed() == 5
+
+
+def test_a_failed_dead_letter_is_retried():
+    d = Driver(logs={("t", 0): (0, 1)})
+    a = d.join()
+    d.settle("reject", a, [["t", 0, d.poll(a).deliveries[0][2], 0, 1]])
+    mark = d.mark()
+    d.feed(d.core.on_dead_letter_failed("g", "t", 0, 0, d.now))
+    d.advance(DEAD_LETTER_RETRY_MS - 1)
+    assert d.dead_letters(mark) == []
+    d.advance(1)
+    assert [x.offset for x in d.dead_letters(mark)] == [0]
+    # A confirmation for something that is not being dead-lettered is ignored.
+    d.feed(d.core.on_dead_letter_done("g", "t", 0, 7, d.now))
+    assert d.logs("dead_letter_confirmation_ignored")
+
+
+def test_in_flight_limit_per_member():
+    d = Driver({"t": 2}, config=GroupConfig(max_in_flight=5), logs={("t", 0): (0, 10), ("t", 1): (0, 10)})
+    a = d.join()
+    got = d.poll(a, max_records=100)
+    assert sum(e - s for s, e, _a, _r in spans(got)) == 5
+    assert d.poll(a).deliveries == []
+    d.settle("ack", a, [got.deliveries[0][:5]])
+    freed = got.deliveries[0][4] - got.deliveries[0][3]
+    assert sum(e - s for s, e, _a, _r in spans(d.poll(a))) == freed
+
+
+def test_in_flight_limit_per_partition_in_shared_mode_and_a_poll_woken_by_freed_capacity():
+    d = Driver(config=GroupConfig(mode="shared", max_in_flight=4), logs={("t", 0): (0, 100)})
+    a = d.join()
+    b = d.join()
+    a = d.resync(a)
+    got = d.poll(a, max_records=3)
+    assert spans(got) == [(0, 3, 1, "new")]
+    assert spans(d.poll(b, max_records=3)) == [(3, 4, 1, "new")]  # the partition holds 4 at most
+    assert d.call("poll", m.Poll(group="g", member_id=b.member_id, generation=b.generation, max_wait_ms=1_000),
+                  token="w") is PARKED
+    d.settle("ack", a, [got.deliveries[0][:5]])
+    assert spans(d.answers["w"]) == [(4, 7, 1, "new")]
+
+
+def test_fairness_spreads_a_poll_over_partitions_round_robin():
+    d = Driver({"t": 3}, logs={("t", p): (0, 100) for p in range(3)})
+    a = d.join()
+    got = d.poll(a, max_records=30)
+    assert sorted((p, e - s) for _t, p, _l, s, e, _a, _r in got.deliveries) == [(0, 10), (1, 10), (2, 10)]
+    first = [p for _t, p, *_ in d.poll(a, max_records=2).deliveries]
+    second = [p for _t, p, *_ in d.poll(a, max_records=2).deliveries]
+    assert first != second  # the starting partition rotates
+    d.log_range("t", 0, 0, 200)
+    # When the others run dry the rest comes from the partition that has more.
+    d2 = Driver({"t": 2}, logs={("t", 0): (0, 100), ("t", 1): (0, 3)})
+    b = d2.join()
+    assert sorted((p, e - s) for _t, p, _l, s, e, _a, _r in d2.poll(b, max_records=20).deliveries) == \
+        [(0, 17), (1, 3)]
+
+
+def test_waiting_poll_answered_by_new_records_or_by_its_deadline():
+    d = Driver(logs={("t", 0): (0, 0)})
+    a = d.join()
+    poll = m.Poll(group="g", member_id=a.member_id, generation=1, max_wait_ms=1_000)
+    assert d.call("poll", poll, token="p1") is PARKED
+    d.log_range("t", 0, 0, 3)
+    assert spans(d.answers["p1"]) == [(0, 3, 1, "new")]
+    assert d.call("poll", poll, token="p2") is PARKED
+    assert d.core.next_deadline() == d.now + 1_000
+    d.advance(1_000)
+    assert d.answers["p2"] == m.PollReply(generation=1, deliveries=[], ack_timeout_ms=30_000)
+    assert d.call("poll", poll, token="p3") is PARKED
+    d.core.cancel_parked("p3")
+    d.log_range("t", 0, 0, 5)
+    d.advance(5_000)
+    assert "p3" not in d.answers and d.core.statistics()["parked_polls"] == 0
+
+
+def test_a_member_with_a_waiting_poll_is_not_expired():
+    d = Driver()
+    a = d.join(session_timeout_ms=1_000)
+    assert d.call("poll", m.Poll(group="g", member_id=a.member_id, generation=1, max_wait_ms=60_000),
+                  token="w") is PARKED
+    d.advance(30_000)
+    assert len(d.describe()["members"]) == 1
+    d.advance(30_000)
+    assert d.answers["w"].deliveries == []
+    d.advance(1_000)
+    assert d.describe()["members"] == []
+
+
+def test_stale_lease_ids_of_all_kinds():
+    d = Driver({"t": 2}, logs={("t", 0): (0, 10), ("t", 1): (0, 10)})
+    a = d.join()
+    b = d.join(topics=["t"])
+    a = d.resync(a)
+    la = d.poll(a).deliveries[0]
+    lb = d.poll(b).deliveries[0]
+    tests = [
+        ["t", la[1], 999_999, 0, 1],        # unknown lease id
+        ["t", 1 - la[1], la[2], 0, 1],      # right id, wrong partition
+        ["t", lb[1], lb[2], lb[3], lb[4]],  # someone else's lease
+        ["u", 0, la[2], 0, 1],              # unknown topic
+    ]
+    err = d.settle("ack", a, tests)
+    assert isinstance(err, StaleLease) and err.data["stale"] == tests and err.data["applied"] == 0
+    assert d.settle("ack", b, [list(lb[:5])]).applied == 10
+
+
+def test_statistics_report_range_entries_not_records():
+    d = Driver(logs={("t", 0): (0, 10)})
+    a = d.join()
+    d.poll(a)
+    stats = d.core.statistics()
+    assert stats["records_in_flight"] == 10 and stats["leased_ranges"] == 1 and stats["lease_records"] == 1
+    assert deliveries_of(d.poll(a)) == []
