@@ -245,12 +245,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zbroker", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    # Every command that talks to a broker takes these, before or after its subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--broker", default=DEFAULT_URL, help="coordinator URL (env ZBROKER_URL)")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
 
     def client_cmd(name: str, help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--broker", default=DEFAULT_URL, help="coordinator URL (env ZBROKER_URL)")
-        p.add_argument("--json", action="store_true", help="machine-readable output")
-        return p
+        return sub.add_parser(name, help=help_text, parents=[common])
 
     up = sub.add_parser("up", help="run a single-node broker in the foreground")
     up.add_argument("--data", default="./data", help="data directory (default ./data)")
@@ -280,14 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     topics = client_cmd("topics", "create, list and describe topics")
     tsub = topics.add_subparsers(dest="topics_cmd", required=True)
-    create = tsub.add_parser("create")
+    create = tsub.add_parser("create", parents=[common])
     create.add_argument("name")
     create.add_argument("--partitions", type=int, default=1)
     create.add_argument("--segment-bytes", type=int)
     create.add_argument("--retention-bytes", type=int)
     create.add_argument("--retention-ms", type=int)
-    tsub.add_parser("list")
-    describe = tsub.add_parser("describe")
+    tsub.add_parser("list", parents=[common])
+    describe = tsub.add_parser("describe", parents=[common])
     describe.add_argument("name")
     topics.set_defaults(func=cmd_topics)
 
@@ -317,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     groups = client_cmd("groups", "list, configure, describe and reset consumer groups")
     gsub = groups.add_subparsers(dest="groups_cmd", required=True)
-    gsub.add_parser("list")
-    conf = gsub.add_parser("configure")
+    gsub.add_parser("list", parents=[common])
+    conf = gsub.add_parser("configure", parents=[common])
     conf.add_argument("group")
     conf.add_argument("--mode", choices=["exclusive", "shared"])
     conf.add_argument("--ack-timeout", type=float, help="seconds")
@@ -326,9 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--max-in-flight", type=int)
     conf.add_argument("--dlq")
     conf.add_argument("--start", choices=["earliest", "latest"])
-    gdesc = gsub.add_parser("describe")
+    gdesc = gsub.add_parser("describe", parents=[common])
     gdesc.add_argument("group")
-    reset = gsub.add_parser("reset")
+    reset = gsub.add_parser("reset", parents=[common])
     reset.add_argument("group")
     reset.add_argument("--topic", required=True)
     reset.add_argument("--to", required=True, help="earliest | latest | OFFSET")

@@ -393,12 +393,24 @@ class Producer:
 
 
 def fetch(conn: Connection, topic: str, partition: int, offset: int, *, max_bytes: int = 1 << 20,
-          max_wait_ms: int = 0, max_records: int | None = None) -> tuple[list, int, int]:
-    """One fetch. Returns (records at or after ``offset``, log_start, log_end)."""
-    env = conn.call(conn.endpoint(topic, partition),
-                    m.Fetch(topic=topic, partition=partition, offset=offset, max_bytes=max_bytes,
-                            max_wait_ms=max_wait_ms),
-                    timeout=conn.request_timeout + max_wait_ms / 1000.0)
+          max_wait_ms: int = 0, max_records: int | None = None, retries: int = 20) -> tuple[list, int, int]:
+    """One fetch. Returns (records at or after ``offset``, log_start, log_end).
+
+    A partition that moved (NOT_OWNER) or whose actor is restarting is retried
+    after a metadata refresh, with a short backoff.
+    """
+    for attempt in range(retries + 1):
+        try:
+            env = conn.call(conn.endpoint(topic, partition),
+                            m.Fetch(topic=topic, partition=partition, offset=offset, max_bytes=max_bytes,
+                                    max_wait_ms=max_wait_ms),
+                            timeout=conn.request_timeout + max_wait_ms / 1000.0)
+            break
+        except ZBrokerError as err:
+            if not err.retriable or attempt == retries:
+                raise
+            time.sleep(min(0.05 * (attempt + 1), 1.0))
+            conn.metadata.forget(topic)
     until = None if max_records is None else offset + max_records
     records = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,
                              until_offset=until)

@@ -1,0 +1,146 @@
+"""The CLI as a user runs it, the asyncio client, and scale-out with `zbroker partition`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zbroker.client import Admin, Producer, fetch
+from zbroker.client.aio import AsyncAdmin, AsyncConsumer, AsyncProducer
+from zbroker.client.sync import Connection
+
+pytestmark = pytest.mark.processes
+
+
+def cli(broker_url: str, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "zbroker", *args], input=stdin, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "ZBROKER_URL": broker_url})
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_cli_topics_produce_fetch_consume_groups_and_status(broker):
+    assert "created topic logs" in cli(broker.url, "topics", "create", "logs", "--partitions", "2").stdout
+    assert cli(broker.url, "topics", "list", "--json").stdout.strip() == '["logs"]'
+    cli(broker.url, "produce", "logs", "--partition", "0", stdin="alpha\nbeta\ngamma\n")
+    summary = json.loads(cli(broker.url, "produce", "logs", "--count", "500", "--size", "64", "--json").stdout)
+    assert summary["records"] == 500 and summary["records_per_s"] > 0
+
+    lines = cli(broker.url, "fetch", "logs", "--partition", "0", "--offset", "0", "--max", "3", "--json").stdout
+    first = [json.loads(line) for line in lines.splitlines()]
+    assert [r["value"] for r in first] == ["alpha", "beta", "gamma"]
+    assert [r["offset"] for r in first] == [0, 1, 2]
+
+    described = json.loads(cli(broker.url, "topics", "describe", "logs", "--json").stdout)
+    assert sum(p["log_end"] for p in described["partitions"]) == 503
+
+    cli(broker.url, "groups", "configure", "readers", "--ack-timeout", "5", "--max-deliveries", "3")
+    consumed = cli(broker.url, "consume", "logs", "--group", "readers", "--max", "503", "--json").stdout
+    assert len(consumed.splitlines()) == 503
+    deadline = time.monotonic() + 10
+    while True:
+        group = json.loads(cli(broker.url, "groups", "describe", "readers", "--json").stdout)
+        if sum(p["lag"] for p in group["partitions"]) == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sum(p["lag"] for p in group["partitions"]) == 0
+    assert group["ack_timeout_ms"] == 5000 or group.get("config", {}).get("ack_timeout_ms") == 5000
+    assert "readers" in cli(broker.url, "groups", "list").stdout
+    human = cli(broker.url, "groups", "describe", "readers").stdout
+    assert "COMMITTED" in human and "LAG" in human
+
+    reset = json.loads(cli(broker.url, "groups", "reset", "readers", "--topic", "logs", "--to", "earliest",
+                           "--json").stdout)
+    assert sorted(reset["partitions"]) == [[0, 0], [1, 0]]
+
+    status = json.loads(cli(broker.url, "status", "--json").stdout)
+    kinds = sorted(a["kind"] for a in status["actors"])
+    assert kinds == ["commit-writer", "group-coordinator", "partition-log"] and status["healthy"]
+
+
+def test_cli_errors_are_clear_and_exit_1(broker):
+    proc = cli(broker.url, "topics", "describe", "nope", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: UNKNOWN_TOPIC:")
+    proc = cli(broker.url, "topics", "create", "bad/name", check=False)
+    assert proc.returncode == 1 and "BAD_REQUEST" in proc.stderr
+
+
+def test_asyncio_twin_produces_and_consumes_with_acks(broker):
+    async def main() -> list[bytes]:
+        async with AsyncAdmin(broker.url) as admin:
+            await admin.create_topic("aio", partitions=2)
+        async with AsyncProducer(broker.url, linger_ms=1) as producer:
+            handles = [await producer.send("aio", f"a{i}".encode(), key=f"k{i % 7}".encode()) for i in range(300)]
+            await producer.flush()
+        assert all(h.offset is not None for h in handles)
+        got = []
+        async with AsyncConsumer(broker.url, group="aio", topics=["aio"]) as consumer:
+            deadline = time.monotonic() + 20
+            while len(got) < 300 and time.monotonic() < deadline:
+                for record in await consumer.poll(max_records=100, timeout=0.2):
+                    got.append(record.value)
+                    await consumer.ack(record)
+            await consumer.flush_acks()
+        async with AsyncAdmin(broker.url) as admin:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                parts = (await admin.describe_group("aio"))["partitions"]
+                if sum(p["lag"] for p in parts) == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert sum(p["lag"] for p in parts) == 0
+        return got
+
+    got = asyncio.run(main())
+    assert sorted(got) == sorted(f"a{i}".encode() for i in range(300))
+
+
+def test_zbroker_partition_scales_out_and_takes_over_partitions(broker, tmp_path):
+    with Admin(broker.url) as admin:
+        admin.create_topic("wide", partitions=4)
+    with Producer(broker.url) as producer:
+        producer.produce("wide", [f"before-{i}".encode() for i in range(400)])
+    extra = subprocess.Popen(
+        [sys.executable, "-m", "zbroker", "partition", "--broker", broker.url, "--data",
+         str(broker.config.data_dir) + "/partitions", "--actor-id", "extra", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        owners: dict = {}
+        while time.monotonic() < deadline:
+            with Admin(broker.url) as admin:
+                owners = {p["partition"]: p["actor_id"] for p in admin.describe_topic("wide")["partitions"]}
+            if sorted(owners.values()) == ["extra", "extra", "p0", "p0"]:
+                break
+            time.sleep(0.1)
+        assert sorted(owners.values()) == ["extra", "extra", "p0", "p0"]
+        with Producer(broker.url) as producer:
+            producer.produce("wide", [f"after-{i}".encode() for i in range(400)])
+        conn = Connection(broker.url)
+        try:
+            conn.refresh()
+            values = []
+            for p in range(4):
+                offset = 0
+                while True:
+                    records, _s, end = fetch(conn, "wide", p, offset)
+                    values += [r.value for r in records]
+                    if not records or records[-1].offset + 1 >= end:
+                        break
+                    offset = records[-1].offset + 1
+            assert sorted(values) == sorted([f"before-{i}".encode() for i in range(400)] +
+                                            [f"after-{i}".encode() for i in range(400)])
+        finally:
+            conn.close()
+    finally:
+        extra.send_signal(signal.SIGTERM)
+        assert extra.wait(20) == 0
