@@ -254,7 +254,12 @@ def _redact(url: str) -> str:
     return url.replace(f":{password}@", ":***@") if password else url
 
 
-def main(argv: list[str] | None = None) -> None:
+def run(scale: float = 1.0) -> dict:
+    """For bench/harness.py: the default workload for 10 s (times ``scale``, at least 2 s)."""
+    return run_bench(_parser().parse_args(["--seconds", str(max(2.0, 10.0 * scale))]))
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.commit_absorption",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--offsets", default=os.environ.get("ZBROKER_TEST_PG_DSN",
@@ -267,8 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--flush-interval-ms", type=float, default=10.0)
     p.add_argument("--batch-size", type=int, default=1000)
     p.add_argument("--keep", action="store_true", help="keep the benchmark schema")
-    args = p.parse_args(argv)
-    json.dump(run_bench(args), sys.stdout, indent=2)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    json.dump(run_bench(_parser().parse_args(argv)), sys.stdout, indent=2)
     sys.stdout.write("\n")
 
 

@@ -52,7 +52,7 @@ WINDOW = 1_000
 LATENCY_GRACE_S = 30.0
 
 PRODUCE_VARIANTS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched")
-WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "scale_out", "redelivery", "commits")
+WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "scale_out", "redelivery", "commits", "memory")
 ZBROKER_ONLY = ("scale_out", "redelivery")
 # Which raw-ZeroMQ shape bounds each workload: (mode, record size).
 CEILING_FOR = {
@@ -176,7 +176,7 @@ class Harness:
             "workloads_selected": list(self.config.workloads),
             "systems": {},
         }
-        peer_workloads = set(self.config.workloads) - set(ZBROKER_ONLY) - {"commits"}
+        peer_workloads = set(self.config.workloads) - set(ZBROKER_ONLY) - {"commits", "memory"}
         for name, factory in self.adapters.items():
             if name != "zbroker" and not peer_workloads:
                 continue
@@ -185,6 +185,8 @@ class Harness:
             results["ceiling"] = self._run_ceiling()
         if "commits" in self.config.workloads:
             results["commits"] = run_commits(self.config.scale, self.config.phase_timeout_s)
+        if "memory" in self.config.workloads:
+            results["memory"] = run_commits(self.config.scale, self.config.phase_timeout_s, name="bench.memory")
         results["finished_at"] = time.time()
         return results
 
