@@ -143,6 +143,8 @@ def test_reject_sends_a_record_to_the_dlq_at_once(broker):
 def test_a_third_member_moves_partitions_without_loss_and_fencing_stops_stale_acks(broker):
     with Admin(broker.url) as admin:
         admin.create_topic("events", partitions=6)
+        # a never acks what it holds on the partitions it keeps: those come back by ack timeout.
+        admin.configure_group("team", ack_timeout_ms=2000)
     values = [f"e{i}".encode() for i in range(3000)]
     produce_values(broker.url, "events", values)
     a = Consumer(broker.url, group="team", topics=["events"])
