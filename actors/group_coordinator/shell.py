@@ -108,6 +108,7 @@ class CoordinatorShell:
     def __init__(self, router: zmq.Socket, data_dir: Path, log: Any, acl: security.Acl | None = None) -> None:
         self.router = router
         self.acl = acl
+        self.endpoint: str | None = None  # set once bound
         self.log = log
         self.meta = MetaFiles(data_dir)
         self.topics = TopicRegistry()
@@ -420,7 +421,7 @@ class CoordinatorShell:
                   "healthy": self.healthy(now), "last_seen_ms_ago": None if seen is None else now - seen,
                   "metrics": self.writer["metrics"], "unconfirmed_advances": len(self.unconfirmed)}
         coordinator = {"kind": "group-coordinator", "actor_id": "coordinator", "pid": os.getpid(),
-                       "endpoint": None, "healthy": True, "offsets_loaded": self.offsets_loaded,
+                       "endpoint": self.endpoint, "healthy": True, "offsets_loaded": self.offsets_loaded,
                        "statistics": self.core.statistics()}
         return [coordinator, writer, *self.topics.actor_status(now)]
 
@@ -466,6 +467,7 @@ def run(endpoint: str, data_dir: str, *, log_level: str = "info", curve_dir: str
     try:
         bound = runtime.bind_endpoint(router, endpoint)
         shell = CoordinatorShell(router, data, log, keys.acl() if keys else None)
+        shell.endpoint = bound
         log.info("actor.started", endpoint=bound, data_dir=str(data), topics=len(shell.topics.topics))
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
