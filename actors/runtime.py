@@ -47,6 +47,7 @@ def configure_logging(level: str = "info", **bind: Any) -> structlog.stdlib.Boun
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
@@ -99,14 +100,15 @@ def bind_endpoint(sock: zmq.Socket, endpoint: str) -> str:
 
 
 class RouterToken:
-    """Where a reply to one request goes: the peer's routing id and the request id."""
+    """Where a reply to one request goes: the socket, the peer's routing id and the request id."""
 
-    __slots__ = ("identity", "corr_id", "op")
+    __slots__ = ("identity", "corr_id", "op", "sock")
 
-    def __init__(self, identity: bytes, corr_id: Any, op: str | None) -> None:
+    def __init__(self, identity: bytes, corr_id: Any, op: str | None, sock: Any = None) -> None:
         self.identity = identity
         self.corr_id = corr_id
         self.op = op
+        self.sock = sock
 
 
 def split_router_message(frames: list) -> tuple[bytes | None, list]:

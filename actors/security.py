@@ -38,6 +38,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from protocol.errors import Unauthorized
 
 ZAP_DOMAIN = "zbroker"
+INTERNAL_ZAP_DOMAIN = "zbroker-internal"  # the coordinator's actor endpoint: the broker's own key only
 INTERNAL_OPS = {"register", "report", "assign", "writer_status", "advance", "load_offsets"}
 ADMIN_OPS = {"create_topic", "configure_group", "reset_group"}
 MEMBER_OPS = {"heartbeat", "leave", "poll", "ack", "nack", "extend", "reject"}
@@ -117,8 +118,8 @@ class KeyRing:
         """Actors dial each other with the broker's own key pair."""
         return ClientKeys(self.public, self.public, self.secret)
 
-    def make_server(self, sock: zmq.Socket) -> None:
-        sock.zap_domain = ZAP_DOMAIN.encode()
+    def make_server(self, sock: zmq.Socket, *, internal: bool = False) -> None:
+        sock.zap_domain = (INTERNAL_ZAP_DOMAIN if internal else ZAP_DOMAIN).encode()
         sock.curve_server = True
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret
@@ -165,15 +166,19 @@ def start_authenticator(ctx: zmq.Context, keys: KeyRing, log: Any) -> ThreadAuth
     """Start the ZAP handler; must run before any CURVE server socket binds."""
 
     class Provider:
+        def __init__(self, internal: bool) -> None:
+            self.internal = internal
+
         def callback(self, domain: str, key: bytes) -> bool:
-            ok = keys.allowed(key)
+            ok = key == keys.public if self.internal else keys.allowed(key)
             if not ok:
                 log.warning("auth.refused", client_key=key.decode(errors="replace"), domain=domain)
             return ok
 
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=Provider())
+    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=Provider(internal=False))
+    auth.configure_curve_callback(domain=INTERNAL_ZAP_DOMAIN, credentials_provider=Provider(internal=True))
     return auth
 
 

@@ -98,7 +98,7 @@ def _check_envelope(frames: Sequence[bytes], *, reply: bool = False) -> tuple[di
         raise _fail(ProtocolError("too many frames", limit=MAX_FRAMES, got=len(frames)), corr_id, op)
     version = header.get("v")
     if not isinstance(version, int) or isinstance(version, bool) or version not in m.SUPPORTED_VERSIONS:
-        raise _fail(UnsupportedVersion(f"protocol version {version!r} is not supported",
+        raise _fail(UnsupportedVersion(f"protocol version {version!r:.40} is not supported",
                                        supported=list(m.SUPPORTED_VERSIONS)), corr_id, op)
     # An error reply to a request that could not be read carries a nil op.
     if not isinstance(op, str) and not (reply and op is None and header.get("ok") is False):

@@ -12,6 +12,7 @@ is given in each class's docstring and in docs/PROTOCOL.md.
 """
 
 import dataclasses
+import re
 import types
 from typing import Any, ClassVar, get_type_hints
 
@@ -19,6 +20,16 @@ from protocol.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
+
+# Topic names become directory names on the partition actors' disks.
+TOPIC_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+
+
+def validate_topic_name(name: str) -> None:
+    if not isinstance(name, str) or not TOPIC_NAME.match(name) or ".." in name:
+        raise ProtocolError("topic names are 1-200 characters of A-Z a-z 0-9 . _ - and may not start "
+                            "with '.' or '-' or contain '..'", topic=str(name)[:200])
+
 
 # Long polls wait at most this long; a client wanting more simply polls again.
 MAX_WAIT_MS = 60_000
@@ -165,6 +176,7 @@ class HelloReply(Message):
     server: str
     actor: str
     limits: dict
+    internal_endpoint: str | None = None  # the coordinator's endpoint for the broker's own actors
 
 
 @request("status")
@@ -185,6 +197,10 @@ class StatusReply(Message):
 @request("metadata")
 class Metadata(Message):
     topics: list | None = None
+
+    def check(self) -> None:
+        if self.topics is not None and not all(isinstance(t, str) for t in self.topics):
+            raise ProtocolError("'topics' must be a list of names", op="metadata", field="topics")
 
 
 @reply("metadata")
@@ -254,6 +270,8 @@ class Produce(Message):
         if self.producer_id and not 0 <= self.sequence < 1 << 31:
             raise ProtocolError("an idempotent producer's 'sequence' must be in [0, 2**31)", op="produce",
                                 field="sequence", got=self.sequence)
+        if not -1 <= self.sequence < 1 << 31:
+            raise ProtocolError("'sequence' must be in [-1, 2**31)", op="produce", field="sequence")
         if self.partition >= 1 << 31:
             raise ProtocolError("'partition' out of range", op="produce", field="partition")
 
@@ -525,10 +543,22 @@ class Register(Message):
     partitions: list
 
 
+def check_assignment(op: str, assignment: list) -> None:
+    for i, item in enumerate(assignment):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                and isinstance(item[1], int) and not isinstance(item[1], bool) and 0 <= item[1] < 1 << 31
+                and (item[2] is None or isinstance(item[2], dict))):
+            raise ProtocolError("assignment items must be [topic, partition, config]", op=op, index=i)
+        validate_topic_name(item[0])
+
+
 @reply("register")
 class RegisterReply(Message):
     """assignment: [[topic, partition, config], ...] the actor should own."""
     assignment: list
+
+    def check(self) -> None:
+        check_assignment("register", self.assignment)
 
 
 @request("report", tell=True)
@@ -542,6 +572,9 @@ class Report(Message):
 class Assign(Message):
     """Coordinator -> partition actor: the full set it should own. [[topic, partition, config]]"""
     assignment: list
+
+    def check(self) -> None:
+        check_assignment("assign", self.assignment)
 
 
 @reply("assign")
@@ -579,10 +612,21 @@ class Advance(Message):
                                     "generation, reset_epoch]", op="advance", index=i)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @reply("advance")
 class AdvanceReply(Message):
     """durable: [[group, topic, partition, committed_offset, reset_epoch], ...] now on disk."""
     durable: list
+
+    def check(self) -> None:
+        for i, d in enumerate(self.durable):
+            if not (isinstance(d, list) and len(d) == 5 and isinstance(d[0], str) and isinstance(d[1], str)
+                    and all(_is_int(x) for x in d[2:])):
+                raise ProtocolError("durable items must be [group, topic, partition, committed, reset_epoch]",
+                                    op="advance", index=i)
 
 
 @request("load_offsets")
@@ -607,3 +651,11 @@ class LoadOffsetsReply(Message):
     """
     rows: list
     more: bool = False
+
+    def check(self) -> None:
+        for i, r in enumerate(self.rows):
+            if not (isinstance(r, list) and len(r) == 7 and isinstance(r[0], str) and isinstance(r[1], str)
+                    and all(_is_int(x) for x in (r[2], r[3], r[5], r[6])) and isinstance(r[4], list)
+                    and all(isinstance(h, list) and len(h) == 2 and all(_is_int(x) for x in h) for h in r[4])):
+                raise ProtocolError("rows must be [group, topic, partition, committed, holes, generation, "
+                                    "reset_epoch]", op="load_offsets", index=i)

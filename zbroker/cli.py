@@ -58,9 +58,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_partition(args: argparse.Namespace) -> int:
     from actors.partition_log.core import FsyncPolicy
     from actors.partition_log.shell import run
+    from actors.security import KeyRing
+    from zbroker.client import Admin
     FsyncPolicy.parse(args.fsync)
     actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
-    run(actor_id, args.broker, args.data, bind=args.bind, fsync=args.fsync, log_level=args.log_level,
+    # The broker URL is the client endpoint; hello says where its actors dial.
+    curve = KeyRing(args.curve).internal_client() if args.curve else None
+    with Admin(args.broker, curve=curve) as admin:
+        internal = admin.hello().get("internal_endpoint")
+    if not internal:
+        raise SystemExit(f"error: the broker at {args.broker} did not name its internal endpoint")
+    run(actor_id, internal, args.data, bind=args.bind, fsync=args.fsync, log_level=args.log_level,
         curve_dir=args.curve)
     return 0
 

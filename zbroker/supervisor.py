@@ -52,13 +52,18 @@ class BrokerConfig:
     def coordinator_endpoint(self) -> str:
         return f"tcp://{self.host}:{self.port}"
 
+    @property
+    def internal_endpoint(self) -> str:
+        """Where the broker's own actors dial the coordinator (never given to clients)."""
+        return f"tcp://{self.host}:{self.port + 1}"
+
     def resolved_offsets_url(self) -> str:
         if self.offsets_url:
             return self.offsets_url
         return f"sqlite:///{Path(self.data_dir).resolve() / 'offsets.sqlite3'}"
 
     def partition_bind(self, index: int) -> str:
-        return f"tcp://{self.host}:{self.port + 1 + index}"
+        return f"tcp://{self.host}:{self.port + 2 + index}"
 
 
 @dataclasses.dataclass
@@ -86,11 +91,12 @@ class Supervisor:
         self.stopping = False
         data = Path(config.data_dir).resolve()
         self.pid_file = data / "run" / "actors.json"
-        coordinator = config.coordinator_endpoint
+        coordinator = config.internal_endpoint
         self.children: list[_Child] = [
             _Child("coordinator", "actors.group_coordinator.shell:run",
-                   {"endpoint": coordinator, "data_dir": str(data / "coordinator"),
-                    "log_level": config.log_level, "curve_dir": config.curve_dir}),
+                   {"endpoint": config.coordinator_endpoint, "internal_endpoint": config.internal_endpoint,
+                    "data_dir": str(data / "coordinator"), "log_level": config.log_level,
+                    "curve_dir": config.curve_dir}),
             _Child("commit-writer", "actors.commit_writer.shell:run",
                    {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
                     "log_level": config.log_level, "curve_dir": config.curve_dir}),
@@ -268,7 +274,7 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
                  curve_dir: str | Path | None = None) -> BrokerHandle:
     """Start ``zbroker up`` as a subprocess; with ``port=0`` pick free ports."""
     if port == 0:
-        port = free_port_block(partition_actors + 1)
+        port = free_port_block(partition_actors + 2)
     config = BrokerConfig(data_dir=str(data_dir), port=port, partition_actors=partition_actors, fsync=fsync,
                           offsets_url=offsets_url, log_level=log_level,
                           curve_dir=str(curve_dir) if curve_dir else None)

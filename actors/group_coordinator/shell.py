@@ -36,8 +36,8 @@ from actors.group_coordinator.topics import AssignActor, PersistTopics, TopicReg
 from protocol import codec
 from protocol import messages as m
 from protocol.batch import decode_fetched, encode_records
-from protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists, Unavailable, UnknownOp,
-                             ZBrokerError)
+from protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists, Unauthorized, Unavailable,
+                             UnknownOp, ZBrokerError)
 
 TURN_BUDGET = 512
 WRITER_IDENTITY = b"writer"
@@ -81,33 +81,56 @@ class MetaFiles:
 
 
 class Outbound:
-    """Requests this actor sends to other actors, matched to replies by id."""
+    """Requests this actor sends to other actors, matched to replies by peer, op and id.
 
-    def __init__(self) -> None:
+    A reply counts only if it comes from the peer that was asked and names the
+    op that was sent; anything else is dropped. Callbacks get the reply, or
+    None when it timed out (or its handling failed), and must treat None as
+    "try again later".
+    """
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
         self._ids = itertools.count(1)
-        self.pending: dict[int, tuple[int, Callable[[codec.Envelope | None], None]]] = {}
+        self.pending: dict[int, tuple[int, bytes, str, Callable[[codec.Envelope | None], None]]] = {}
 
-    def new(self, now_ms: int, on_reply: Callable[[codec.Envelope | None], None]) -> int:
+    def new(self, now_ms: int, peer: bytes, op: str, on_reply: Callable[[codec.Envelope | None], None]) -> int:
         corr = next(self._ids)
-        self.pending[corr] = (now_ms + REQUEST_TIMEOUT_MS, on_reply)
+        self.pending[corr] = (now_ms + REQUEST_TIMEOUT_MS, peer, op, on_reply)
         return corr
 
-    def resolve(self, env: codec.Envelope) -> None:
-        entry = self.pending.pop(env.corr_id, None) if isinstance(env.corr_id, int) else None
-        if entry is not None:
-            entry[1](env)
+    def resolve(self, peer: bytes, env: codec.Envelope) -> None:
+        entry = self.pending.get(env.corr_id) if isinstance(env.corr_id, int) else None
+        if entry is None or entry[1] != peer or (env.op is not None and env.op != entry[2]):
+            self.log.warning("reply.unexpected", peer=peer.decode(errors="replace"), op=env.op)
+            return
+        del self.pending[env.corr_id]
+        self._call(entry[3], env)
 
     def expire(self, now_ms: int) -> None:
-        expired = [c for c, (deadline, _cb) in self.pending.items() if deadline <= now_ms]
+        expired = [c for c, entry in self.pending.items() if entry[0] <= now_ms]
         for corr in expired:
-            _deadline, callback = self.pending.pop(corr)
-            callback(None)
+            self._call(self.pending.pop(corr)[3], None)
+
+    def _call(self, callback: Callable[[codec.Envelope | None], None], env: codec.Envelope | None) -> None:
+        try:
+            callback(env)
+        except Exception:
+            self.log.exception("reply.handling_failed", op=None if env is None else env.op)
+            if env is not None:
+                try:
+                    callback(None)
+                except Exception:
+                    self.log.exception("reply.handling_failed", op=None)
 
 
 class CoordinatorShell:
-    def __init__(self, router: zmq.Socket, data_dir: Path, log: Any, acl: security.Acl | None = None) -> None:
-        self.router = router
+    def __init__(self, router: zmq.Socket, internal: zmq.Socket, data_dir: Path, log: Any,
+                 acl: security.Acl | None = None) -> None:
+        self.router = router  # clients
+        self.internal = internal  # the broker's own actors: partition logs and the commit writer
         self.acl = acl
+        self.internal_endpoint: str | None = None
         self.endpoint: str | None = None  # set once bound
         self.log = log
         self.meta = MetaFiles(data_dir)
@@ -124,7 +147,7 @@ class CoordinatorShell:
         for group, config in (self.meta.load(self.meta.groups_path) or {}).items():
             self.core.restore_group_config(group, GroupConfig.from_dict(config))
         self.group_configs: dict[str, dict] = dict(self.meta.load(self.meta.groups_path) or {})
-        self.outbound = Outbound()
+        self.outbound = Outbound(log)
         self.writer: dict[str, Any] = {"pid": None, "healthy": False, "metrics": {}, "last_seen_ms": None}
         self.offsets_loaded = False
         self.next_load_ms = 0
@@ -140,39 +163,38 @@ class CoordinatorShell:
 
     # -- inbound ----------------------------------------------------------------------------
 
-    def on_message(self, identity: bytes, frames: list, now: int, user: str | None = None) -> None:
-        if self.acl is not None and user != self.acl.broker_key:
-            self.on_client_message(identity, frames, now, user)
+    def on_internal_message(self, identity: bytes, frames: list, now: int) -> None:
+        """From a partition actor or the commit writer, on the internal endpoint."""
+        try:
+            is_reply, env = codec.decode_any(frames)
+        except ProtocolError as err:
+            self.log.warning("actor.bad_frame", peer=identity.decode(errors="replace"), reason=err.message)
+            runtime.send_reply(self.internal, identity, codec.encode_error(err.op, err.corr_id, err))
             return
-        if identity == WRITER_IDENTITY or identity.startswith(b"partition:"):
-            try:
-                is_reply, env = codec.decode_any(frames)
-            except ProtocolError as err:
-                self.log.warning("actor.bad_frame", peer=identity.decode(errors="replace"), reason=err.message)
-                return
-            if is_reply:
-                self.outbound.resolve(env)
-                return
-            self.on_request(identity, env, now)
+        if is_reply:
+            self.outbound.resolve(identity, env)
             return
-        self.on_client_message(identity, frames, now, user)
+        self.on_request(identity, env, now, sock=self.internal)
 
     def on_client_message(self, identity: bytes, frames: list, now: int, user: str | None) -> None:
         env, error = runtime.decode_or_error(frames, self.log)
         if error is not None:
             runtime.send_reply(self.router, identity, error)
             return
-        if self.acl is not None:
-            try:
+        try:
+            if env.op in security.INTERNAL_OPS:
+                # Actors speak on the internal endpoint; here anyone could claim to be one.
+                raise Unauthorized(f"{env.op!r} is only served on the internal endpoint", op=env.op)
+            if self.acl is not None:
                 self.acl.check(user, env.op, env.msg)
-            except ZBrokerError as err:
-                self.log.warning("auth.denied", op=env.op, reason=err.message, data=err.data)
-                self.reply_error(runtime.RouterToken(identity, env.corr_id, env.op), err)
-                return
+        except ZBrokerError as err:
+            self.log.warning("auth.denied", op=env.op, reason=err.message, data=err.data)
+            self.reply_error(runtime.RouterToken(identity, env.corr_id, env.op), err)
+            return
         self.on_request(identity, env, now)
 
-    def on_request(self, identity: bytes, env: codec.Envelope, now: int) -> None:
-        token = runtime.RouterToken(identity, env.corr_id, env.op)
+    def on_request(self, identity: bytes, env: codec.Envelope, now: int, sock: zmq.Socket | None = None) -> None:
+        token = runtime.RouterToken(identity, env.corr_id, env.op, sock)
         op, msg = env.op, env.msg
         try:
             if op in GROUP_OPS:
@@ -189,7 +211,8 @@ class CoordinatorShell:
             elif op == "hello":
                 self.reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
                                                actor="group-coordinator",
-                                               limits={"max_header_bytes": codec.MAX_HEADER_BYTES}))
+                                               limits={"max_header_bytes": codec.MAX_HEADER_BYTES},
+                                               internal_endpoint=self.internal_endpoint))
             elif op == "metadata":
                 self.reply(token, m.MetadataReply(topics=self.topics.metadata(msg.topics)))
             elif op == "list_topics":
@@ -262,15 +285,16 @@ class CoordinatorShell:
                 raise TypeError(f"unknown effect {effect!r}")
 
     def reply(self, token: runtime.RouterToken, msg: m.Message) -> None:
-        runtime.send_reply(self.router, token.identity, codec.encode_reply(msg, token.corr_id))
+        runtime.send_reply(token.sock or self.router, token.identity, codec.encode_reply(msg, token.corr_id))
 
     def reply_error(self, token: runtime.RouterToken, err: ZBrokerError) -> None:
-        runtime.send_reply(self.router, token.identity, codec.encode_error(token.op, token.corr_id, err))
+        runtime.send_reply(token.sock or self.router, token.identity,
+                           codec.encode_error(token.op, token.corr_id, err))
 
     def request(self, identity: bytes, msg: m.Message, now: int, on_reply: Callable,
                 frames: tuple = ()) -> None:
-        corr = self.outbound.new(now, on_reply)
-        runtime.send_reply(self.router, identity, codec.encode_request(msg, corr, frames))
+        corr = self.outbound.new(now, identity, msg.op, on_reply)
+        runtime.send_reply(self.internal, identity, codec.encode_request(msg, corr, frames))
 
     def send_assign(self, actor_id: str, now: int) -> None:
         assignment = self.topics.assignment_for(actor_id)
@@ -452,8 +476,14 @@ class CoordinatorShell:
         self.open_polls.clear()
 
 
-def run(endpoint: str, data_dir: str, *, log_level: str = "info", curve_dir: str | None = None) -> None:
-    """Process main for the group coordinator."""
+def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0.1:0", log_level: str = "info",
+        curve_dir: str | None = None) -> None:
+    """Process main for the group coordinator.
+
+    Two ROUTER sockets: ``endpoint`` for clients and ``internal_endpoint`` for
+    the broker's own actors, so a client can never pose as one (with
+    ``--curve`` the internal one admits only the broker's key).
+    """
     log = runtime.configure_logging(log_level, actor="group-coordinator")
     stop = runtime.StopFlag().install()
     data = Path(data_dir)
@@ -462,25 +492,38 @@ def run(endpoint: str, data_dir: str, *, log_level: str = "info", curve_dir: str
     keys = security.KeyRing(curve_dir) if curve_dir else None
     auth = security.start_authenticator(ctx, keys, log) if keys else None
     router = runtime.make_socket(ctx, zmq.ROUTER)
+    internal = runtime.make_socket(ctx, zmq.ROUTER)
     if keys is not None:
         keys.make_server(router)
+        keys.make_server(internal, internal=True)
     try:
         bound = runtime.bind_endpoint(router, endpoint)
-        shell = CoordinatorShell(router, data, log, keys.acl() if keys else None)
-        shell.endpoint = bound
-        log.info("actor.started", endpoint=bound, data_dir=str(data), topics=len(shell.topics.topics))
+        bound_internal = runtime.bind_endpoint(internal, internal_endpoint)
+        shell = CoordinatorShell(router, internal, data, log, keys.acl() if keys else None)
+        shell.endpoint, shell.internal_endpoint = bound, bound_internal
+        log.info("actor.started", endpoint=bound, internal_endpoint=bound_internal, data_dir=str(data),
+                 topics=len(shell.topics.topics))
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
+        poller.register(internal, zmq.POLLIN)
         while not stop.stopping:
             now = runtime.now_ms()
             try:
-                ready = poller.poll(shell.next_timeout_ms(now))
+                ready = dict(poller.poll(shell.next_timeout_ms(now)))
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EINTR:
                     continue
                 raise
             now = runtime.now_ms()
-            if ready:
+            if internal in ready:
+                for _ in range(TURN_BUDGET):
+                    try:
+                        frames = internal.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) >= 2:
+                        shell.on_internal_message(frames[0], frames[1:], now)
+            if router in ready:
                 for _ in range(TURN_BUDGET):
                     try:
                         frames = router.recv_multipart(zmq.NOBLOCK, copy=keys is None)
@@ -489,15 +532,16 @@ def run(endpoint: str, data_dir: str, *, log_level: str = "info", curve_dir: str
                     if len(frames) < 2:
                         continue
                     if keys is None:
-                        shell.on_message(frames[0], frames[1:], now)
+                        shell.on_client_message(frames[0], frames[1:], now, None)
                     else:  # frames are zmq.Frame objects carrying the authenticated User-Id
-                        shell.on_message(frames[0].bytes, [f.bytes for f in frames[1:]], now,
-                                         security.user_id(frames[1]))
+                        shell.on_client_message(frames[0].bytes, [f.bytes for f in frames[1:]], now,
+                                                security.user_id(frames[1]))
             shell.tick(now)
         shell.shutdown()
         log.info("actor.stopped", signal=stop.signal)
     finally:
         router.close(linger=0)
+        internal.close(linger=0)
         if auth is not None:
             auth.stop()
         ctx.term()

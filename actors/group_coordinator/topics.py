@@ -24,13 +24,12 @@ actor its complete new assignment.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from protocol.errors import ProtocolError, TopicExists, UnknownTopic
+from protocol.messages import validate_topic_name
 from storage.log.partition_log import LogConfig
 
-TOPIC_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 Key = tuple[str, int]
 
 
@@ -61,12 +60,6 @@ class PartitionInfo:
     log_start: int = 0
     log_end: int = 0
     size_bytes: int = 0
-
-
-def validate_topic_name(name: str) -> None:
-    if not TOPIC_NAME.match(name) or ".." in name:
-        raise ProtocolError("topic names are 1-200 characters of A-Z a-z 0-9 . _ - and may not start "
-                            "with '.' or '-' or contain '..'", topic=name[:200])
 
 
 class TopicRegistry:

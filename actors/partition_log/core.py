@@ -9,8 +9,9 @@ temporary directory; the core itself touches no socket and reads no clock.
 
 produce
     Checked in this order: ownership (NOT_OWNER, retriable: the client
-    refreshes metadata), size (TOO_LARGE), payload shape (the msgpack array
-    header gives the record count; records are never decoded one by one),
+    refreshes metadata), size (TOO_LARGE), payload shape (every record is
+    checked in C-level passes; the payload is stored as it arrived, never
+    re-encoded),
     idempotence (a retried (producer_id, sequence) gets its original offsets
     back with ``duplicate=True``), then the append. With ``fsync=always`` the
     reply is held until `end_turn`, which fsyncs every log written in this
@@ -36,15 +37,16 @@ from typing import Any, Callable, Iterable
 import structlog
 
 from protocol import messages as m
-from protocol.batch import payload_record_count
-from protocol.errors import NotOwner, OffsetOutOfRange, ProtocolError, TooLarge, UnknownOp, ZBrokerError
+from protocol.batch import validate_payload
+from protocol.errors import (NotOwner, OffsetOutOfRange, ProtocolError, TooLarge, Unauthorized, UnknownOp,
+                             ZBrokerError)
 from storage.log.partition_log import LogConfig, PartitionLog
 
 log = structlog.get_logger("zbroker.partition")
 
 REPORT_INTERVAL_MS = 1000
 RETENTION_CHECK_MS = 30_000
-RETRY_OPEN_MS = 200
+RETRY_OPEN_MS = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +194,16 @@ class PartitionActorCore:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def handle(self, token: Any, env, now_ms: int) -> list:
-        """Dispatch one decoded request envelope."""
+    def handle(self, token: Any, env, now_ms: int, *, from_coordinator: bool = False) -> list:
+        """Dispatch one decoded request envelope.
+
+        ``assign`` is obeyed only on the coordinator's connection: on the client
+        socket anyone could otherwise make this actor open (or drop) partitions.
+        """
         op = env.op
         try:
+            if op == "assign" and not from_coordinator:
+                raise Unauthorized("assign is accepted only from the coordinator", op=op)
             if op == "produce":
                 return self.produce(token, env.msg, env.frames, now_ms)
             if op == "fetch":
@@ -224,7 +232,7 @@ class PartitionActorCore:
         if len(payload) > self.limits.max_batch_bytes:
             raise TooLarge("batch exceeds max_batch_bytes", limit=self.limits.max_batch_bytes,
                            got=len(payload), topic=msg.topic, partition=msg.partition)
-        count = payload_record_count(payload)
+        count = validate_payload(payload)
         if msg.producer_id:
             earlier = plog.check_sequence(msg.producer_id, msg.sequence)
             if earlier is not None:

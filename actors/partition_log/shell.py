@@ -22,6 +22,7 @@ from actors.partition_log.core import (FsyncPolicy, Limits, OpenFailed, Partitio
                                        ReplyError)
 from protocol import codec
 from protocol import messages as m
+from protocol.messages import validate_topic_name
 from protocol.errors import ErrorCode, ProtocolError, ZBrokerError
 from storage.log.partition_log import LogConfig, PartitionLog
 
@@ -46,9 +47,14 @@ class LockedLogOpener:
         self._locks: dict[tuple[str, int], int] = {}
 
     def __call__(self, topic: str, partition: int, config: LogConfig, now_ms: int) -> PartitionLog:
+        validate_topic_name(topic)  # never a path outside the data directory
         directory = partition_dir(self.data_dir, topic, partition)
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            # Opening is retried; a running log's I/O error is what restarts the actor.
+            raise OpenFailed(f"cannot open the partition directory: {exc.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -197,17 +203,23 @@ def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, r
         return
     if is_reply:
         if env.op == "register" and env.msg is not None:
-            for effect in core.on_assign(env.msg.assignment, now):
+            try:
+                effects = core.on_assign(env.msg.assignment, now)
+            except (ZBrokerError, ValueError, TypeError) as err:
+                log.error("coordinator.bad_assignment", reason=str(err))
+                return
+            for effect in effects:
                 _apply(effect, router, dealer, log)
         elif env.error is not None:
             log.warning("coordinator.error", op=env.op, code=env.error.code.value, reason=env.error.message)
         return
     token = ((dealer, None), env.corr_id, env.op)
-    for effect in _guarded(core, token, env, now, log):
+    for effect in _guarded(core, token, env, now, log, from_coordinator=True):
         _apply(effect, router, dealer, log)
 
 
-def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int, log: Any) -> list:
+def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int, log: Any,
+             from_coordinator: bool = False) -> list:
     """No request may take the actor down: a bug becomes an INTERNAL error reply.
 
     An OSError from the log (disk full, I/O error) is different: the log may be
@@ -215,7 +227,7 @@ def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int
     and recovery truncates whatever half-written tail the failure left.
     """
     try:
-        return core.handle(token, env, now)
+        return core.handle(token, env, now, from_coordinator=from_coordinator)
     except OSError:
         log.exception("log.io_error", op=env.op)
         raise

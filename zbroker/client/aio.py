@@ -314,7 +314,9 @@ class AsyncConsumer:
                     env = await self.conn.call(await self.conn.endpoint(topic, partition),
                                                m.Fetch(topic=topic, partition=partition, offset=offset,
                                                        max_bytes=max(4096, (end - offset) * 256)))
-                except ZBrokerError:
+                except ZBrokerError as err:
+                    if err.retriable:
+                        self.conn.metadata.forget(topic)  # moved: ask where it lives next time
                     break  # the lease expires and the records come back
                 got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,
                                      until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))

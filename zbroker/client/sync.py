@@ -224,7 +224,8 @@ class Producer:
         self.retries = retries
         self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes, producer_id=producer_id)
         self.in_flight: dict[int, tuple[PendingBatch, float]] = {}
-        self.in_flight_records = 0
+        self.retrying: list[tuple[float, PendingBatch]] = []  # (resend at, batch), after a retriable failure
+        self.in_flight_records = 0  # sent or waiting to be resent, not yet acknowledged
         self.errors: list[ZBrokerError] = []
         self.results: list[tuple[str, int, int, int]] = []  # (topic, partition, base_offset, count)
         self.keep_results = False
@@ -291,11 +292,14 @@ class Producer:
         return handles
 
     def _dispatch(self, batch: PendingBatch) -> None:
-        while self.in_flight and self.in_flight_records + batch.count > self.max_in_flight_records:
+        while (self.in_flight or self.retrying) and \
+                self.in_flight_records + batch.count > self.max_in_flight_records:
             self._pump(self.conn.request_timeout)
+        self.in_flight_records += batch.count
         self._send(batch)
 
     def _send(self, batch: PendingBatch) -> None:
+        """Send (or resend) a batch counted in ``in_flight_records``."""
         batch.attempts += 1
         try:
             endpoint = self.conn.endpoint(batch.topic, batch.partition)
@@ -306,41 +310,55 @@ class Producer:
             self._retry_or_fail(batch, err)
             return
         self.in_flight[corr] = (batch, time.monotonic())
-        self.in_flight_records += batch.count
 
     def _retry_or_fail(self, batch: PendingBatch, err: ZBrokerError) -> None:
+        """Schedule a retry after a backoff (never sleeping here), or fail the batch for good."""
         if (err.retriable or err.code in RETRIABLE_PRODUCE) and batch.attempts <= self.retries:
             self.stats["retries"] += 1
-            time.sleep(min(0.05 * batch.attempts, 1.0))
-            try:
-                self.conn.refresh([batch.topic])
-            except ZBrokerError:
-                pass
-            self._send(batch)
+            self.retrying.append((time.monotonic() + min(0.05 * batch.attempts, 1.0), batch))
             return
+        self.in_flight_records -= batch.count
         self.errors.append(err)
         for handle in batch.handles or ():
             handle.error = err
         log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
                   reason=err.message, attempts=batch.attempts)
 
+    def _resend_due(self, now: float) -> None:
+        due = [b for at, b in self.retrying if at <= now]
+        if not due:
+            return
+        self.retrying = [(at, b) for at, b in self.retrying if at > now]
+        for topic in {b.topic for b in due}:  # where do they live now? once per topic
+            try:
+                self.conn.refresh([topic])
+            except ZBrokerError:
+                pass
+        for batch in sorted(due, key=lambda b: (b.topic, b.partition, b.sequence)):
+            self._send(batch)
+
     def _pump(self, timeout_s: float) -> None:
-        env = self.conn.recv(min(timeout_s, 0.05))
+        wait = min(timeout_s, 0.05)
+        if self.retrying:
+            wait = max(0.0, min(wait, min(at for at, _b in self.retrying) - time.monotonic()))
+        env = self.conn.recv(wait)
         if env is not None:
             self._on_reply(env)
         for env in self.conn.recv_nowait_all():
             self._on_reply(env)
-        self._resend_timed_out(time.monotonic())
+        now = time.monotonic()
+        self._resend_timed_out(now)
+        self._resend_due(now)
 
     def _on_reply(self, env: codec.Envelope) -> None:
         entry = self.in_flight.pop(env.corr_id, None)
         if entry is None:
             return  # the reply to an attempt we already retried
         batch, _sent = entry
-        self.in_flight_records -= batch.count
         if env.error is not None:
             self._retry_or_fail(batch, env.error)
             return
+        self.in_flight_records -= batch.count
         reply: m.ProduceReply = env.msg
         self.stats["batches"] += 1
         self.stats["records"] += reply.count
@@ -357,7 +375,6 @@ class Producer:
         late = [corr for corr, (_b, sent) in self.in_flight.items() if now - sent > timeout]
         for corr in late:
             batch, _sent = self.in_flight.pop(corr)
-            self.in_flight_records -= batch.count
             self._retry_or_fail(batch, RequestTimeout("produce timed out", topic=batch.topic,
                                                       partition=batch.partition))
 
@@ -367,9 +384,9 @@ class Producer:
             self._dispatch(batch)
         self._oldest_open = None
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.in_flight:
+        while self.in_flight or self.retrying:
             if deadline is not None and time.monotonic() > deadline:
-                raise RequestTimeout("flush timed out", in_flight_batches=len(self.in_flight))
+                raise RequestTimeout("flush timed out", in_flight_batches=len(self.in_flight) + len(self.retrying))
             self._pump(0.05)
         if self.errors:
             errors, self.errors = self.errors, []
@@ -564,7 +581,11 @@ class Consumer:
             if env.error is not None:
                 log.warning("fetch.failed", topic=topic, partition=partition, code=env.error.code.value,
                             reason=env.error.message)
-                continue  # the lease expires and the records come back later
+                if env.error.retriable:
+                    # The partition moved or its actor restarted: the next fetch asks the
+                    # coordinator where it lives now. These leases expire and come back.
+                    self.conn.metadata.forget(topic)
+                continue
             got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=start,
                                  until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
             out.extend(got)
