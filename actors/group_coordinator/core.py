@@ -53,6 +53,17 @@ records. `GroupCoordinatorCore` decides who may lease what:
   with reason "restart", everything above is fresh. Lease ids continue from
   `lease_id_base`, which the shell must make larger than any id an earlier
   incarnation issued, so old lease ids can never match new leases.
+
+Every call runs in one frame (`_event`): due timers first, then the call's
+own work, then `_end`, which answers parked polls of the groups the call may
+have helped ("woken") and emits one PersistOffsets per partition whose
+progress changed ("dirty").
+
+Where things live: `partition_state.py` moves ranges between the regions of
+one partition; `group_state.py` holds the records of groups, members and
+leases and builds the describe/list reports; `assignor.py` computes exclusive
+ownership; `ranges.py` is the range arithmetic. docs/SEMANTICS.md states the
+resulting guarantees.
 """
 
 from __future__ import annotations
@@ -121,8 +132,10 @@ class GroupCoordinatorCore:
         """A partition actor reported its log range: may resolve start positions, apply
         retention and answer waiting polls."""
         key = (topic, partition)
-        self._logs.setdefault(key, LogRange()).update(log_start, log_end, now_ms)
-        return self._event(now_ms, lambda out: self._log_moved(key, now_ms, out))
+        log = self._logs.setdefault(key, LogRange())
+        grew = log_end > log.end
+        log.update(log_start, log_end, now_ms)
+        return self._event(now_ms, lambda out: self._log_moved(key, grew, now_ms, out))
 
     def load_offsets(self, rows: list, now_ms: int) -> list:
         """Stored progress, (group, topic, partition, committed, holes, generation, reset_epoch)
@@ -237,7 +250,7 @@ class GroupCoordinatorCore:
             "lease_acked_ranges": sum(r.acked.len_ranges() for r in self._leases.values()),
             "timers": len(self._timers),
             "parked_polls": len(self._parked),
-            "records_in_flight": sum(s.leased.count for s in states),
+            "records_in_flight": sum(s.leased.count() for s in states),
             **self._metrics,
         }
 
@@ -455,7 +468,7 @@ class GroupCoordinatorCore:
         for key in keys[first:] + keys[:first]:
             state, log = group.partitions.get(key), self._logs.get(key)
             if state is not None and state.committed is not None:
-                n = min(state.available(log.end if log else 0), group.config.max_in_flight - state.leased.count)
+                n = min(state.available(log.end if log else 0), group.config.max_in_flight - state.leased.count())
                 if n > 0:
                     room[key] = n
         share = dict.fromkeys(room, 0)
@@ -607,7 +620,7 @@ class GroupCoordinatorCore:
                 group_name, key, offset = payload
                 group = self._groups[group_name]
                 state = group.partitions[key]
-                info = state.dead_lettering.get(offset)
+                info = state.dead_letter_retry(offset)
                 if info is not None:
                     out.append(self._dead_letter_effect(group, state, offset, info))
 
@@ -658,7 +671,7 @@ class GroupCoordinatorCore:
             elif done:
                 state.dead_letter_done(offset)
                 self._dirty[(group_name, key)] = state
-            else:
+            elif state.dead_letter_failed(offset):
                 self._push(now + DEAD_LETTER_RETRY_MS, _DEAD_LETTER_RETRY, (group_name, key, offset))
                 out.append(Log("dead_letter_failed", {**fields, "retry_in_ms": DEAD_LETTER_RETRY_MS}))
         return self._event(now, confirm)
@@ -750,11 +763,14 @@ class GroupCoordinatorCore:
             self._resolve_start(group, state, now, out)
         return state
 
-    def _log_moved(self, key: Key, now: int, out: list) -> None:
+    def _log_moved(self, key: Key, grew: bool, now: int, out: list) -> None:
         groups = self._groups_on.get(key, [])
         for group in groups:
-            self._resolve_start(group, group.partitions[key], now, out)
-            self._wake.add(group.name)  # new records may answer waiting polls
+            state = group.partitions[key]
+            unresolved = state.committed is None
+            self._resolve_start(group, state, now, out)
+            if grew or unresolved:
+                self._wake.add(group.name)  # new records may answer waiting polls
         committed = [g.partitions[key].committed for g in groups if g.partitions[key].committed is not None]
         if committed:  # first-seen times below every group's commit are no longer needed
             self._logs[key].forget_below(min(committed))

@@ -58,6 +58,7 @@ class DeadLettering:
     attempts: int
     last_reason: str
     since_ms: int
+    failed: bool = False  # the shell's copy failed; a retry is scheduled
 
 
 Piece = tuple[int, int, Lease]  # [start, end) of one lease
@@ -176,7 +177,7 @@ class PartitionState:
 
     def available(self, log_end: int) -> int:
         """How many records `take` could hand out now."""
-        return self.ready.count + max(0, log_end - self.next_new)
+        return self.ready.count() + max(0, log_end - self.next_new)
 
     def leased_under(self, lease_id: int, start: int, end: int) -> list[Piece]:
         return [p for p in self.leased.pieces(start, end) if p[2].lease_id == lease_id]
@@ -238,6 +239,24 @@ class PartitionState:
                 self.ready.set(start, end, ready)
                 moved = True
         return moved
+
+    def dead_letter_failed(self, offset: int) -> bool:
+        """Mark a failed copy for retry; False if the record is not being dead-lettered."""
+        info = self.dead_lettering.get(offset)
+        if info is None:
+            return False
+        self.dead_lettering.set(offset, offset + 1, replace(info, failed=True))
+        return True
+
+    def dead_letter_retry(self, offset: int) -> DeadLettering | None:
+        """The record to copy again, if its copy failed. The mark, not the timer, decides:
+        a reset and a new dead-lettering of the same offset make an old retry void."""
+        info = self.dead_lettering.get(offset)
+        if info is None or not info.failed:
+            return None
+        info = replace(info, failed=False)
+        self.dead_lettering.set(offset, offset + 1, info)
+        return info
 
     def dead_letter_done(self, offset: int) -> bool:
         if self.dead_lettering.get(offset) is None:

@@ -43,12 +43,12 @@ class RangeMap(Generic[V]):
     def __bool__(self) -> bool:
         return bool(self._starts)
 
-    @property
     def count(self) -> int:
-        """Number of offsets covered."""
+        """Number of offsets covered (kept up to date, not summed)."""
         return self._count
 
     def __iter__(self) -> Iterator[tuple[int, int, V]]:
+        # A snapshot, so callers may move entries elsewhere while iterating.
         return iter(list(zip(self._starts, self._ends, self._values)))
 
     def first(self) -> tuple[int, int, V] | None:
@@ -193,7 +193,7 @@ class RangeSet:
         return len(self._map)
 
     def count(self) -> int:
-        return self._map.count
+        return self._map.count()
 
     def __bool__(self) -> bool:
         return bool(self._map)

@@ -142,6 +142,20 @@ def test_a_failed_dead_letter_is_retried():
     assert d.logs("dead_letter_confirmation_ignored")
 
 
+def test_a_retry_from_before_a_reset_does_not_copy_a_later_dead_letter_twice():
+    # Found by the model test: reject, copy fails (retry scheduled), reset, the record is
+    # rejected again; the old retry must not emit a second DeadLetter for the new episode.
+    d = Driver(logs={("t", 0): (0, 1)})
+    a = d.join()
+    d.settle("reject", a, [["t", 0, d.poll(a).deliveries[0][2], 0, 1]])
+    d.feed(d.core.on_dead_letter_failed("g", "t", 0, 0, d.now))
+    d.ok("reset_group", m.ResetGroup(group="g", topic="t", to="earliest"))
+    mark = d.mark()
+    d.settle("reject", a, [["t", 0, d.poll(a).deliveries[0][2], 0, 1]])
+    d.advance(DEAD_LETTER_RETRY_MS * 3)
+    assert [x.offset for x in d.dead_letters(mark)] == [0]
+
+
 def test_in_flight_limit_per_member():
     d = Driver({"t": 2}, config=GroupConfig(max_in_flight=5), logs={("t", 0): (0, 10), ("t", 1): (0, 10)})
     a = d.join()

@@ -53,7 +53,7 @@ def test_range_map_merges_only_equal_neighbours():
     assert list(r) == [(0, 20, "a"), (20, 30, "b")]
     r.set(5, 25, "c")
     assert list(r) == [(0, 5, "a"), (5, 25, "c"), (25, 30, "b")]
-    assert r.count == 30
+    assert r.count() == 30
     assert r.pieces(3, 7) == [(3, 5, "a"), (5, 7, "c")]
     assert r.remove(4, 26) == [(4, 5, "a"), (5, 25, "c"), (25, 26, "b")]
     assert list(r) == [(0, 4, "a"), (26, 30, "b")]
@@ -110,7 +110,7 @@ def test_range_map_behaves_like_a_dict_of_offsets(operations, qa, qb):
                 model.pop(o, None)
         entries = list(r)
         assert {o: v for s, e, v in entries for o in range(s, e)} == model
-        assert r.count == len(model)
+        assert r.count() == len(model)
         # Equal neighbours always merge: uniform state is one entry.
         assert all(not (entries[i][1] == entries[i + 1][0] and entries[i][2] == entries[i + 1][2])
                    for i in range(len(entries) - 1))
