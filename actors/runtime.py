@@ -75,7 +75,8 @@ class StopFlag:
         self.signal = signum
 
 
-def make_socket(ctx: zmq.Context, kind: int, *, identity: bytes | None = None) -> zmq.Socket:
+def make_socket(ctx: zmq.Context, kind: int, *, identity: bytes | None = None,
+                handover: bool = True) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -84,10 +85,15 @@ def make_socket(ctx: zmq.Context, kind: int, *, identity: bytes | None = None) -
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
-        # Replies to a peer that went away are dropped rather than raising, and a
-        # restarted peer reusing its identity takes over the old connection.
+        # Replies to a peer that went away are dropped rather than raising. With
+        # handover a reconnecting peer reusing its identity takes the old route;
+        # without it, an identity in use cannot be taken by anyone else.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if handover else 0)
+    # ZMTP heartbeats notice a peer that vanished without closing its connection
+    # (a host gone, a cable cut) within seconds instead of TCP's minutes.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
     return sock
 
 

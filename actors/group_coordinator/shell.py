@@ -492,7 +492,10 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
     keys = security.KeyRing(curve_dir) if curve_dir else None
     auth = security.start_authenticator(ctx, keys, log) if keys else None
     router = runtime.make_socket(ctx, zmq.ROUTER)
-    internal = runtime.make_socket(ctx, zmq.ROUTER)
+    # No handover on the actors' socket: an actor's identity (`writer`,
+    # `partition:<id>`) stays with the connection that holds it, so nobody can
+    # take its route; heartbeats free it within seconds when that actor dies.
+    internal = runtime.make_socket(ctx, zmq.ROUTER, handover=False)
     if keys is not None:
         keys.make_server(router)
         keys.make_server(internal, internal=True)
