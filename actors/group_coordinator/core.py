@@ -85,6 +85,10 @@ from protocol.errors import (Fenced, ProtocolError, StaleLease, Unavailable, Unk
 __all__ = ["DEAD_LETTER_RETRY_MS", "GroupConfig", "GroupCoordinatorCore"]
 
 DEAD_LETTER_RETRY_MS = 1000
+# A member waits on at most this many polls; one more answers its oldest (empty).
+MAX_PARKED_PER_MEMBER = 16
+# The timer heap is compacted when it holds this many entries beyond the live ones.
+TIMER_SLACK = 512
 
 # Timer kinds; heap entries are (when_ms, seq, kind, payload).
 _LEASE, _SESSION, _DELAYED, _PARKED, _DEAD_LETTER_RETRY = range(5)
@@ -444,6 +448,12 @@ class GroupCoordinatorCore:
         if deliveries or msg.max_wait_ms == 0:
             out.append(Reply(token, self._poll_reply(group, deliveries)))
             return
+        if member.parked >= MAX_PARKED_PER_MEMBER:
+            # A client that keeps polling without waiting for answers must not be able
+            # to grow this list without bound: its oldest wait ends, empty.
+            oldest = next(p for p in group.parked if p.member_id == member.member_id)
+            self._unpark(group, oldest)
+            out.append(Reply(oldest.token, self._poll_reply(group, [])))
         parked = ParkedPoll(token, group.name, member.member_id, msg.max_records, now + msg.max_wait_ms)
         group.parked.append(parked)
         self._parked[token] = parked
@@ -595,6 +605,32 @@ class GroupCoordinatorCore:
     def _push(self, when_ms: int, kind: int, payload) -> None:
         self._timer_seq += 1
         heapq.heappush(self._timers, (when_ms, self._timer_seq, kind, payload))
+        if len(self._timers) > 2 * (len(self._leases) + len(self._parked)) + TIMER_SLACK:
+            self._compact_timers()
+
+    def _compact_timers(self) -> None:
+        """Drop heap entries that can no longer do anything.
+
+        Stale entries are normally skipped when popped, but a lease extended again
+        and again, or parked polls answered early, would leave them to pile up until
+        their times come. A lease entry is live while some piece of the lease still
+        has exactly that deadline; a parked-poll entry while that poll waits.
+        """
+        live_deadlines: dict[int, set[int]] = {}
+        for lease_id, record in self._leases.items():
+            state = self._groups[record.group].partitions[record.key]
+            live_deadlines[lease_id] = {p[2].deadline_ms for p in
+                                        state.leased_under(lease_id, record.start, record.end)}
+
+        def live(entry: tuple) -> bool:
+            when, _seq, kind, payload = entry
+            if kind == _LEASE:
+                return when in live_deadlines.get(payload, ())
+            if kind == _PARKED:
+                return self._parked.get(payload.token) is payload
+            return True
+        self._timers = [e for e in self._timers if live(e)]
+        heapq.heapify(self._timers)
 
     def _run_timers(self, now: int, out: list) -> None:
         while self._timers and self._timers[0][0] <= now:

@@ -47,6 +47,8 @@ log = structlog.get_logger("zbroker.partition")
 REPORT_INTERVAL_MS = 1000
 RETENTION_CHECK_MS = 30_000
 RETRY_OPEN_MS = 1000
+# Fetches waiting at the log end, across all partitions; one more answers the oldest (empty).
+MAX_PARKED_FETCHES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +79,7 @@ class FsyncPolicy:
 @dataclasses.dataclass(frozen=True)
 class Limits:
     max_batch_bytes: int = 8 << 20
-    max_fetch_bytes: int = 16 << 20
+    max_fetch_bytes: int = 4 << 20
 
     def to_dict(self) -> dict:
         from protocol.codec import MAX_HEADER_BYTES
@@ -135,6 +137,7 @@ class PartitionActorCore:
         self._changed: set[tuple[str, int]] = set()
         self._parked: dict[tuple[str, int], list[_ParkedFetch]] = {}
         self._parked_heap: list[_ParkedFetch] = []
+        self._parked_count = 0  # fetches waiting now (heap entries may include answered ones)
         self._seq = itertools.count()
         self._next_fsync_ms: int | None = None
         self._next_full_report_ms = 0
@@ -180,7 +183,7 @@ class PartitionActorCore:
         effects = []
         for parked in self._parked.pop(key, []):
             if not parked.done:
-                parked.done = True
+                self._finish(parked)
                 effects.append(ReplyError(parked.token, "fetch", NotOwner(
                     "partition moved to another actor", topic=key[0], partition=key[1])))
         log.info("partition.released", topic=key[0], partition=key[1])
@@ -261,11 +264,33 @@ class PartitionActorCore:
         key = (msg.topic, msg.partition)
         plog = self._owned_log(key)
         if msg.offset == plog.log_end and msg.max_wait_ms > 0:
+            effects = self._make_room_for_a_parked_fetch()
             parked = _ParkedFetch(now_ms + msg.max_wait_ms, next(self._seq), token, msg)
             self._parked.setdefault(key, []).append(parked)
             heapq.heappush(self._parked_heap, parked)
-            return []
+            self._parked_count += 1
+            if len(self._parked_heap) > 2 * self._parked_count + 1024:
+                # Answered fetches stay in the heap until their deadline; drop them now.
+                self._parked_heap = [p for p in self._parked_heap if not p.done]
+                heapq.heapify(self._parked_heap)
+            return effects
         return [self._read_reply(token, plog, msg)]
+
+    def _finish(self, parked: _ParkedFetch) -> None:
+        """A waiting fetch stops waiting (it is being answered); heap entries stay until popped."""
+        parked.done = True
+        self._parked_count -= 1
+
+    def _make_room_for_a_parked_fetch(self) -> list:
+        """Keep waiting fetches bounded: past the cap, the oldest is answered at once, empty."""
+        if self._parked_count < MAX_PARKED_FETCHES:
+            return []
+        oldest = min((p for waiting in self._parked.values() for p in waiting if not p.done),
+                     key=lambda p: p.seq)
+        self._finish(oldest)
+        key = (oldest.msg.topic, oldest.msg.partition)
+        self._parked[key] = [p for p in self._parked[key] if not p.done]
+        return [self._read_reply(oldest.token, self.logs[key], oldest.msg)]
 
     def _read_reply(self, token: Any, plog: PartitionLog, msg: m.Fetch) -> Reply:
         max_bytes = min(max(msg.max_bytes, 1), self.limits.max_fetch_bytes)
@@ -281,7 +306,7 @@ class PartitionActorCore:
         for parked in waiting:
             if parked.done:
                 continue
-            parked.done = True
+            self._finish(parked)
             try:
                 effects.append(self._read_reply(parked.token, plog, parked.msg))
             except OffsetOutOfRange as err:
@@ -320,7 +345,7 @@ class PartitionActorCore:
             parked = heapq.heappop(self._parked_heap)
             if parked.done:
                 continue
-            parked.done = True
+            self._finish(parked)
             key = (parked.msg.topic, parked.msg.partition)
             waiting = self._parked.get(key)
             if waiting is not None:
@@ -398,7 +423,7 @@ class PartitionActorCore:
         for waiting in self._parked.values():
             for parked in waiting:
                 if not parked.done:
-                    parked.done = True
+                    self._finish(parked)
                     effects.append(Reply(parked.token, m.FetchReply(
                         log_start=self.logs[(parked.msg.topic, parked.msg.partition)].log_start,
                         log_end=self.logs[(parked.msg.topic, parked.msg.partition)].log_end), (b"",)))

@@ -101,6 +101,12 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     keys = security.KeyRing(curve_dir) if curve_dir else None
     auth = security.start_authenticator(ctx, keys, log) if keys else None
     router = runtime.make_socket(ctx, zmq.ROUTER)
+    # Per peer, at most this many requests wait to be read (a producer faster than
+    # the disk is held back by TCP) and replies to be sent (a consumer that never
+    # reads costs at most 1000 replies; past that ZeroMQ drops replies to it, which
+    # a client sees as a timeout and retries: idempotent produces land once).
+    router.setsockopt(zmq.RCVHWM, 100)
+    router.setsockopt(zmq.SNDHWM, 1000)
     dealer = runtime.make_socket(ctx, zmq.DEALER, identity=f"partition:{actor_id}".encode())
     acl = None
     if keys is not None:

@@ -253,3 +253,31 @@ def test_statistics_report_range_entries_not_records():
     stats = d.core.statistics()
     assert stats["records_in_flight"] == 10 and stats["leased_ranges"] == 1 and stats["lease_records"] == 1
     assert deliveries_of(d.poll(a)) == []
+
+
+def test_a_member_parks_a_bounded_number_of_polls_and_the_oldest_gives_way():
+    from actors.group_coordinator.core import MAX_PARKED_PER_MEMBER
+    d = Driver(logs={("t", 0): (0, 0)})
+    a = d.join()
+    for _ in range(MAX_PARKED_PER_MEMBER + 5):
+        d.poll(a, max_wait_ms=60_000)
+    assert d.core.statistics()["parked_polls"] == MAX_PARKED_PER_MEMBER
+    # the five oldest were answered, empty, as newer ones arrived
+    empties = [msg for msg in d.answers.values() if isinstance(msg, m.PollReply) and not msg.deliveries]
+    assert len(empties) == 5
+
+
+def test_extending_one_lease_many_times_keeps_the_timer_heap_bounded():
+    d = Driver(logs={("t", 0): (0, 10)})
+    a = d.join()
+    [delivery] = d.poll(a).deliveries
+    for i in range(5_000):
+        d.now += 1
+        d.settle("extend", a, [delivery[:5]], extend_ms=3_600_000)
+    assert d.core.statistics()["timers"] < 1_500
+    # Compaction kept the live (one hour) deadline: with only heartbeats from here on,
+    # the lease outlives the 30 s ack timeout its first deadline had.
+    for _ in range(8):
+        d.advance(5_000)
+        d.call("heartbeat", m.Heartbeat(group="g", member_id=a.member_id, generation=a.generation))
+    assert d.partition()["in_flight"] == 10

@@ -214,8 +214,6 @@ def test_a_member_never_holds_more_than_max_in_flight_leased_records(shared_brok
         conn.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="every `extend` pushes a timer that lives until its deadline: extending one "
-                   "lease N times keeps N timers (actors/group_coordinator/core.py _apply -> _push)")
 def test_extending_a_lease_again_and_again_keeps_the_coordinators_timers_bounded(shared_broker):
     make_topic(shared_broker, "extend")
     with Producer(shared_broker.url) as producer:
@@ -245,8 +243,6 @@ def test_extending_a_lease_again_and_again_keeps_the_coordinators_timers_bounded
         conn.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="parked polls are unbounded: a member can park any number of polls with "
-                   "max_wait_ms (actors/group_coordinator/core.py _poll)")
 def test_parked_polls_of_one_member_are_bounded(shared_broker):
     make_topic(shared_broker, "parked-polls")
     conn = Connection(shared_broker.url)
@@ -338,8 +334,6 @@ def test_a_consumer_that_never_reads_small_replies_costs_bounded_memory_and_othe
         ctx.term()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="SNDHWM bounds replies per peer in count (10,000), not bytes: fetch replies "
-                   "to a consumer that never reads pile up in the partition actor (actors/runtime.py SEND_HWM)")
 def test_a_consumer_that_never_reads_fetch_replies_costs_bounded_memory(start):
     broker = start(log_level="warning")
     endpoint = make_topic(broker, "deaf-data")
@@ -360,8 +354,6 @@ def test_a_consumer_that_never_reads_fetch_replies_costs_bounded_memory(start):
         ctx.term()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="parked fetches are unbounded: any number of fetches at the log end with "
-                   "max_wait_ms wait in the partition actor (actors/partition_log/core.py fetch)")
 def test_parked_fetches_of_a_consumer_that_never_reads_are_bounded(start):
     broker = start(log_level="warning")
     endpoint = make_topic(broker, "parked")
@@ -415,8 +407,6 @@ def test_a_producer_of_small_records_faster_than_the_disk_is_held_back_by_its_wi
     assert rss.growth < RSS_BOUND, rss
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the producer's window counts records (max_in_flight_records=10,000), not "
-                   "bytes: 256 KiB records put ~500 MB in flight (zbroker/client/sync.py Producer._dispatch)")
 def test_a_producer_of_large_records_keeps_a_bounded_number_of_bytes_in_flight(fsync_broker):
     make_topic(fsync_broker, "fast-large")
     value = os.urandom(256 << 10)
@@ -429,9 +419,6 @@ def test_a_producer_of_large_records_keeps_a_bounded_number_of_bytes_in_flight(f
     assert peak <= RSS_BOUND, f"{peak / MIB:.0f} MiB in flight"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="RCVHWM bounds a peer's queued requests in count (10,000), not bytes, under a "
-                   "64 MiB message limit: a pipelining producer fills the partition actor's memory faster than "
-                   "fsync drains it (actors/runtime.py RECV_HWM, MAX_MESSAGE_BYTES)")
 def test_the_partition_actor_holds_a_bounded_number_of_bytes_from_a_pipelining_producer(start, tmp_path):
     broker = start(fsync="always", log_level="warning")
     endpoint = make_topic(broker, "firehose")

@@ -216,11 +216,14 @@ class Producer:
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
-                 batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000, request_timeout: float = 5.0,
+                 batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000,
+                 max_in_flight_bytes: int = 32 << 20, request_timeout: float = 5.0,
                  retries: int = 20, producer_id: int | None = None, curve: ClientKeys | None = None) -> None:
         self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
         self.linger_s = linger_ms / 1000.0
         self.max_in_flight_records = max_in_flight_records
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.in_flight_bytes = 0
         self.retries = retries
         self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes, producer_id=producer_id)
         self.in_flight: dict[int, tuple[PendingBatch, float]] = {}
@@ -292,10 +295,15 @@ class Producer:
         return handles
 
     def _dispatch(self, batch: PendingBatch) -> None:
-        while (self.in_flight or self.retrying) and \
-                self.in_flight_records + batch.count > self.max_in_flight_records:
+        # The window is bounded in records and in bytes: large records would otherwise
+        # put max_in_flight_records x their size in memory here and in the actor.
+        size = len(batch.payload)
+        while (self.in_flight or self.retrying) and (
+                self.in_flight_records + batch.count > self.max_in_flight_records
+                or self.in_flight_bytes + size > self.max_in_flight_bytes):
             self._pump(self.conn.request_timeout)
         self.in_flight_records += batch.count
+        self.in_flight_bytes += size
         self._send(batch)
 
     def _send(self, batch: PendingBatch) -> None:
@@ -318,6 +326,7 @@ class Producer:
             self.retrying.append((time.monotonic() + min(0.05 * batch.attempts, 1.0), batch))
             return
         self.in_flight_records -= batch.count
+        self.in_flight_bytes -= len(batch.payload)
         self.errors.append(err)
         for handle in batch.handles or ():
             handle.error = err
@@ -359,6 +368,7 @@ class Producer:
             self._retry_or_fail(batch, env.error)
             return
         self.in_flight_records -= batch.count
+        self.in_flight_bytes -= len(batch.payload)
         reply: m.ProduceReply = env.msg
         self.stats["batches"] += 1
         self.stats["records"] += reply.count
