@@ -29,10 +29,8 @@ close the store and the socket (linger 0), return (exit code 0).
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
-import sys
 import time
 from typing import Any
 
@@ -40,6 +38,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from actors import runtime
 from actors.security import ClientKeys, KeyRing
 
 from actors.commit_writer.core import (
@@ -57,31 +56,13 @@ SHUTDOWN_GRACE_MS = 2000.0
 def run(coordinator_endpoint: str, offsets_url: str, *, flush_interval_ms: float = 10,
         batch_size: int = 1000, log_level: str = "info", curve_dir: str | None = None) -> None:
     """Process entry point (the supervisor runs it in a multiprocessing spawn child)."""
-    configure_logging(log_level)
+    runtime.configure_logging(log_level, actor="commit-writer")
     config = WriterConfig(flush_interval_ms=flush_interval_ms, batch_size=batch_size)
     shell = CommitWriterShell(coordinator_endpoint, offsets_url, config)
     if curve_dir:
         # The writer dials the coordinator as one of the broker's own actors.
         shell.curve = KeyRing(curve_dir).internal_client()
     asyncio.run(shell.main())
-
-
-def configure_logging(level: str) -> None:
-    renderer = (structlog.dev.ConsoleRenderer() if sys.stderr.isatty()
-                else structlog.processors.JSONRenderer())
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 def _now_ms() -> float:

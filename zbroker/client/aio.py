@@ -23,7 +23,7 @@ from protocol.errors import ErrorCode, Fenced, RequestTimeout, Unavailable, Unkn
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
                                  MetadataCache, PendingBatch, group_by_lease)
 from actors.security import ClientKeys
-from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, curve_from_env
+from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, client_dealer, curve_from_env
 
 
 class AsyncConnection:
@@ -42,13 +42,7 @@ class AsyncConnection:
     def socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self.sockets.get(endpoint)
         if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.SNDTIMEO, int(self.request_timeout * 1000))
-            if self.curve is not None:
-                self.curve.apply(sock)
-            sock.connect(endpoint)
+            sock = client_dealer(self.ctx, endpoint, self.request_timeout, self.curve)
             self.sockets[endpoint] = sock
             self.readers.append(asyncio.get_running_loop().create_task(self._read(sock)))
         return sock

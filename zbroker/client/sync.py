@@ -33,6 +33,20 @@ DEFAULT_URL = "tcp://127.0.0.1:7400"
 RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
 
 
+def client_dealer(ctx: zmq.Context, endpoint: str, request_timeout: float, curve: ClientKeys | None) -> zmq.Socket:
+    """A client's DEALER to one actor; the asyncio client passes its own context."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued towards a peer that is not connected
+    sock.setsockopt(zmq.SNDTIMEO, int(request_timeout * 1000))
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(endpoint)
+    return sock
+
+
 class Connection:
     """Sockets to the coordinator and the partition actors, with request/reply matching."""
 
@@ -52,15 +66,7 @@ class Connection:
     def socket(self, endpoint: str) -> zmq.Socket:
         sock = self.sockets.get(endpoint)
         if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.SNDTIMEO, int(self.request_timeout * 1000))
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            if self.curve is not None:
-                self.curve.apply(sock)
-            sock.connect(endpoint)
+            sock = client_dealer(self.ctx, endpoint, self.request_timeout, self.curve)
             self.sockets[endpoint] = sock
             self.poller.register(sock, zmq.POLLIN)
         return sock
