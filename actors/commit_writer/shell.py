@@ -89,8 +89,17 @@ class CommitWriterShell:
 
     async def main(self) -> None:
         loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            # Not loop.add_signal_handler: asyncio.run restores the default action when
+            # it closes the loop, and a second SIGTERM during that teardown would kill
+            # the writer mid-exit. This handler lives as long as the process.
+            try:
+                loop.call_soon_threadsafe(self._on_signal, signum)
+            except RuntimeError:
+                pass  # the loop is already closed: we are exiting anyway
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+            signal.signal(sig, on_signal)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, IDENTITY)
