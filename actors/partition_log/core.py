@@ -124,8 +124,11 @@ LogOpener = Callable[[str, int, LogConfig, int], PartitionLog]
 
 class PartitionActorCore:
     def __init__(self, actor_id: str, *, open_log: LogOpener, fsync: FsyncPolicy = FsyncPolicy(),
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), background_sync: Callable[[list], None] | None = None) -> None:
         self.actor_id = actor_id
+        # With interval fsync nothing waits for the fsync, so the shell may run it on a
+        # thread (a slow disk then stalls no request); `always` syncs here, before replying.
+        self._background_sync = background_sync
         self.fsync = fsync
         self.limits = limits
         self._open_log = open_log
@@ -360,7 +363,14 @@ class PartitionActorCore:
             if self._next_fsync_ms is None:
                 self._next_fsync_ms = now_ms + self.fsync.interval_ms
             elif now_ms >= self._next_fsync_ms:
-                self.sync_dirty()
+                if self._background_sync is None:
+                    self.sync_dirty()
+                else:
+                    jobs = [job for key in self._dirty_since_sync if key in self.logs
+                            for job in self.logs[key].sync_jobs()]
+                    self._dirty_since_sync.clear()
+                    self.counters["fsyncs"] += 1
+                    self._background_sync(jobs)
                 self._next_fsync_ms = None
         if self._wanted and now_ms >= self._next_open_retry_ms:
             self._open_wanted(now_ms)

@@ -8,6 +8,7 @@ anything was appended, and re-registers once a second.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import os
 import socket as pysocket
@@ -24,7 +25,7 @@ from protocol import codec
 from protocol import messages as m
 from protocol.messages import validate_topic_name
 from protocol.errors import ErrorCode, ProtocolError, ZBrokerError
-from storage.log.partition_log import LogConfig, PartitionLog
+from storage.log.partition_log import LogConfig, PartitionLog, run_sync_jobs
 
 TURN_BUDGET = 512
 REGISTER_RETRY_MS = 1000
@@ -77,6 +78,15 @@ class LockedLogOpener:
         return plog
 
 
+def _log_sync_failure(log: Any):
+    def check(future: concurrent.futures.Future) -> None:
+        if future.exception() is not None:
+            # The data stays in the page cache and the next interval tries again; a
+            # failing disk shows up on the loop thread at the next write.
+            log.error("log.fsync_failed", error=repr(future.exception()))
+    return check
+
+
 def wall_ms() -> int:
     # This actor's clock is the wall clock: batch append times are stored on disk
     # and compared with it for age-based retention, across restarts.
@@ -95,8 +105,14 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     stop = runtime.StopFlag().install()
     data = Path(data_dir)
     data.mkdir(parents=True, exist_ok=True)
+    # One thread for interval fsyncs: the loop keeps serving while the disk syncs.
+    syncer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
+
+    def background_sync(jobs: list) -> None:
+        syncer.submit(run_sync_jobs, jobs).add_done_callback(_log_sync_failure(log))
+
     core = PartitionActorCore(actor_id, open_log=LockedLogOpener(data), fsync=FsyncPolicy.parse(fsync),
-                              limits=Limits(max_batch_bytes=max_batch_bytes))
+                              limits=Limits(max_batch_bytes=max_batch_bytes), background_sync=background_sync)
     ctx = zmq.Context()
     keys = security.KeyRing(curve_dir) if curve_dir else None
     auth = security.start_authenticator(ctx, keys, log) if keys else None
@@ -121,6 +137,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         log.info("actor.started", endpoint=endpoint, coordinator=coordinator, fsync=str(core.fsync),
                  data_dir=str(data))
         _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl)
+        syncer.shutdown(wait=True)  # background fsyncs finish before the final one in close()
         for effect in core.close():
             _apply(effect, router, dealer, log)
         log.info("actor.stopped", signal=stop.signal)

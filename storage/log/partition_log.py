@@ -174,15 +174,27 @@ class PartitionLog:
         return new
 
     def flush(self) -> None:
+        run_sync_jobs(self.sync_jobs())
+
+    def sync_jobs(self) -> list[tuple]:
+        """What `flush` must fsync, in a form another thread may carry out.
+
+        File descriptors are ``dup``-ed, so the caller's thread may roll or delete
+        segments meanwhile without the fsync hitting a closed or reused fd. Index
+        files and the directory go by path. Everything written before this call is
+        covered once the jobs have run (`run_sync_jobs`).
+        """
         self._check_open()
+        jobs: list[tuple] = []
         for segment in self._rolled_since_flush:
-            os.fsync(self._read_fd(segment))
-            _fsync_path(segment.index_path, os.O_RDONLY)
+            jobs.append(("fd", os.dup(self._read_fd(segment))))
+            jobs.append(("path", segment.index_path, os.O_RDONLY))
         self._rolled_since_flush.clear()
-        os.fsync(self._active.fd)
+        jobs.append(("fd", os.dup(self._active.fd)))
         if self._directory_dirty:
-            _fsync_path(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            jobs.append(("path", self.directory, os.O_RDONLY | os.O_DIRECTORY))
             self._directory_dirty = False
+        return jobs
 
     def close(self) -> None:
         if self._closed:
@@ -386,6 +398,21 @@ def _whole_batches(data: bytes) -> tuple[int, int]:
 def _read_one_batch(fd: int, position: int) -> bytes:
     header = parse_batch_header(os.pread(fd, BATCH_HEADER_SIZE, position))
     return os.pread(fd, header.total_size, position)
+
+
+def run_sync_jobs(jobs: list[tuple]) -> None:
+    """fsync what `PartitionLog.sync_jobs` listed; safe on any thread."""
+    for job in jobs:
+        if job[0] == "fd":
+            try:
+                os.fsync(job[1])
+            finally:
+                os.close(job[1])
+        else:
+            try:
+                _fsync_path(job[1], job[2])
+            except FileNotFoundError:
+                pass  # deleted by retention since: nothing left to make durable
 
 
 def _fsync_path(path: Path, flags: int) -> None:

@@ -27,17 +27,27 @@ log remembers exactly what the running one did.
 
 from __future__ import annotations
 
+import heapq
+
 from protocol.errors import DuplicateSequence
 
 REMEMBERED_BATCHES = 4096
 
 
 class _Producer:
-    __slots__ = ("batches", "highest")
+    __slots__ = ("batches", "highest", "order")
 
     def __init__(self) -> None:
         self.batches: dict[int, tuple[int, int]] = {}  # sequence -> (base_offset, record_count)
         self.highest = -1
+        # Min-heap of remembered sequences, so the lowest is found and evicted in
+        # O(log n) per append; entries already forgotten are skipped lazily.
+        self.order: list[int] = []
+
+    def lowest(self) -> int:
+        while self.order[0] not in self.batches:
+            heapq.heappop(self.order)
+        return self.order[0]
 
 
 class ProducerStates:
@@ -53,9 +63,12 @@ class ProducerStates:
         if state is None:
             state = self._producers[producer_id] = _Producer()
         state.batches[sequence] = (base_offset, record_count)
+        heapq.heappush(state.order, sequence)
         state.highest = max(state.highest, sequence)
         if len(state.batches) > REMEMBERED_BATCHES:
-            del state.batches[min(state.batches)]
+            del state.batches[state.lowest()]
+        if len(state.order) > 2 * REMEMBERED_BATCHES:  # forgotten entries piled up: rebuild
+            state.order = sorted(state.batches)
 
     def check(self, producer_id: int, sequence: int) -> tuple[int, int] | None:
         """None for a new batch, (base_offset, record_count) for a remembered one; raises otherwise."""
@@ -69,7 +82,7 @@ class ProducerStates:
             return remembered
         if sequence > state.highest:
             return None
-        oldest = min(state.batches)
+        oldest = state.lowest()
         if sequence > oldest:
             return None  # a gap being filled: never appended
         raise DuplicateSequence(

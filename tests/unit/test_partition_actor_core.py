@@ -150,3 +150,18 @@ def test_reports_carry_changed_partitions_only(core):
 def test_unknown_op_is_an_error_reply(core):
     [e] = core.handle("tok", env(m.Join(group="g", topics=["t"])), 1)
     assert e.error.code is ErrorCode.UNKNOWN_OP
+
+
+def test_interval_fsync_can_run_on_a_background_thread(tmp_path):
+    from storage.log.partition_log import run_sync_jobs
+    handed_off = []
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("interval:100"),
+                              background_sync=handed_off.append)
+    core.on_assign([["t", 0, None]], 0)
+    produce(core, b"a", now=0)
+    core.tick(0)
+    core.tick(100)
+    assert len(handed_off) == 1 and handed_off[0]  # dup'ed fds and paths, not run inline
+    produce(core, b"b", now=150)  # the loop keeps writing meanwhile
+    run_sync_jobs(handed_off[0])  # what the fsync thread does; closes the dup'ed fds
+    core.close()
