@@ -1,0 +1,86 @@
+"""Broker bugs the chaos run found, each as the smallest test that shows it.
+
+A bug still open is marked ``xfail(strict=True)``: its fix makes the test
+pass, strict xfail turns that into a failure, and the mark comes off. A fixed
+one stays here as a regression test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from zbroker.client import Admin, Consumer, Producer
+
+pytestmark = pytest.mark.processes
+
+
+def _endpoints(admin: Admin, topic: str) -> dict[int, str]:
+    [meta] = admin.metadata([topic])
+    return {i: p.get("endpoint") for i, p in enumerate(meta["partitions"])}
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_a_consumer_keeps_consuming_after_its_partitions_move_to_another_actor(start):
+    """Found by the chaos run (fixed): `Consumer` ignored NOT_OWNER on a fetch and never refreshed the
+    metadata it had cached, so after partitions moved between partition-log actors it fetched from
+    the old owner forever; its leases expired and came back to it, and the partitions stopped being
+    consumed (a livelock: nothing lost, nothing delivered)."""
+    broker = start(partition_actors=2)
+    with Admin(broker.url) as admin:
+        admin.create_topic("moving", partitions=2)
+        admin.configure_group("movers", ack_timeout_ms=1000)
+        before = _endpoints(admin, "moving")
+    assert before[0] != before[1]  # p0 owns partition 0, p1 owns partition 1
+
+    with Producer(broker.url, linger_ms=1) as producer:
+        for p in (0, 1):
+            producer.produce("moving", [b"before"], partition=p)
+    consumer = Consumer(broker.url, group="movers", topics=["moving"], session_timeout_ms=30_000)
+    try:
+        got = []
+        deadline = time.monotonic() + 15
+        while len(got) < 2 and time.monotonic() < deadline:
+            for rec in consumer.poll(max_records=10, timeout=0.2):
+                got.append(rec)
+                consumer.ack(rec)
+        consumer.flush_acks()
+        assert len(got) == 2  # the consumer has cached both partitions' endpoints
+
+        # Silence p0 past the coordinator's actor timeout (5 s): partition 0 moves to p1. When p0
+        # speaks again, it takes the highest partition of p1, partition 1. The two have swapped.
+        pid = broker.pids()["partition-0"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with Admin(broker.url) as admin:
+                _wait_for(lambda: _endpoints(admin, "moving")[0] == before[1], 15, "partition 0 to move to p1")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with Admin(broker.url) as admin:
+            _wait_for(lambda: _endpoints(admin, "moving") == {0: before[1], 1: before[0]}, 15,
+                      "the partitions to swap actors")
+
+        with Producer(broker.url, linger_ms=1) as producer:
+            for p in (0, 1):
+                producer.produce("moving", [b"after"], partition=p)
+        after = []
+        deadline = time.monotonic() + 15  # fifteen lease expiries
+        while len(after) < 2 and time.monotonic() < deadline:
+            for rec in consumer.poll(max_records=10, timeout=0.2):
+                after.append(rec)
+                consumer.ack(rec)
+        assert sorted((r.partition, r.value) for r in after) == [(0, b"after"), (1, b"after")]
+    finally:
+        consumer.close()
