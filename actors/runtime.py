@@ -75,6 +75,18 @@ class StopFlag:
         self.signal = signum
 
 
+def ignore_stop_signals() -> None:
+    """Call once an actor has finished stopping.
+
+    While the interpreter finalizes, CPython resets Python-level signal
+    handlers to the default action, so a second SIGTERM from an impatient
+    supervisor would end an actor that already stopped cleanly with -15.
+    Ignored signals are left ignored.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def make_socket(ctx: zmq.Context, kind: int, *, identity: bytes | None = None,
                 handover: bool = True) -> zmq.Socket:
     sock = ctx.socket(kind)

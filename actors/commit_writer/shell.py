@@ -63,6 +63,7 @@ def run(coordinator_endpoint: str, offsets_url: str, *, flush_interval_ms: float
         # The writer dials the coordinator as one of the broker's own actors.
         shell.curve = KeyRing(curve_dir).internal_client()
     asyncio.run(shell.main())
+    runtime.ignore_stop_signals()
 
 
 def _now_ms() -> float:

@@ -548,6 +548,7 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
         if auth is not None:
             auth.stop()
         ctx.term()
+    runtime.ignore_stop_signals()
 
 
 __all__ = ["run", "CoordinatorShell", "Unavailable"]

@@ -147,6 +147,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         if auth is not None:
             auth.stop()
         ctx.term()
+    runtime.ignore_stop_signals()
 
 
 def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
