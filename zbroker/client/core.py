@@ -9,6 +9,8 @@
   start, end]`` ranges, flushed every N records or M milliseconds, so a
   consumer acking each record individually sends one frame per thousand.
 * `ConsumedRecord`: a record plus the lease it was delivered under.
+* `ReadAhead`: record bytes fetched before their lease arrives (exclusive
+  groups), so the fetch round trip leaves the consumer's critical path.
 * `Deduper`: a TTL set of message ids, for handlers that must not act twice
   on a redelivered record.
 """
@@ -20,7 +22,7 @@ from collections import OrderedDict
 from operator import itemgetter
 from typing import Any, Iterable
 
-from protocol.batch import Record, encode_records
+from protocol.batch import Record, encode_records, stored_range
 from protocol.errors import UnknownPartition, UnknownTopic
 from protocol.partitioner import partition_for_key
 
@@ -231,6 +233,127 @@ class AckAccumulator:
 
     def __bool__(self) -> bool:
         return bool(self._ranges)
+
+
+class _AheadSlot:
+    __slots__ = ("next", "chunks", "in_flight", "fetch_bytes")
+
+    def __init__(self, next_offset: int, fetch_bytes: int) -> None:
+        self.next = next_offset  # where this partition's next fresh lease should start
+        self.chunks: list[tuple[int, int, Any]] = []  # (first, end, frame), in offset order
+        self.in_flight: tuple[int, int] | None = None  # (correlation id, offset) of the fetch out
+        self.fetch_bytes = fetch_bytes
+
+
+class ReadAhead:
+    """Record bytes fetched before the lease that will cover them, per partition.
+
+    In an exclusive group the coordinator leases a partition's fresh records in
+    offset order to its one owner, so the owner's next lease starts where its
+    last one ended. The consumer fetches from there while it waits for the
+    coordinator, or while the application handles the batch it already has:
+    the fetch round trip leaves the critical path, and a parked fetch brings a
+    new record from the partition actor at the same time as the coordinator
+    learns of it, instead of one more round trip after the lease.
+
+    It leases nothing. Bytes are handed to the application only under a lease
+    the coordinator granted, and an offset names the same record for the life
+    of a log, so a wrong guess costs a fetch, never a duplicate or a loss.
+    Memory is bounded by ``max_bytes`` over all partitions (the frames held
+    plus the fetches out) and by ``ahead_bytes`` per partition beyond its
+    next lease. Pure: the consumer does the I/O and reports what came back.
+    """
+
+    def __init__(self, *, max_bytes: int = 32 << 20, ahead_bytes: int = 2 << 20,
+                 fetch_bytes: int = 1 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.ahead_bytes = ahead_bytes
+        self.default_fetch_bytes = fetch_bytes
+        self._slots: dict[tuple[str, int], _AheadSlot] = {}
+        self.stats = {"served": 0, "fetches": 0}
+
+    def leased(self, key: tuple[str, int], start: int, end: int) -> None:
+        """A lease [start, end) was delivered: the next fresh one starts at ``end`` or later."""
+        slot = self._slots.get(key)
+        if slot is None:
+            self._slots[key] = _AheadSlot(end, self.default_fetch_bytes)
+        elif end > slot.next:
+            slot.next = end
+
+    def covering(self, key: tuple[str, int], offset: int) -> Any:
+        """A held frame with the record at ``offset`` (and maybe more after it), or None."""
+        slot = self._slots.get(key)
+        if slot is not None:
+            for first, end, frame in slot.chunks:
+                if first <= offset < end:
+                    self.stats["served"] += 1
+                    return frame
+        return None
+
+    def awaited(self, key: tuple[str, int], offset: int) -> int | None:
+        """The fetch out that may bring ``offset`` (it asked for ``offset`` or earlier)."""
+        slot = self._slots.get(key)
+        if slot is None or slot.in_flight is None or slot.in_flight[1] > offset:
+            return None
+        return slot.in_flight[0]
+
+    def arrived(self, key: tuple[str, int], corr: int, frame: Any) -> None:
+        """The fetch ``corr`` came back with ``frame`` (None: it failed; b"": nothing new yet)."""
+        slot = self._slots.get(key)
+        if slot is None or slot.in_flight is None or slot.in_flight[0] != corr:
+            return
+        slot.in_flight = None
+        if frame is None:
+            del self._slots[key]  # the partition moved or failed: start over from the next lease
+            return
+        span = stored_range(frame)
+        if span is not None and span[1] > slot.next:
+            slot.chunks.append((span[0], span[1], frame))
+            slot.chunks.sort(key=lambda c: c[0])
+
+    def wanted(self) -> list[tuple[tuple[str, int], int, int]]:
+        """Fetches to send now: (partition key, offset, max_bytes). Drops frames behind every lease."""
+        held = 0
+        for slot in self._slots.values():
+            kept = [c for c in slot.chunks if c[1] > slot.next]
+            slot.chunks = kept
+            held += sum(len(c[2]) for c in kept)
+            if slot.in_flight is not None:
+                held += slot.fetch_bytes
+        out = []
+        for key, slot in self._slots.items():
+            if slot.in_flight is not None:
+                continue
+            offset = max([slot.next] + [c[1] for c in slot.chunks])
+            buffered = sum(len(c[2]) for c in slot.chunks)
+            if buffered >= self.ahead_bytes or held + slot.fetch_bytes > self.max_bytes:
+                continue
+            held += slot.fetch_bytes
+            out.append((key, offset, slot.fetch_bytes))
+        return out
+
+    def sent(self, key: tuple[str, int], corr: int, offset: int) -> None:
+        slot = self._slots.get(key)
+        if slot is not None:
+            slot.in_flight = (corr, offset)
+            self.stats["fetches"] += 1
+
+    def drop(self, key: tuple[str, int]) -> int | None:
+        """Forget a partition; returns the correlation id of its fetch still out, if any."""
+        slot = self._slots.pop(key, None)
+        return None if slot is None or slot.in_flight is None else slot.in_flight[0]
+
+    def retain(self, keys: Iterable[tuple[str, int]]) -> list[int]:
+        """Keep only ``keys`` (the partitions still assigned); returns orphaned fetch ids."""
+        keep = set(keys)
+        orphans = [self.drop(k) for k in [k for k in self._slots if k not in keep]]
+        return [c for c in orphans if c is not None]
+
+    def clear(self) -> list[int]:
+        return self.retain(())
+
+    def held_bytes(self) -> int:
+        return sum(len(c[2]) for slot in self._slots.values() for c in slot.chunks)
 
 
 def group_by_lease(records: Iterable[ConsumedRecord]) -> list[list]:

@@ -25,11 +25,13 @@ from protocol import messages as m
 from protocol.batch import decode_fetched
 from protocol.errors import (ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError)
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
-                                 MetadataCache, PendingBatch, group_by_lease)
+                                 MetadataCache, PendingBatch, ReadAhead, group_by_lease)
 
 log = structlog.get_logger("zbroker.client")
 
 DEFAULT_URL = "tcp://127.0.0.1:7400"
+READ_AHEAD_WAIT_S = 1.0
+_NOT_YET = object()  # a poll sent ahead that is still parked at the coordinator
 RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
 
 
@@ -459,6 +461,18 @@ class Consumer:
     UNKNOWN_MEMBER answer makes the next call re-join (same member id first),
     after which acks that were refused are sent again under the new
     generation. Rebalance callbacks get the partitions assigned and revoked.
+
+    In an exclusive group the consumer reads ahead (``read_ahead=True``): it
+    fetches the records its next lease will cover while it waits for the
+    coordinator or while the caller handles the last batch (see `ReadAhead`).
+    It leases nothing early; ``read_ahead_bytes`` bounds the memory it takes.
+
+    ``poll_ahead=True`` goes further: when ``poll`` returns, the next poll is
+    already sent, so the coordinator leases the next batch while the caller
+    handles this one. Those leases' ack timers run from then, and records
+    leased ahead but never handed out (the consumer closed or died) count a
+    delivery attempt when they come back. Use it when a batch is handled well
+    within the ack timeout.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], member_id: str = "",
@@ -466,8 +480,15 @@ class Consumer:
                  request_timeout: float = 5.0, max_in_flight: int | None = None,
                  on_assign: Callable[[list], None] | None = None,
                  on_revoke: Callable[[list], None] | None = None, heartbeat: bool = True,
-                 curve: ClientKeys | None = None) -> None:
+                 curve: ClientKeys | None = None, read_ahead: bool = True,
+                 read_ahead_bytes: int = 32 << 20, poll_ahead: bool = False) -> None:
         self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
+        self.mode = ""
+        self.read_ahead = read_ahead
+        self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
+        self._orphans: set[int] = set()  # read-ahead fetches given up on: their replies are dropped
+        self.poll_ahead = poll_ahead
+        self._poll_ahead: tuple[int, int, float] | None = None  # (corr id, generation, give up at)
         self.group = group
         self.topics = list(topics)
         self.member_id = member_id
@@ -515,6 +536,11 @@ class Consumer:
         self.generation = reply.generation
         self.assignment = reply.assignment
         self.ack_timeout_ms = reply.ack_timeout_ms
+        self.mode = reply.mode
+        # Shared groups interleave members' leases: the next one need not start
+        # where this member's last ended, so guessing would only cost fetches.
+        keep = [tuple(p) for p in reply.assignment] if self.read_ahead and self.mode == "exclusive" else []
+        self._orphans.update(self.ahead.retain(keep))
         self._needs_rejoin.clear()
         if old - new and self.on_revoke:
             self.on_revoke(sorted(old - new))
@@ -572,19 +598,124 @@ class Consumer:
     def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
         """Lease up to ``max_records`` and return their records (possibly fewer, possibly none)."""
         self.flush_acks(wait=False)
-        reply = self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
-                                                generation=self.generation, max_records=max_records,
-                                                max_wait_ms=int(timeout * 1000)),
-                                 timeout=self.conn.request_timeout + timeout).msg
+        max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        reply = self._take_poll_ahead(timeout) if self._poll_ahead is not None else None
+        if reply is _NOT_YET:
+            return []
+        if reply is None:
+            reply = self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
+                                                    generation=self.generation, max_records=max_records,
+                                                    max_wait_ms=max_wait_ms),
+                                     timeout=self.conn.request_timeout + timeout).msg
         records = self._fetch_deliveries(reply.deliveries)
         self.stats["polled"] += len(records)
+        if self.poll_ahead:
+            self._send_poll_ahead(max_records, max_wait_ms)
+        if self.read_ahead and self.mode == "exclusive":
+            self._send_read_ahead(timeout)
         return records
+
+    def _send_poll_ahead(self, max_records: int, max_wait_ms: int) -> None:
+        """Ask for the next lease now, so the coordinator works while the caller handles this batch."""
+        if self._needs_rejoin.is_set():
+            return  # the next poll re-joins first
+        try:
+            corr = self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=self.member_id,
+                                                        generation=self.generation, max_records=max_records,
+                                                        max_wait_ms=max_wait_ms))
+        except ZBrokerError:
+            return  # the next poll asks the usual way
+        self._poll_ahead = (corr, self.generation,
+                            time.monotonic() + max_wait_ms / 1000.0 + self.conn.request_timeout)
+
+    def _take_poll_ahead(self, timeout: float) -> Any:
+        """The poll sent ahead: its reply, _NOT_YET when it needs longer than ``timeout``,
+        or None when it failed in a way a fresh poll recovers from (fenced, lost)."""
+        corr, generation, give_up_at = self._poll_ahead
+        wait = min(timeout, give_up_at - time.monotonic())
+        try:
+            env = self.conn.wait_for(corr, max(0.0, wait))
+        except RequestTimeout:
+            if time.monotonic() < give_up_at:
+                return _NOT_YET  # still parked at the coordinator: keep it for the next poll
+            self._poll_ahead = None
+            self._orphans.add(corr)
+            return None
+        self._poll_ahead = None
+        if env.error is None:
+            return env.msg
+        if env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
+            if generation == self.generation:  # not re-joined since it was sent: do it now
+                if env.error.code == ErrorCode.UNKNOWN_MEMBER:
+                    self.member_id = ""
+                self._rejoin()
+            return None
+        raise env.error
+
+    def _drop_orphans(self) -> None:
+        early = self.conn._early
+        for corr in [c for c in self._orphans if c in early]:
+            del early[corr]
+            self._orphans.discard(corr)
+
+    def _send_read_ahead(self, timeout: float) -> None:
+        """Fetch where the next leases will start; a fetch parks at the actor until records come."""
+        wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        for key, offset, max_bytes in self.ahead.wanted():
+            topic, partition = key
+            try:
+                corr = self.conn.send(self.conn.endpoint(topic, partition),
+                                      m.Fetch(topic=topic, partition=partition, offset=offset,
+                                              max_bytes=max_bytes, max_wait_ms=wait_ms))
+            except ZBrokerError:
+                self.ahead.drop(key)  # not reachable now: the next lease is fetched the usual way
+                continue
+            self.ahead.sent(key, corr, offset)
+
+    def _serve_from_read_ahead(self, d: list, out: list) -> int:
+        """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
+        topic, partition, lease, start, end, attempt, reason = d
+        key = (topic, partition)
+        pos = start
+        while pos < end:
+            frame = self.ahead.covering(key, pos)
+            if frame is None:
+                corr = self.ahead.awaited(key, pos)
+                if corr is None:
+                    break
+                try:
+                    # The lease proves the records exist, so a live actor answers at once;
+                    # one that died with the fetch parked never will: give up soon.
+                    env = self.conn.wait_for(corr, min(self.conn.request_timeout, READ_AHEAD_WAIT_S))
+                except RequestTimeout:
+                    self._orphans.add(corr)
+                    env = None
+                if env is not None and env.error is not None and env.error.retriable:
+                    self.conn.metadata.forget(topic)
+                ok = env is not None and env.error is None
+                self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None)
+                continue
+            got = decode_fetched(frame, topic, partition, from_offset=pos, until_offset=end,
+                                 make=ConsumedRecord, extra=(lease, attempt, reason))
+            if not got:
+                break
+            out.extend(got)
+            pos = got[-1].offset + 1
+        self.ahead.leased(key, start, end)
+        return pos
 
     def _fetch_deliveries(self, deliveries: list) -> list[ConsumedRecord]:
         pending: dict[int, list] = {}
         out: list[ConsumedRecord] = []
+        reading_ahead = self.read_ahead and self.mode == "exclusive"
+        if self._orphans:
+            self._drop_orphans()
         for d in deliveries:
             topic, partition, lease, start, end, attempt, reason = d
+            if reading_ahead:
+                start = self._serve_from_read_ahead(d, out)
+                if start >= end:
+                    continue
             corr = self.conn.send(self.conn.endpoint(topic, partition),
                                   m.Fetch(topic=topic, partition=partition, offset=start,
                                           max_bytes=max(4096, (end - start) * 256)))
@@ -601,6 +732,9 @@ class Consumer:
                     # The partition moved or its actor restarted: the next fetch asks the
                     # coordinator where it lives now. These leases expire and come back.
                     self.conn.metadata.forget(topic)
+                    orphan = self.ahead.drop((topic, partition))
+                    if orphan is not None:
+                        self._orphans.add(orphan)
                 continue
             got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=start,
                                  until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
