@@ -42,6 +42,11 @@ from protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists
 TURN_BUDGET = 512
 WRITER_IDENTITY = b"writer"
 ADVANCE_RESEND_MS = 3000
+# Committed offsets go to the writer at most this often. The writer batches for
+# its flush interval (10 ms) anyway, so sending on every ack that moved a commit
+# costs a message and a reply per ack (thousands a second on a busy group) and
+# makes nothing durable sooner.
+ADVANCE_COALESCE_MS = 5
 LOAD_RETRY_MS = 1000
 WRITER_SILENT_MS = 3000
 REQUEST_TIMEOUT_MS = 5000
@@ -320,7 +325,7 @@ class CoordinatorShell:
             return
         if not self.to_send and self.unconfirmed and now - self.last_advance_sent_ms > ADVANCE_RESEND_MS:
             self.to_send.update(self.unconfirmed)
-        if not self.to_send:
+        if not self.to_send or now - self.last_advance_sent_ms < ADVANCE_COALESCE_MS:
             return
         batch, self.to_send = list(self.to_send.values()), {}
         self.last_advance_sent_ms = now
@@ -462,8 +467,8 @@ class CoordinatorShell:
         timeout = 100  # metadata and writer housekeeping run at least this often
         if deadline is not None:
             timeout = min(timeout, max(0, deadline - now))
-        if self.to_send:
-            timeout = 0
+        if self.to_send and self.offsets_loaded:
+            timeout = min(timeout, max(0, self.last_advance_sent_ms + ADVANCE_COALESCE_MS - now))
         return timeout
 
     def shutdown(self) -> None:
@@ -509,6 +514,7 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(internal, zmq.POLLIN)
+        runtime.tune_gc()
         while not stop.stopping:
             now = runtime.now_ms()
             try:
