@@ -35,6 +35,13 @@ from bench.latency import LatencyRecorder, Pacer, PublisherProcess, paced_loop, 
 from bench.procstat import with_descendants
 
 CHUNK = 1000
+# Records per produce request: half the 1,000-record window, so two batches are in
+# flight and the client encodes one while the partition actor writes the other.
+# With 1,000-record batches the window holds one and every batch waits a round trip.
+PRODUCE_BATCH = 500
+# The consumers lease their next batch while they ack the current one (see
+# zbroker.client.Consumer, poll_ahead) and read the records ahead (the default).
+CONSUMER_OPTIONS = {"poll_ahead": True}
 FSYNC_INTERVAL = "interval:1000"
 
 
@@ -103,7 +110,8 @@ def _tail(path: str, lines: int = 5) -> str:
 def _produce(url: str, topic: str, count: int, payload: bytes, spec: ProduceSpec, phase: Phase) -> None:
     _, Producer, _, _ = _client_api()
     if spec.batched:
-        producer = Producer(url, linger_ms=2, batch_size=CHUNK, max_in_flight_records=spec.window)
+        producer = Producer(url, linger_ms=2, batch_size=min(PRODUCE_BATCH, spec.window),
+                            max_in_flight_records=spec.window)
     else:
         producer = Producer(url, linger_ms=0, batch_size=1, max_in_flight_records=spec.window)
     try:
@@ -129,7 +137,7 @@ def _consume(url: str, topic: str, group: str, count: int, phase: Phase,
     """Poll and ack `count` records. `on_joined` runs after the first poll (the consumer is
     then a group member), so a publisher started there cannot race the join."""
     _, _, Consumer, _ = _client_api()
-    consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK)
+    consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK, **CONSUMER_OPTIONS)
     try:
         phase.begin()
         while phase.records < count and not phase.expired:
@@ -167,14 +175,15 @@ class ZBroker(Adapter):
             self.version = version("zbroker")
         except Exception:
             self.version = None
-        window = "linger_ms=2, batch_size=1,000, max_in_flight_records=1,000"
+        window = f"linger_ms=2, batch_size={PRODUCE_BATCH:,}, max_in_flight_records=1,000"
         self.durability = {
             "produce": f"fsync {FSYNC_INTERVAL} (ack after write() to page cache); {window}",
             "produce_1k": f"fsync {FSYNC_INTERVAL}; {window}",
             "produce_fsync_always": f"fsync always (group commit per loop turn); {window}",
             "produce_unbatched": f"fsync {FSYNC_INTERVAL}; linger_ms=0, batch_size=1, max_in_flight_records=1,000",
-            "consume_ack": "Consumer max_in_flight=10,000, poll 1,000, ack per record (batched on the wire)",
-            "latency": "publisher linger_ms=0; consumer poll(timeout=0.1), ack per record",
+            "consume_ack": "Consumer max_in_flight=10,000, poll 1,000, poll_ahead, ack per record "
+                           "(batched on the wire)",
+            "latency": "publisher linger_ms=0; consumer poll(timeout=0.1), poll_ahead, ack per record",
         }
 
     def setup(self) -> None:
@@ -360,7 +369,7 @@ def _scale_client(role: str, url: str, topic: str, share: int, total: int, size:
     from zbroker.client import Consumer, Producer
 
     if role == "produce":
-        producer = Producer(url, linger_ms=2, batch_size=CHUNK, max_in_flight_records=1000)
+        producer = Producer(url, linger_ms=2, batch_size=PRODUCE_BATCH, max_in_flight_records=1000)
         partitions = [p for p in range(4) if p % clients == index] or [index % 4]
         payload = bytes(size)
         ready.wait()
@@ -374,7 +383,7 @@ def _scale_client(role: str, url: str, topic: str, share: int, total: int, size:
             done.value += sent
         producer.close()
         return
-    consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK)
+    consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK, **CONSUMER_OPTIONS)
     ready.wait()
     while done.value < total:  # the consumers share one group: stop when it has everything
         records = consumer.poll(max_records=CHUNK, timeout=0.1)
