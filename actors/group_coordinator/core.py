@@ -172,6 +172,13 @@ class GroupCoordinatorCore:
                 state.durable_committed, state.durable_epoch = committed, reset_epoch
         return self._event(now_ms)
 
+    def durable_reset_epoch(self, group: str, topic: str, partition: int) -> int | None:
+        """The reset epoch of the newest offset the writer reported on disk (None: none yet)."""
+        state = self._groups[group].partitions.get((topic, partition)) if group in self._groups else None
+        if state is None or state.durable_committed is None:
+            return None
+        return state.durable_epoch
+
     def restore_group_config(self, group: str, config: GroupConfig) -> None:
         self._group(group).config = config
 

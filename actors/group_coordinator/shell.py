@@ -50,6 +50,10 @@ ADVANCE_COALESCE_MS = 5
 LOAD_RETRY_MS = 1000
 WRITER_SILENT_MS = 3000
 REQUEST_TIMEOUT_MS = 5000
+# A reset is answered once the writer has its new offsets on disk; past this
+# (shorter than a client's default 5 s request timeout, so it sees why),
+# the client gets UNAVAILABLE (the reset stays in effect and may still land).
+RESET_DURABLE_TIMEOUT_MS = 4_000
 GROUP_OPS = {"join", "heartbeat", "leave", "poll", "ack", "nack", "extend", "reject", "list_groups",
              "describe_group", "configure_group", "reset_group"}
 
@@ -165,6 +169,9 @@ class CoordinatorShell:
         self.dead_letter_seq: dict[tuple[str, int], int] = {}
         self.open_polls: set[int] = set()
         self.tokens: dict[int, runtime.RouterToken] = {}
+        # reset_group replies held until durable: token key -> (group, topic, reply, give up at)
+        self.reset_requests: dict[int, tuple[str, str]] = {}
+        self.held_resets: dict[int, tuple[str, str, m.ResetGroupReply, int]] = {}
 
     # -- inbound ----------------------------------------------------------------------------
 
@@ -247,6 +254,8 @@ class CoordinatorShell:
         self.tokens[key] = token
         if op == "poll":
             self.open_polls.add(key)
+        elif op == "reset_group":
+            self.reset_requests[key] = (msg.group, msg.topic)
         handler = getattr(self.core, op)
         self.apply(handler(key, msg, now), now)
 
@@ -264,9 +273,16 @@ class CoordinatorShell:
     def apply(self, effects: list, now: int) -> None:
         for effect in effects:
             if isinstance(effect, fx.Reply):
+                reset = self.reset_requests.pop(effect.token, None)
+                if reset is not None:
+                    # Acknowledging a reset that a crash could still undo would be a lie:
+                    # the reply waits until the writer reports the new offsets durable.
+                    self.held_resets[effect.token] = (*reset, effect.msg, now + RESET_DURABLE_TIMEOUT_MS)
+                    continue
                 self.reply(self.tokens.pop(effect.token), effect.msg)
                 self.open_polls.discard(effect.token)
             elif isinstance(effect, fx.ReplyError):
+                self.reset_requests.pop(effect.token, None)
                 self.reply_error(self.tokens.pop(effect.token), effect.error)
                 self.open_polls.discard(effect.token)
             elif isinstance(effect, fx.PersistOffsets):
@@ -364,6 +380,21 @@ class CoordinatorShell:
             if row is not None and (reset_epoch, committed) >= (row[6], row[3]):
                 del self.unconfirmed[key]
         self.apply(self.core.on_durable(durable, now), now)
+        self.release_resets(now)
+
+    def release_resets(self, now: int) -> None:
+        """Answer the resets whose offsets are durable, and give up on those past their time."""
+        for key, (group, topic, reply, give_up_at) in list(self.held_resets.items()):
+            durable = all((self.core.durable_reset_epoch(group, topic, p) or 0) >= reply.reset_epoch
+                          for p, _target in reply.partitions)
+            if durable:
+                del self.held_resets[key]
+                self.reply(self.tokens.pop(key), reply)
+            elif now >= give_up_at:
+                del self.held_resets[key]
+                self.reply_error(self.tokens.pop(key), Unavailable(
+                    "the reset is applied but the commit writer has not made it durable; retry",
+                    group=group, topic=topic, reset_epoch=reply.reset_epoch))
 
     # -- dead letters -----------------------------------------------------------------------
 
@@ -458,6 +489,8 @@ class CoordinatorShell:
 
     def tick(self, now: int) -> None:
         self.outbound.expire(now)
+        if self.held_resets:
+            self.release_resets(now)
         self.apply(self.topics.tick(now), now)
         self.apply(self.core.tick(now), now)
         self.pump_writer(now)
@@ -479,6 +512,10 @@ class CoordinatorShell:
             if token is not None:
                 self.reply_error(token, ShuttingDown("coordinator is stopping; retry"))
         self.open_polls.clear()
+        for key in list(self.held_resets):
+            self.reply_error(self.tokens.pop(key), ShuttingDown(
+                "coordinator is stopping before the reset was durable; retry"))
+        self.held_resets.clear()
 
 
 def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0.1:0", log_level: str = "info",
