@@ -21,11 +21,12 @@ def produce_values(url: str, topic: str, values: list[bytes], **kw) -> None:
         producer.produce(topic, values)
 
 
-def drain(consumer: Consumer, want: int, timeout: float = 30.0, ack: bool = True) -> list:
+def drain(consumer: Consumer, want: int, timeout: float = 30.0, ack: bool = True,
+          max_records: int = 500) -> list:
     got = []
     deadline = time.monotonic() + timeout
     while len(got) < want and time.monotonic() < deadline:
-        for rec in consumer.poll(max_records=500, timeout=0.2):
+        for rec in consumer.poll(max_records=max_records, timeout=0.2):
             got.append(rec)
             if ack:
                 consumer.ack(rec)

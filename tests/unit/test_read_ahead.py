@@ -125,3 +125,13 @@ def test_retain_drops_revoked_partitions_and_returns_their_fetches():
     assert sorted(orphans) == [10, 12]
     assert ahead.awaited(("t", 0), 5) is None and ahead.awaited(("t", 1), 5) == 11
     assert ahead.clear() == [11]
+
+
+def test_in_flight_lists_the_fetches_out():
+    ahead = ReadAhead()
+    ahead.leased(KEY, 0, 5)
+    ahead.leased(("t", 1), 0, 5)
+    ahead.sent(KEY, 3, 5)
+    assert ahead.in_flight() == [(KEY, 3)]
+    ahead.arrived(KEY, 3, b"")
+    assert ahead.in_flight() == []

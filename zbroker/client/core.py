@@ -332,6 +332,10 @@ class ReadAhead:
             out.append((key, offset, slot.fetch_bytes))
         return out
 
+    def in_flight(self) -> list[tuple[tuple[str, int], int]]:
+        """(partition key, correlation id) of every fetch out."""
+        return [(key, slot.in_flight[0]) for key, slot in self._slots.items() if slot.in_flight is not None]
+
     def sent(self, key: tuple[str, int], corr: int, offset: int) -> None:
         slot = self._slots.get(key)
         if slot is not None:

@@ -661,6 +661,7 @@ class Consumer:
     def _send_read_ahead(self, timeout: float) -> None:
         """Fetch where the next leases will start; a fetch parks at the actor until records come."""
         wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        self._collect_read_ahead()
         for key, offset, max_bytes in self.ahead.wanted():
             topic, partition = key
             try:
@@ -671,6 +672,21 @@ class Consumer:
                 self.ahead.drop(key)  # not reachable now: the next lease is fetched the usual way
                 continue
             self.ahead.sent(key, corr, offset)
+
+    def _collect_read_ahead(self) -> None:
+        """File the read-ahead replies that came back, so that a partition whose parked
+        fetch ended empty (nothing was produced for a while) gets a new one now."""
+        early = self.conn._early
+        for env in self.conn.recv_nowait_all():
+            if isinstance(env.corr_id, int):
+                early[env.corr_id] = env
+        for key, corr in self.ahead.in_flight():
+            env = early.pop(corr, None)
+            if env is not None:
+                ok = env.error is None
+                if not ok and env.error.retriable:
+                    self.conn.metadata.forget(key[0])
+                self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None)
 
     def _serve_from_read_ahead(self, d: list, out: list) -> int:
         """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
