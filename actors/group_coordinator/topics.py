@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from protocol.errors import ProtocolError, TopicExists, UnknownTopic
+from protocol.errors import ProtocolError, TopicExists, Unavailable, UnknownTopic
 from protocol.messages import validate_topic_name
 from storage.log.partition_log import LogConfig
 
@@ -60,6 +60,14 @@ class PartitionInfo:
     log_start: int = 0
     log_end: int = 0
     size_bytes: int = 0
+
+
+# The registry is bounded: registrations beyond MAX_ACTORS are refused, and an
+# actor dead for FORGET_DEAD_ACTOR_MS that owns nothing is forgotten. Without
+# --curve the internal endpoint trusts any local process, and a stream of
+# forged registrations must not grow the coordinator without limit.
+MAX_ACTORS = 1024
+FORGET_DEAD_ACTOR_MS = 10 * 60 * 1000
 
 
 class TopicRegistry:
@@ -119,6 +127,10 @@ class TopicRegistry:
                  now_ms: int) -> list:
         """A partition actor's (re-)registration, once a second. Returns effects."""
         info = self.actors.get(actor_id)
+        if info is None and len(self.actors) >= MAX_ACTORS:
+            self._forget_dead(now_ms, older_than_ms=0)
+            if len(self.actors) >= MAX_ACTORS:
+                raise Unavailable("too many partition actors registered", actor_id=actor_id, limit=MAX_ACTORS)
         is_new = info is None or not info.alive or info.endpoint != endpoint or info.pid != pid
         self.actors[actor_id] = ActorInfo(actor_id, endpoint, storage_id, pid, now_ms, True)
         self.on_report(actor_id, reported, now_ms)
@@ -151,7 +163,18 @@ class TopicRegistry:
             if info.alive and now_ms - info.last_seen_ms > self.actor_timeout_ms:
                 info.alive = False
                 effects += self._move_from_dead(info)
+        if any(not info.alive and now_ms - info.last_seen_ms >= FORGET_DEAD_ACTOR_MS
+               for info in self.actors.values()):
+            self._forget_dead(now_ms, older_than_ms=FORGET_DEAD_ACTOR_MS)
         return effects
+
+    def _forget_dead(self, now_ms: int, older_than_ms: int) -> None:
+        """Drop actors silent for ``older_than_ms`` that own no partition (nothing refers to them)."""
+        owners = {info.owner for info in self.partitions.values()}
+        gone = [a for a, info in self.actors.items()
+                if not info.alive and now_ms - info.last_seen_ms >= older_than_ms and a not in owners]
+        for actor_id in gone:
+            del self.actors[actor_id]
 
     def assignment_for(self, actor_id: str) -> list[list]:
         return [[t, p, self.topics[t]["config"]] for (t, p), info in sorted(self.partitions.items())

@@ -94,3 +94,28 @@ def test_snapshot_restore_round_trip():
     other.restore(reg.snapshot())
     assert other.topics == reg.topics
     assert owners(other, "t") == owners(reg, "t")
+
+
+def test_the_actor_registry_is_bounded_and_forgets_long_dead_actors():
+    from actors.group_coordinator import topics
+    from protocol.errors import Unavailable
+
+    reg = TopicRegistry(actor_timeout_ms=100)
+    reg.register("real", "tcp://real", "s1", 1, [], 0)
+    reg.create_topic("t", 2, None, 0)
+    for i in range(topics.MAX_ACTORS - 1):  # forged registrations fill the registry
+        reg.register(f"forged-{i}", f"tcp://f{i}", f"x{i}", 100 + i, [], 0)
+    with pytest.raises(Unavailable):
+        reg.register("one-more", "tcp://m", "x", 9, [], 50)
+    reg.register("real", "tcp://real", "s1", 1, [], 50)  # a known actor still re-registers
+
+    reg.register("real", "tcp://real", "s1", 1, [], 200)
+    reg.tick(200)  # the forged ones fall silent and are marked dead, not yet forgotten
+    assert len(reg.actors) == topics.MAX_ACTORS
+    reg.register("late", "tcp://l", "s2", 7, [], 300)  # room is made from dead actors that own nothing
+    later = 300 + topics.FORGET_DEAD_ACTOR_MS
+    reg.register("real", "tcp://real", "s1", 1, [], later)
+    reg.register("late", "tcp://l", "s2", 7, [], later)
+    reg.tick(later)
+    assert set(reg.actors) == {"real", "late"}
+    assert owners(reg, "t") == ["real", "real"]  # an owner is never forgotten
