@@ -260,12 +260,21 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
     """
     out: list = []
     new = tuple.__new__
-    for header, payload in iter_stored_batches(blob, verify_crc=verify_crc):
+    view = memoryview(blob)
+    pos, n = 0, len(view)
+    while pos < n:
+        header = parse_batch_header(view, pos)
+        start, pos = pos, pos + header.total_size
+        if pos > n:
+            raise CorruptBatch("batch runs past the end of the frame", position=start)
         base = header.base_offset
         if until_offset is not None and base >= until_offset:
             break
         if header.next_offset <= from_offset:
-            continue
+            continue  # before the window: skipped on its header, its CRC is checked when decoded
+        if verify_crc and not batch_crc_ok(view, start, header):
+            raise CorruptBatch("batch CRC mismatch", position=start, base_offset=base)
+        payload = view[start + BATCH_HEADER_SIZE:pos]
         try:
             records = msgpack.unpackb(payload, raw=False, use_list=False, ext_hook=_reject_ext)
         except Exception as exc:

@@ -488,6 +488,13 @@ class Consumer:
         self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
         self._orphans: set[int] = set()  # read-ahead fetches given up on: their replies are dropped
         self.poll_ahead = poll_ahead
+        # Acks in delivery order (see ack): the last batch, the next record expected, how many
+        # were acked in order, how many of those are folded into self.acks, each delivery's span.
+        self._delivered: list = [None]
+        self._next: ConsumedRecord | None = None
+        self._in_order = self._folded = 0
+        self._spans: list[tuple[int, int]] = []
+        self._ack_check_mask = 63 if ack_batch >= 64 else 0
         self._poll_ahead: tuple[int, int, float] | None = None  # (corr id, generation, give up at)
         self.group = group
         self.topics = list(topics)
@@ -721,23 +728,28 @@ class Consumer:
         return pos
 
     def _fetch_deliveries(self, deliveries: list) -> list[ConsumedRecord]:
-        pending: dict[int, list] = {}
-        out: list[ConsumedRecord] = []
+        """The records of ``deliveries``, each delivery's in offset order and together.
+
+        Also notes each delivery's span in the returned list, so that acks given
+        in delivery order fold into ranges per delivery (see `ack`).
+        """
+        pending: dict[int, tuple[int, list]] = {}
+        parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
         reading_ahead = self.read_ahead and self.mode == "exclusive"
         if self._orphans:
             self._drop_orphans()
-        for d in deliveries:
+        for i, d in enumerate(deliveries):
             topic, partition, lease, start, end, attempt, reason = d
             if reading_ahead:
-                start = self._serve_from_read_ahead(d, out)
+                start = self._serve_from_read_ahead(d, parts[i])
                 if start >= end:
                     continue
             corr = self.conn.send(self.conn.endpoint(topic, partition),
                                   m.Fetch(topic=topic, partition=partition, offset=start,
                                           max_bytes=max(4096, (end - start) * 256)))
-            pending[corr] = [topic, partition, lease, start, end, attempt, reason]
+            pending[corr] = (i, [topic, partition, lease, start, end, attempt, reason])
         while pending:
-            corr, d = next(iter(pending.items()))
+            corr, (i, d) = next(iter(pending.items()))
             env = self.conn.wait_for(corr)
             del pending[corr]
             topic, partition, lease, start, end, attempt, reason = d
@@ -754,14 +766,21 @@ class Consumer:
                 continue
             got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=start,
                                  until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
-            out.extend(got)
+            parts[i].extend(got)
             if got and got[-1].offset + 1 < end:
                 # max_bytes cut the range short: fetch the rest.
                 next_start = got[-1].offset + 1
                 corr = self.conn.send(self.conn.endpoint(topic, partition),
                                       m.Fetch(topic=topic, partition=partition, offset=next_start,
                                               max_bytes=max(4096, (end - next_start) * 256)))
-                pending[corr] = [topic, partition, lease, next_start, end, attempt, reason]
+                pending[corr] = (i, [topic, partition, lease, next_start, end, attempt, reason])
+        if len(parts) == 1:
+            out = parts[0]
+        else:
+            out = []
+            for part in parts:
+                out.extend(part)
+        self._deliver(out, [len(part) for part in parts])
         return out
 
     def __iter__(self) -> Iterator[ConsumedRecord]:
@@ -785,7 +804,47 @@ class Consumer:
 
     # -- acks -------------------------------------------------------------------------------
 
+    def _deliver(self, records: list, sizes: list[int]) -> None:
+        """Start tracking in-order acks of a new batch (what was acked of the last is folded first)."""
+        self._fold_in_order_acks()
+        self._delivered = records + [None]  # the None ends the in-order run
+        self._next = records[0] if records else None
+        self._in_order = self._folded = 0
+        spans, at = [], 0
+        for n in sizes:
+            if n:
+                spans.append((at, at + n))
+            at += n
+        self._spans = spans
+
+    def _fold_in_order_acks(self) -> None:
+        """Turn the records acked in delivery order since the last fold into one range per delivery."""
+        lo, hi = self._folded, self._in_order
+        if hi <= lo:
+            return
+        records = self._delivered
+        for i0, i1 in self._spans:
+            a, b = max(i0, lo), min(i1, hi)
+            if a >= b:
+                continue
+            first, last = records[a], records[b - 1]
+            if last[2] - first[2] == b - 1 - a:  # offsets are dense within a delivery
+                self.acks.add_range([first[0], first[1], first[7], first[2], last[2] + 1])
+            else:  # pragma: no cover - defensive: never fold what was not acked
+                for r in records[a:b]:
+                    self.acks.add(r[0], r[1], r[7], r[2])
+        self._folded = hi
+
     def ack(self, record: ConsumedRecord) -> None:
+        # The usual case: the caller acks the records of the last poll in the order it got
+        # them. That costs an identity check and an index step here; the run becomes one
+        # range per delivery when acks are sent.
+        if record is self._next:
+            i = self._in_order = self._in_order + 1
+            self._next = self._delivered[i]
+            if i & self._ack_check_mask == 0 or i == 1:
+                self._acks_held()
+            return
         acks = self.acks
         acks.add(record[0], record[1], record[7], record[2])  # topic, partition, lease_id, offset
         if self._acks_since is None:
@@ -800,8 +859,18 @@ class Consumer:
         for record in records:
             self.ack(record)
 
+    def _acks_held(self) -> None:
+        """On the first in-order ack and every 64th (every one with a small ack_batch):
+        start the ack interval, or send the acks held when a batch or the interval is up."""
+        if self._acks_since is None:
+            self._acks_since = time.monotonic()
+        held = self.acks.count + self._in_order - self._folded
+        if held >= self.ack_batch or time.monotonic() - self._acks_since >= self.ack_interval_s:
+            self.flush_acks(wait=False)
+
     def flush_acks(self, wait: bool = True) -> None:
         """Send pending acks; with ``wait``, until every ack request is answered."""
+        self._fold_in_order_acks()
         if self.acks:
             ranges = self.acks.take()
             corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,

@@ -1,0 +1,104 @@
+"""The consumer's ack path: records acked in delivery order fold into ranges per delivery,
+any other order goes through the accumulator, and what is sent is exactly what was acked."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zbroker.client.core import AckAccumulator, ConsumedRecord
+from zbroker.client.sync import Consumer
+
+
+class SentAcks:
+    """Stands in for the connection: keeps the ranges of every Ack sent, answers nothing."""
+
+    def __init__(self) -> None:
+        self.ranges: list[list] = []
+        self._early: dict = {}
+        self._ids = itertools.count(1)
+
+    def send(self, endpoint, msg, frames=()):
+        self.ranges.extend(msg.ranges)
+        return next(self._ids)
+
+    def recv_nowait_all(self):
+        return []
+
+
+def bare_consumer(ack_batch: int) -> Consumer:
+    consumer = Consumer.__new__(Consumer)
+    consumer.conn = SentAcks()
+    consumer.conn.url = "inproc://coordinator"
+    consumer.group, consumer.member_id, consumer.generation = "g", "m", 1
+    consumer.acks = AckAccumulator()
+    consumer.ack_batch, consumer.ack_interval_s = ack_batch, 3600.0
+    consumer._acks_since = None
+    consumer._ack_requests = {}
+    consumer._delivered, consumer._next, consumer._in_order, consumer._folded = [None], None, 0, 0
+    consumer._spans = []
+    consumer._ack_check_mask = 63 if ack_batch >= 64 else 0
+    return consumer
+
+
+def deliveries_strategy():
+    # (partition, lease, first offset, count): like one poll's deliveries
+    return st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.integers(0, 500), st.integers(0, 40)),
+                    min_size=1, max_size=4)
+
+
+def records_of(deliveries) -> tuple[list, list[int]]:
+    out, sizes = [], []
+    for partition, lease, first, count in deliveries:
+        sizes.append(count)
+        out += [tuple.__new__(ConsumedRecord, ("t", partition, first + i, 0, None, b"", None, lease, 1, "new"))
+                for i in range(count)]
+    return out, sizes
+
+
+def acked_set(ranges) -> list:
+    return sorted((t, p, lease, o) for t, p, lease, lo, hi in ranges for o in range(lo, hi))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(deliveries_strategy(), min_size=1, max_size=3), st.integers(1, 200), st.data())
+def test_exactly_the_acked_records_are_sent(polls, ack_batch, data):
+    consumer = bare_consumer(ack_batch)
+    acked = []
+    for deliveries in polls:
+        records, sizes = records_of(deliveries)
+        consumer._deliver(records, sizes)
+        # Mostly in order, with skips, repeats of nothing, and some out-of-order acks.
+        order = list(range(len(records)))
+        if data.draw(st.booleans()):
+            order = data.draw(st.permutations(order))
+        chosen = [i for i in order if data.draw(st.integers(0, 9)) > 1]
+        for n, i in enumerate(chosen):
+            consumer.ack(records[i])
+            acked.append(records[i])
+            if data.draw(st.integers(0, 30)) == 0:
+                consumer.flush_acks(wait=False)
+    consumer.flush_acks(wait=False)
+    expected = sorted((r.topic, r.partition, r.lease_id, r.offset) for r in acked)
+    assert acked_set(consumer.conn.ranges) == expected
+
+
+def test_in_order_acks_of_a_poll_become_one_range_per_delivery():
+    consumer = bare_consumer(ack_batch=10_000)
+    records, sizes = records_of([(0, 7, 100, 50), (1, 8, 0, 30)])
+    consumer._deliver(records, sizes)
+    for r in records:
+        consumer.ack(r)
+    consumer.flush_acks(wait=False)
+    assert consumer.conn.ranges == [["t", 0, 7, 100, 150], ["t", 1, 8, 0, 30]]
+
+
+def test_ack_batch_sends_acks_while_the_caller_is_still_acking():
+    consumer = bare_consumer(ack_batch=100)
+    records, sizes = records_of([(0, 7, 0, 300)])
+    consumer._deliver(records, sizes)
+    for r in records[:200]:
+        consumer.ack(r)
+    assert acked_set(consumer.conn.ranges) == [("t", 0, 7, o) for o in range(128)]  # checked every 64
