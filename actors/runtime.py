@@ -8,7 +8,6 @@ frames) in one place.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -33,20 +32,6 @@ RECV_HWM = 10_000
 
 def now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
-
-
-def tune_gc() -> None:
-    """Fewer, shorter garbage-collector pauses for a long-running actor.
-
-    An actor allocates a few short-lived objects per message and almost no
-    cycles, so CPython's default (a young collection every 700 allocations,
-    full ones scanning every object the process holds) spends time and adds
-    pauses to the latency tail for little garbage. Objects alive after start-up
-    (modules, configuration) are frozen out of every later collection.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
 
 
 def configure_logging(level: str = "info", **bind: Any) -> structlog.stdlib.BoundLogger:
