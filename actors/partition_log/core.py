@@ -29,6 +29,7 @@ reports
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -138,8 +139,10 @@ class PartitionActorCore:
         self._dirty_since_sync: set[tuple[str, int]] = set()
         self._held_replies: list[Reply] = []
         self._changed: set[tuple[str, int]] = set()
-        self._parked: dict[tuple[str, int], list[_ParkedFetch]] = {}
-        self._parked_heap: list[_ParkedFetch] = []
+        # Waiting fetches per partition, by sequence number: answering one is O(1).
+        self._parked: dict[tuple[str, int], dict[int, _ParkedFetch]] = {}
+        self._parked_heap: list[_ParkedFetch] = []  # by deadline
+        self._parked_fifo: collections.deque[_ParkedFetch] = collections.deque()  # by arrival
         self._parked_count = 0  # fetches waiting now (heap entries may include answered ones)
         self._seq = itertools.count()
         self._next_fsync_ms: int | None = None
@@ -184,7 +187,7 @@ class PartitionActorCore:
         plog.close()
         self._dirty_since_sync.discard(key)
         effects = []
-        for parked in self._parked.pop(key, []):
+        for parked in list(self._parked.pop(key, {}).values()):
             if not parked.done:
                 self._finish(parked)
                 effects.append(ReplyError(parked.token, "fetch", NotOwner(
@@ -269,13 +272,16 @@ class PartitionActorCore:
         if msg.offset == plog.log_end and msg.max_wait_ms > 0:
             effects = self._make_room_for_a_parked_fetch()
             parked = _ParkedFetch(now_ms + msg.max_wait_ms, next(self._seq), token, msg)
-            self._parked.setdefault(key, []).append(parked)
+            self._parked.setdefault(key, {})[parked.seq] = parked
             heapq.heappush(self._parked_heap, parked)
+            self._parked_fifo.append(parked)
             self._parked_count += 1
             if len(self._parked_heap) > 2 * self._parked_count + 1024:
                 # Answered fetches stay in the heap until their deadline; drop them now.
                 self._parked_heap = [p for p in self._parked_heap if not p.done]
                 heapq.heapify(self._parked_heap)
+            if len(self._parked_fifo) > 2 * self._parked_count + 1024:
+                self._parked_fifo = collections.deque(p for p in self._parked_fifo if not p.done)
             return effects
         return [self._read_reply(token, plog, msg)]
 
@@ -283,16 +289,21 @@ class PartitionActorCore:
         """A waiting fetch stops waiting (it is being answered); heap entries stay until popped."""
         parked.done = True
         self._parked_count -= 1
+        waiting = self._parked.get((parked.msg.topic, parked.msg.partition))
+        if waiting is not None:
+            waiting.pop(parked.seq, None)
 
     def _make_room_for_a_parked_fetch(self) -> list:
         """Keep waiting fetches bounded: past the cap, the oldest is answered at once, empty."""
         if self._parked_count < MAX_PARKED_FETCHES:
             return []
-        oldest = min((p for waiting in self._parked.values() for p in waiting if not p.done),
-                     key=lambda p: p.seq)
+        # The oldest first; answered ones are skipped here (amortised O(1) per fetch: a
+        # client flooding parked fetches must not make every fetch cost the whole set).
+        oldest = self._parked_fifo.popleft()
+        while oldest.done:
+            oldest = self._parked_fifo.popleft()
         self._finish(oldest)
         key = (oldest.msg.topic, oldest.msg.partition)
-        self._parked[key] = [p for p in self._parked[key] if not p.done]
         return [self._read_reply(oldest.token, self.logs[key], oldest.msg)]
 
     def _read_reply(self, token: Any, plog: PartitionLog, msg: m.Fetch) -> Reply:
@@ -306,9 +317,7 @@ class PartitionActorCore:
             return []
         plog = self.logs[key]
         effects = []
-        for parked in waiting:
-            if parked.done:
-                continue
+        for parked in list(waiting.values()):
             self._finish(parked)
             try:
                 effects.append(self._read_reply(parked.token, plog, parked.msg))
@@ -350,9 +359,6 @@ class PartitionActorCore:
                 continue
             self._finish(parked)
             key = (parked.msg.topic, parked.msg.partition)
-            waiting = self._parked.get(key)
-            if waiting is not None:
-                waiting[:] = [p for p in waiting if not p.done]
             plog = self.logs.get(key)
             if plog is None:
                 effects.append(ReplyError(parked.token, "fetch", NotOwner("partition moved", topic=key[0],
@@ -430,8 +436,8 @@ class PartitionActorCore:
     def close(self) -> list:
         """Answer parked fetches, fsync and close every log."""
         effects: list = []
-        for waiting in self._parked.values():
-            for parked in waiting:
+        for waiting in list(self._parked.values()):
+            for parked in list(waiting.values()):
                 if not parked.done:
                     self._finish(parked)
                     effects.append(Reply(parked.token, m.FetchReply(
@@ -439,6 +445,7 @@ class PartitionActorCore:
                         log_end=self.logs[(parked.msg.topic, parked.msg.partition)].log_end), (b"",)))
         self._parked.clear()
         self._parked_heap.clear()
+        self._parked_fifo.clear()
         effects += self.end_turn(0)
         for plog in self.logs.values():
             plog.close()

@@ -165,3 +165,21 @@ def test_interval_fsync_can_run_on_a_background_thread(tmp_path):
     produce(core, b"b", now=150)  # the loop keeps writing meanwhile
     run_sync_jobs(handed_off[0])  # what the fsync thread does; closes the dup'ed fds
     core.close()
+
+
+def test_past_the_cap_the_oldest_waiting_fetch_is_answered_and_each_is_answered_once(core, monkeypatch):
+    from actors.partition_log import core as core_module
+
+    monkeypatch.setattr(core_module, "MAX_PARKED_FETCHES", 3)
+    wait = lambda p: env(m.Fetch(topic="t", partition=p, offset=0, max_wait_ms=1000))  # noqa: E731
+    assert core.handle("a", wait(0), 1) == [] and core.handle("b", wait(1), 2) == []
+    assert core.handle("c", wait(0), 3) == []
+    [evicted] = core.handle("d", wait(1), 4)  # a fourth: the oldest ("a") is answered, empty
+    assert evicted.token == "a" and evicted.frames == (b"",)
+    [evicted] = core.handle("e", wait(0), 5)
+    assert evicted.token == "b"
+    woken = produce(core, b"x", now=6)  # partition 0 wakes "c" and "e" only
+    assert sorted(e.token for e in woken if e.token != "tok") == ["c", "e"]
+    [late] = core.tick(2000)  # "d" times out; nobody is answered twice
+    assert late.token == "d"
+    assert core.tick(3000) == []
