@@ -115,7 +115,7 @@ class GroupCoordinatorCore:
         # Per-call scratch, emptied by _end().
         self._dirty: dict[tuple[str, Key], PartitionState] = {}
         self._wake: set[str] = set()
-        self._metrics = {"holes_truncated": 0, "dead_letters_emitted": 0, "records_expired": 0,
+        self._metrics = {"polls": 0, "holes_truncated": 0, "dead_letters_emitted": 0, "records_expired": 0,
                          "rebalances": 0}
 
     # ==================================================================================
@@ -197,6 +197,7 @@ class GroupCoordinatorCore:
         return self._serve(self._leave, token, msg, now_ms)
 
     def poll(self, token, msg: m.Poll, now_ms: int) -> list:
+        self._metrics["polls"] += 1
         return self._serve(self._poll, token, msg, now_ms)
 
     def ack(self, token, msg: m.Ack, now_ms: int) -> list:
