@@ -260,3 +260,25 @@ def test_read_ahead_survives_sigkills_of_the_partition_actor(broker):
     assert set(seen) == want
     with Admin(broker.url) as admin:
         wait_committed(admin, "survivors", {("fragile", 0): len(want)}, timeout=20)
+
+
+def test_a_smaller_poll_after_a_poll_ahead_gets_no_more_than_it_asked_for(broker):
+    with Admin(broker.url) as admin:
+        admin.create_topic("sized", partitions=1)
+    values = [f"s-{i}".encode() for i in range(300)]
+    produce_values(broker.url, "sized", values)
+    got = []
+    with Consumer(broker.url, group="sizers", topics=["sized"], poll_ahead=True) as consumer:
+        first = consumer.poll(max_records=100, timeout=5.0)
+        got += first
+        for r in first:
+            consumer.ack(r)
+        while len(got) < 300:
+            batch = consumer.poll(max_records=7, timeout=5.0)
+            assert len(batch) <= 7
+            got += batch
+            for r in batch:
+                consumer.ack(r)
+    assert [r.value for r in got] == values  # in order, each once
+    with Admin(broker.url) as admin:
+        wait_committed(admin, "sizers", {("sized", 0): 300})

@@ -31,6 +31,7 @@ log = structlog.get_logger("zbroker.client")
 
 DEFAULT_URL = "tcp://127.0.0.1:7400"
 READ_AHEAD_WAIT_S = 1.0
+MAX_ORPHANS = 4096
 _NOT_YET = object()  # a poll sent ahead that is still parked at the coordinator
 RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
 
@@ -488,6 +489,7 @@ class Consumer:
         self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
         self._orphans: set[int] = set()  # read-ahead fetches given up on: their replies are dropped
         self.poll_ahead = poll_ahead
+        self._held: list[list[ConsumedRecord]] = []  # leased (by a poll sent ahead), not handed out yet
         # Acks in delivery order (see ack): the last batch, the next record expected, how many
         # were acked in order, how many of those are folded into self.acks, each delivery's span.
         self._delivered: list = [None]
@@ -544,6 +546,7 @@ class Consumer:
         self.assignment = reply.assignment
         self.ack_timeout_ms = reply.ack_timeout_ms
         self.mode = reply.mode
+        self._held = []  # leased under the old generation: the coordinator hands them out again
         # Shared groups interleave members' leases: the next one need not start
         # where this member's last ended, so guessing would only cost fetches.
         keep = [tuple(p) for p in reply.assignment] if self.read_ahead and self.mode == "exclusive" else []
@@ -605,7 +608,13 @@ class Consumer:
     def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
         """Lease up to ``max_records`` and return their records (possibly fewer, possibly none)."""
         self.flush_acks(wait=False)
+        if self._held:
+            # Leased by a poll sent ahead for more than this call asked for: hand them out first.
+            return self._hand_out(max_records)
         max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        if self._poll_ahead is not None and self._needs_rejoin.is_set():
+            self._orphans.add(self._poll_ahead[0])  # it would be fenced: re-join now instead
+            self._poll_ahead = None
         reply = self._take_poll_ahead(timeout) if self._poll_ahead is not None else None
         if reply is _NOT_YET:
             return []
@@ -614,12 +623,29 @@ class Consumer:
                                                     generation=self.generation, max_records=max_records,
                                                     max_wait_ms=max_wait_ms),
                                      timeout=self.conn.request_timeout + timeout).msg
-        records = self._fetch_deliveries(reply.deliveries)
-        self.stats["polled"] += len(records)
-        if self.poll_ahead:
+        self._held = [part for part in self._fetch_deliveries(reply.deliveries) if part]
+        records = self._hand_out(max_records)
+        if self.poll_ahead and not self._held:
             self._send_poll_ahead(max_records, max_wait_ms)
         if self.read_ahead and self.mode == "exclusive":
             self._send_read_ahead(timeout)
+        return records
+
+    def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
+        """Up to ``max_records`` of the held records, whole deliveries first, in order."""
+        held, taken, sizes, room = self._held, [], [], max_records
+        while held and room:
+            part = held[0]
+            if len(part) <= room:
+                held.pop(0)
+            else:
+                part, held[0] = part[:room], part[room:]
+            taken.append(part)
+            sizes.append(len(part))
+            room -= len(part)
+        records = taken[0] if len(taken) == 1 else [r for part in taken for r in part]
+        self.stats["polled"] += len(records)
+        self._deliver(records, sizes)
         return records
 
     def _send_poll_ahead(self, max_records: int, max_wait_ms: int) -> None:
@@ -660,6 +686,8 @@ class Consumer:
         raise env.error
 
     def _drop_orphans(self) -> None:
+        if len(self._orphans) > MAX_ORPHANS:  # replies that never came (their actor died): stop waiting
+            self._orphans.clear()
         early = self.conn._early
         for corr in [c for c in self._orphans if c in early]:
             del early[corr]
@@ -695,7 +723,7 @@ class Consumer:
                     self.conn.metadata.forget(key[0])
                 self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None)
 
-    def _serve_from_read_ahead(self, d: list, out: list) -> int:
+    def _serve_from_read_ahead(self, d: list, out: list, deadline: float) -> int:
         """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
         topic, partition, lease, start, end, attempt, reason = d
         key = (topic, partition)
@@ -708,8 +736,9 @@ class Consumer:
                     break
                 try:
                     # The lease proves the records exist, so a live actor answers at once;
-                    # one that died with the fetch parked never will: give up soon.
-                    env = self.conn.wait_for(corr, min(self.conn.request_timeout, READ_AHEAD_WAIT_S))
+                    # one that died with the fetch parked never will: give up soon, with one
+                    # deadline for the whole poll (not one per partition the dead actor held).
+                    env = self.conn.wait_for(corr, max(0.005, deadline - time.monotonic()))
                 except RequestTimeout:
                     self._orphans.add(corr)
                     env = None
@@ -727,12 +756,10 @@ class Consumer:
         self.ahead.leased(key, start, end)
         return pos
 
-    def _fetch_deliveries(self, deliveries: list) -> list[ConsumedRecord]:
-        """The records of ``deliveries``, each delivery's in offset order and together.
-
-        Also notes each delivery's span in the returned list, so that acks given
-        in delivery order fold into ranges per delivery (see `ack`).
-        """
+    def _fetch_deliveries(self, deliveries: list) -> list[list[ConsumedRecord]]:
+        """The records of each of ``deliveries``, in offset order (dense: a delivery's records
+        are consecutive offsets, which lets acks given in order fold into one range, see `ack`)."""
+        ahead_deadline = time.monotonic() + READ_AHEAD_WAIT_S
         pending: dict[int, tuple[int, list]] = {}
         parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
         reading_ahead = self.read_ahead and self.mode == "exclusive"
@@ -741,7 +768,7 @@ class Consumer:
         for i, d in enumerate(deliveries):
             topic, partition, lease, start, end, attempt, reason = d
             if reading_ahead:
-                start = self._serve_from_read_ahead(d, parts[i])
+                start = self._serve_from_read_ahead(d, parts[i], ahead_deadline)
                 if start >= end:
                     continue
             corr = self.conn.send(self.conn.endpoint(topic, partition),
@@ -774,14 +801,7 @@ class Consumer:
                                       m.Fetch(topic=topic, partition=partition, offset=next_start,
                                               max_bytes=max(4096, (end - next_start) * 256)))
                 pending[corr] = (i, [topic, partition, lease, next_start, end, attempt, reason])
-        if len(parts) == 1:
-            out = parts[0]
-        else:
-            out = []
-            for part in parts:
-                out.extend(part)
-        self._deliver(out, [len(part) for part in parts])
-        return out
+        return parts
 
     def __iter__(self) -> Iterator[ConsumedRecord]:
         """Yields records forever; each is acked when the loop body returns for it."""
