@@ -143,7 +143,8 @@ class PartitionActorCore:
         self._parked: dict[tuple[str, int], dict[int, _ParkedFetch]] = {}
         self._parked_heap: list[_ParkedFetch] = []  # by deadline
         self._parked_fifo: collections.deque[_ParkedFetch] = collections.deque()  # by arrival
-        self._parked_count = 0  # fetches waiting now (heap entries may include answered ones)
+        self._parked_count = 0
+        self._wake_after_sync: set[tuple[str, int]] = set()  # fsync=always: wake after end_turn's sync  # fetches waiting now (heap entries may include answered ones)
         self._seq = itertools.count()
         self._next_fsync_ms: int | None = None
         self._next_full_report_ms = 0
@@ -254,7 +255,13 @@ class PartitionActorCore:
         self.counters["bytes_appended"] += len(payload)
         self._dirty_since_sync.add(key)
         self._changed.add(key)
-        return self._produce_reply(token, m.ProduceReply(base_offset=base, count=count)) + self._wake_parked(key)
+        reply = self._produce_reply(token, m.ProduceReply(base_offset=base, count=count))
+        if self.fsync.mode == "always":
+            # Waiting fetches see the records after the fsync, like the producer's reply: no
+            # consumer may hold bytes that a crash before the sync could still take back.
+            self._wake_after_sync.add(key)
+            return reply
+        return reply + self._wake_parked(key)
 
     def _produce_reply(self, token: Any, reply: m.ProduceReply) -> list:
         effect = Reply(token, reply)
@@ -337,10 +344,13 @@ class PartitionActorCore:
 
     def end_turn(self, now_ms: int) -> list:
         """Called once per loop turn after the shell drained its sockets."""
-        if not self._held_replies:
+        if not self._held_replies and not self._wake_after_sync:
             return []
         self.sync_dirty()
         held, self._held_replies = self._held_replies, []
+        for key in self._wake_after_sync:
+            held += self._wake_parked(key)
+        self._wake_after_sync.clear()
         return held
 
     def sync_dirty(self) -> None:

@@ -102,6 +102,18 @@ def test_fsync_always_holds_replies_until_end_of_turn(tmp_path):
     core.close()
 
 
+def test_fsync_always_answers_waiting_fetches_only_after_the_sync(tmp_path):
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("always"))
+    core.on_assign([["t", 0, None]], 0)
+    assert core.handle("waiter", env(m.Fetch(topic="t", partition=0, offset=0, max_wait_ms=500)), 1) == []
+    assert produce(core, b"a") == []  # neither the producer nor the waiting fetch hears yet
+    turn = core.end_turn(2)
+    assert core.counters["fsyncs"] == 1
+    [fetched] = [e for e in turn if e.token == "waiter"]
+    assert [r.value for r in decode_fetched(fetched.frames[0], "t", 0)] == [b"a"]
+    core.close()
+
+
 def test_fsync_interval_syncs_on_tick(tmp_path):
     core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("interval:100"))
     core.on_assign([["t", 0, None]], 0)
