@@ -245,7 +245,10 @@ class CoordinatorShell:
             self.log.exception("meta.io_error", op=op)
             raise
         except Exception as exc:
-            # A bug must cost one request, not the coordinator.
+            # A bug must cost one request, not the coordinator (nor leave its token behind).
+            self.tokens.pop(id(token), None)
+            self.reset_requests.pop(id(token), None)
+            self.open_polls.discard(id(token))
             self.log.exception("request.internal_error", op=op)
             self.reply_error(token, ZBrokerError(f"internal error: {type(exc).__name__}", code=ErrorCode.INTERNAL))
 
@@ -505,7 +508,11 @@ class CoordinatorShell:
         return timeout
 
     def shutdown(self) -> None:
-        """Answer every parked poll instead of leaving clients to time out."""
+        """Answer every parked poll instead of leaving clients to time out; hand the writer
+        the advances still waiting out their coalescing interval."""
+        if self.to_send and self.offsets_loaded:
+            self.last_advance_sent_ms = -ADVANCE_COALESCE_MS
+            self.pump_writer(runtime.now_ms())
         for key in list(self.open_polls):
             token = self.tokens.pop(key, None)
             self.core.cancel_parked(key)
