@@ -26,7 +26,7 @@ up: $(STAMP)
 
 ## The whole suite, PostgreSQL and Node.js tests included.
 test: $(STAMP) $(NODE_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 ## Unit tests only (no processes, no services).
 test-fast: $(STAMP)

@@ -165,6 +165,7 @@ class CoordinatorShell:
         self.unconfirmed: dict[tuple[str, str, int], list] = {}  # newest advance per key not yet durable
         self.to_send: dict[tuple[str, str, int], list] = {}
         self.last_advance_sent_ms = 0
+        self.last_resend_ms = 0
         self.dead_letter_producer_id = random.getrandbits(62) | 1
         self.dead_letter_seq: dict[tuple[str, int], int] = {}
         self.open_polls: set[int] = set()
@@ -342,8 +343,12 @@ class CoordinatorShell:
                 self.loaded_rows = []
                 self.request(WRITER_IDENTITY, m.LoadOffsets(), now, self.on_offsets_loaded)
             return
-        if not self.to_send and self.unconfirmed and now - self.last_advance_sent_ms > ADVANCE_RESEND_MS:
-            self.to_send.update(self.unconfirmed)
+        if self.unconfirmed and now - self.last_resend_ms > ADVANCE_RESEND_MS:
+            # Rows the writer never confirmed (a lost reply, a writer that failed them) go
+            # again every few seconds, even while other groups keep advances flowing.
+            self.last_resend_ms = now
+            for key, row in self.unconfirmed.items():
+                self.to_send.setdefault(key, row)
         if not self.to_send or now - self.last_advance_sent_ms < ADVANCE_COALESCE_MS:
             return
         batch, self.to_send = list(self.to_send.values()), {}
