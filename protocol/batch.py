@@ -100,8 +100,22 @@ def encode_records(records: list[list]) -> bytes:
 
 
 def encode_values(values: list[bytes], timestamp_ms: int) -> bytes:
-    """Fast path for key-less, header-less records that share one timestamp."""
-    return _packer_default.pack([[timestamp_ms, None, v, None] for v in values])
+    """Fast path for key-less, header-less records that share one timestamp.
+
+    The bytes are exactly what `encode_records` makes of ``[[timestamp_ms, None, v,
+    None], ...]``. When every value has the same length (the usual bulk send), each
+    record is the same prefix, the value and a nil, so the payload is one
+    ``bytes.join`` in C instead of a list per record and a packer walk: about a
+    fifth of the client's cost per record at 100 bytes (bench/PROFILE.md).
+    """
+    if not values or set(map(type, values)) != {bytes} or len(set(map(len, values))) != 1:
+        return _packer_default.pack([[timestamp_ms, None, v, None] for v in values])
+    first = values[0]
+    packed_first = _packer_default.pack(first)  # bin header + value
+    # fixarray(4), timestamp, nil key, bin header of this length; then value, nil headers.
+    prefix = b"\x94" + _packer_default.pack(timestamp_ms) + b"\xc0" + packed_first[:len(packed_first) - len(first)]
+    body = (b"\xc0" + prefix).join(values)
+    return _packer_default.pack_array_header(len(values)) + prefix + body + b"\xc0"
 
 
 # -- broker side: validating a payload without decoding its records ------------------

@@ -4,6 +4,7 @@ import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
+from protocol.batch import encode_records, encode_values, validate_payload
 from protocol.partitioner import partition_for_key
 from zbroker.client.core import AckAccumulator, BatchAccumulator, Deduper, DeliveryHandle, group_by_lease
 from zbroker.client.core import ConsumedRecord
@@ -48,6 +49,27 @@ def test_keyed_records_follow_the_documented_hash_and_keyless_rotate_per_batch()
     # Two records per batch stay on one partition, then the next partition.
     assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
     assert sorted(set(seen)) == [0, 1, 2, 3]
+
+
+@given(st.lists(st.one_of(st.binary(max_size=300), st.sampled_from([b"", b"x" * 255, b"y" * 256, b"z" * 70000])),
+                max_size=40),
+       st.one_of(st.integers(min_value=0, max_value=2**63 - 1), st.integers(min_value=-(2**63), max_value=-1)))
+def test_value_fast_path_packs_exactly_what_the_general_encoder_packs(values, ts):
+    assert encode_values(values, ts) == encode_records([[ts, None, v, None] for v in values])
+    same = [values[0]] * len(values) if values else []  # equal lengths: the bytes.join path
+    assert encode_values(same, ts) == encode_records([[ts, None, v, None] for v in same])
+    assert validate_payload(encode_values(same or [b"v"], ts)) == (len(same) or 1)
+
+
+def test_value_fast_path_splits_by_count_and_by_bytes_with_consecutive_sequences():
+    acc = BatchAccumulator(batch_size=4, batch_bytes=1000, producer_id=1)
+    batches = acc.add_many_values("t", 0, [b"a" * 10] * 10, 5)
+    assert [b.count for b in batches] == [4, 4, 2] and [b.sequence for b in batches] == [0, 1, 2]
+    big = acc.add_many_values("t", 0, [b"b" * 400] * 4, 5)  # 4 x 400 bytes > 1000: two per batch
+    assert [b.count for b in big] == [2, 2] and [b.sequence for b in big] == [3, 4]
+    assert [r[2] for b in batches for r in msgpack.unpackb(b.payload)] == [b"a" * 10] * 10
+    huge = acc.add_many_values("t", 1, [b"c" * 5000], 5)  # one record alone may exceed: the actor decides
+    assert [b.count for b in huge] == [1]
 
 
 def test_handles_stay_with_their_batch():

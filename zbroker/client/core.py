@@ -22,7 +22,7 @@ from collections import OrderedDict
 from operator import itemgetter
 from typing import Any, Iterable
 
-from protocol.batch import Record, encode_records, stored_range
+from protocol.batch import Record, encode_records, encode_values, stored_range
 from protocol.errors import UnknownPartition, UnknownTopic
 from protocol.partitioner import partition_for_key
 
@@ -150,12 +150,22 @@ class BatchAccumulator:
             return self.close(key)
         return None
 
-    def add_many(self, topic: str, partition: int, records: list[list]) -> list[PendingBatch]:
-        """Fast path: split ``records`` into full batches directly."""
-        out = []
-        for i in range(0, len(records), self.batch_size):
-            chunk = records[i:i + self.batch_size]
-            out.append(self._make_batch(topic, partition, chunk, None))
+    def add_many_values(self, topic: str, partition: int, values: list[bytes], timestamp_ms: int) -> list[PendingBatch]:
+        """Key-less, header-less values in full batches (``batch_size`` records and
+        about ``batch_bytes`` at most each), encoded by the `encode_values` fast path."""
+        out, start, n = [], 0, len(values)
+        # Per-record overhead in the payload: array header, timestamp, nils, bin header.
+        budget = self.batch_bytes
+        while start < n:
+            end = min(n, start + self.batch_size)
+            size = sum(map(len, values[start:end])) + 18 * (end - start)
+            while size > budget and end - start > 1:  # halve until it fits (rare: large values)
+                end = start + (end - start) // 2
+                size = sum(map(len, values[start:end])) + 18 * (end - start)
+            chunk = values[start:end]
+            seq = self._next_sequence(topic, partition)
+            out.append(PendingBatch(topic, partition, encode_values(chunk, timestamp_ms), len(chunk), seq, None))
+            start = end
         return out
 
     def close(self, key: tuple[str, int]) -> PendingBatch:
@@ -167,10 +177,14 @@ class BatchAccumulator:
         return self._make_batch(key[0], key[1], records, handles)
 
     def _make_batch(self, topic: str, partition: int, records: list, handles: list | None) -> PendingBatch:
+        seq = self._next_sequence(topic, partition)
+        return PendingBatch(topic, partition, encode_records(records), len(records), seq, handles)
+
+    def _next_sequence(self, topic: str, partition: int) -> int:
         key = (topic, partition)
         seq = self._sequences.get(key, 0)
         self._sequences[key] = seq + 1
-        return PendingBatch(topic, partition, encode_records(records), len(records), seq, handles)
+        return seq
 
     def oldest_opened_at(self) -> float | None:
         """When the longest-waiting open batch got its first record (None: nothing buffered)."""

@@ -286,8 +286,7 @@ class Producer:
         if partition is None:
             partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), None)
             self.acc._rotate(topic, partition)
-        ts = time.time_ns() // 1_000_000
-        for batch in self.acc.add_many(topic, partition, [[ts, None, v, None] for v in values]):
+        for batch in self.acc.add_many_values(topic, partition, values, time.time_ns() // 1_000_000):
             self._dispatch(batch)
 
     def produce(self, topic: str, records: Iterable, partition: int | None = None) -> list[DeliveryHandle]:
