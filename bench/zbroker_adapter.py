@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from bench.adapter import Adapter, Phase, ProduceSpec, Skipped
 from bench.latency import LatencyRecorder, Pacer, PublisherProcess, paced_loop, stamp
-from bench.procstat import with_descendants
+from bench.procstat import CpuSample, cpu_delta, with_descendants
 
 CHUNK = 1000
 # Records per produce request: half the 1,000-record window, so two batches are in
@@ -252,12 +252,15 @@ class ZBroker(Adapter):
         for n in actors:
             def run(broker: _Broker) -> dict[str, Any]:
                 topic = broker.create_topic(f"{self.main_topic}-scale{n}", partitions=4)
+                actor_pids = {name: pid for name, pid in broker.handle.pids().items() if name.startswith("partition-")}
                 row = {}
                 for role in ("produce", "consume_ack"):
                     phase = make_phase(f"scale_out[{n} actors] {role}", count)
-                    _run_client_processes(role, broker.url, topic, count, size, clients, phase,
-                                          group=f"bench-{self.run_id}-scale{n}")
+                    before, after = _run_client_processes(role, broker.url, topic, count, size, clients, phase,
+                                                          group=f"bench-{self.run_id}-scale{n}",
+                                                          sample_pids=list(actor_pids.values()))
                     row[role] = phase.result()
+                    row[role]["per_actor"] = _per_actor_cpu(broker, topic, count, actor_pids, before, after)
                 return row
 
             rows[str(n)] = self._with_broker(run, partition_actors=n)
@@ -316,6 +319,39 @@ class ZBroker(Adapter):
                 "seconds_until_all_redelivered": redelivered_after_s, "duplicates_seen": duplicates}
 
 
+def _per_actor_cpu(broker: _Broker, topic: str, produced: int, actor_pids: dict[str, int], before: CpuSample,
+                   after: CpuSample) -> dict[str, dict[str, Any]]:
+    """Each partition actor's CPU over a phase, per million records of the partitions it owns.
+
+    The scale-out goal is about this figure: if it stays flat from 1 to 4 actors,
+    adding actors adds capacity instead of coordination cost. Records per actor
+    are the log ends the coordinator reports (a second at most behind the actor).
+    """
+    Admin, _, _, _ = _client_api()
+    admin = Admin(broker.url)
+    try:
+        deadline = time.monotonic() + 3.0
+        while True:
+            parts = admin.describe_topic(topic)["partitions"]
+            if sum(p["log_end"] for p in parts) >= produced or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        admin.close()
+    records: dict[str, int] = {}
+    for p in parts:
+        name = f"partition-{str(p['actor_id'])[1:]}" if p.get("actor_id") else None
+        if name in actor_pids:
+            records[name] = records.get(name, 0) + p["log_end"] - p["log_start"]
+    out = {}
+    for name, pid in sorted(actor_pids.items()):
+        cpu_s = cpu_delta(before.only(pid), after.only(pid)).seconds
+        n = records.get(name, 0)
+        out[name] = {"records": n, "cpu_s": cpu_s,
+                     "cpu_s_per_million_records": cpu_s / n * 1e6 if n else None}
+    return out
+
+
 def _lease_holder(url: str, topic: str, group: str, leases: int, holding, held) -> None:
     """Child: poll until it holds `leases` records unacked, report them, then wait to be killed."""
     from zbroker.client import Consumer
@@ -331,7 +367,8 @@ def _lease_holder(url: str, topic: str, group: str, leases: int, holding, held) 
 
 
 def _run_client_processes(role: str, url: str, topic: str, count: int, size: int, clients: int,
-                          phase: Phase, group: str) -> None:
+                          phase: Phase, group: str, sample_pids: list[int] = ()) -> tuple[CpuSample, CpuSample]:
+    """Run the clients; returns the CPU of `sample_pids` at the phase's begin and end."""
     mp = multiprocessing.get_context("spawn")
     done = mp.Value("q", 0)
     ready = mp.Barrier(clients + 1)
@@ -345,6 +382,7 @@ def _run_client_processes(role: str, url: str, topic: str, count: int, size: int
         p.start()
     try:
         ready.wait(60)
+        before = CpuSample.take(sample_pids)
         phase.begin()
         running = [p.sentinel for p in procs]
         while running and not phase.expired:
@@ -353,9 +391,11 @@ def _run_client_processes(role: str, url: str, topic: str, count: int, size: int
                 running.remove(sentinel)
             phase.advance(done.value - phase.records)
         phase.end()
+        after = CpuSample.take(sample_pids)
         failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
         if failed:
             raise RuntimeError(f"scale-out {role} client processes exited with {failed}")
+        return before, after
     finally:
         for p in procs:
             if p.is_alive():

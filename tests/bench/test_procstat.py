@@ -67,3 +67,31 @@ def test_missing_process_reads_as_none(tmp_path):
                                                       (1.0, 0, None)])
 def test_us_per_record(cpu_s, records, expected):
     assert us_per_record(cpu_s, records) == expected
+
+
+def test_the_precise_clock_of_another_process_agrees_with_its_ticks():
+    # A child that burns CPU for a while: the nanosecond clock and /proc's ticks
+    # must tell the same story (within a couple of 10 ms ticks), and the sample
+    # must prefer the nanosecond figure.
+    import subprocess
+    import sys
+    import time
+
+    from bench.procstat import process_cpu_clock
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()\n"
+                              "while time.process_time() - t < 0.3: pass\ntime.sleep(60)"])
+    try:
+        before = CpuSample.take([child.pid])
+        deadline = time.monotonic() + 30
+        while (process_cpu_clock(child.pid) or 0) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        after = CpuSample.take([child.pid])
+        precise = cpu_delta(before, after).seconds
+        by_ticks = cpu_delta(CpuSample(before.ticks), CpuSample(after.ticks)).seconds
+        assert before.precise and after.precise
+        assert precise == pytest.approx(by_ticks, abs=0.05)
+        assert precise != by_ticks or precise == 0  # nanoseconds, not whole ticks
+    finally:
+        child.kill()
+        child.wait()
