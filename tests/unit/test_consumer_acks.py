@@ -102,3 +102,41 @@ def test_ack_batch_sends_acks_while_the_caller_is_still_acking():
     for r in records[:200]:
         consumer.ack(r)
     assert acked_set(consumer.conn.ranges) == [("t", 0, 7, o) for o in range(128)]  # checked every 64
+
+
+def test_held_acks_are_due_at_their_interval_even_after_a_flush_mid_batch(monkeypatch):
+    # With poll_ahead a poll does not send acks; they must still leave within the
+    # interval. In-order acks after a flush in the middle of a batch do not pass the
+    # "first ack" check, so the due time starts when the poll looks at them.
+    clock = [100.0]
+    monkeypatch.setattr("zbroker.client.sync.time.monotonic", lambda: clock[0])
+    consumer = bare_consumer(ack_batch=1000)
+    consumer.ack_interval_s = 0.005
+    assert consumer._acks_due_at() is None  # nothing held, nothing due
+    records, sizes = records_of([(0, 7, 0, 10)])
+    consumer._deliver(records, sizes)
+    consumer.ack(records[0])
+    assert consumer._acks_due_at() == 100.005
+    consumer._flush_acks_if_due()
+    assert consumer.conn.ranges == []  # not due yet: held
+    clock[0] = 100.006
+    consumer._flush_acks_if_due()
+    assert consumer.conn.ranges == [["t", 0, 7, 0, 1]]
+    consumer.ack(records[1])  # in order, not the first of the batch: no clock read in ack()
+    clock[0] = 100.010
+    assert consumer._acks_due_at() == 100.015  # the interval starts now, not never
+    clock[0] = 100.016
+    consumer._flush_acks_if_due()
+    assert consumer.conn.ranges == [["t", 0, 7, 0, 1], ["t", 0, 7, 1, 2]]
+
+
+def test_a_full_ack_batch_is_due_at_once():
+    consumer = bare_consumer(ack_batch=100)
+    consumer.ack_interval_s = 3600.0
+    records, sizes = records_of([(0, 7, 0, 150)])
+    consumer._deliver(records, sizes)
+    for r in records[:100]:
+        consumer.ack(r)  # ack() itself looks only at the 1st and every 64th
+    assert consumer.conn.ranges == []
+    consumer._flush_acks_if_due()
+    assert acked_set(consumer.conn.ranges) == [("t", 0, 7, o) for o in range(100)]

@@ -456,7 +456,9 @@ class Consumer:
     """A member of a consumer group: poll leases, fetch their records, ack each one.
 
     Acks are folded into ranges and sent every ``ack_batch`` records or
-    ``ack_interval_ms``, and always before the next poll. A background thread
+    ``ack_interval_ms``, and before a poll that has to ask the coordinator (with
+    ``poll_ahead`` the next lease is already asked for, so acks then wait for
+    their batch or interval, never longer). A background thread
     heartbeats every ``session_timeout_ms / 3`` on its own socket; a FENCED or
     UNKNOWN_MEMBER answer makes the next call re-join (same member id first),
     after which acks that were refused are sent again under the new
@@ -606,7 +608,12 @@ class Consumer:
 
     def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
         """Lease up to ``max_records`` and return their records (possibly fewer, possibly none)."""
-        self.flush_acks(wait=False)
+        if self._held or self._poll_ahead is not None:
+            # The next lease is already asked for: acks wait for their batch or interval
+            # (one Ack per ack_interval_ms, not one per poll when polls return a record each).
+            self._flush_acks_if_due()
+        else:
+            self.flush_acks(wait=False)  # a fresh poll: let the coordinator see the capacity acks free
         if self._held:
             # Leased by a poll sent ahead for more than this call asked for: hand them out first.
             return self._hand_out(max_records)
@@ -666,7 +673,7 @@ class Consumer:
         corr, generation, give_up_at = self._poll_ahead
         wait = min(timeout, give_up_at - time.monotonic())
         try:
-            env = self.conn.wait_for(corr, max(0.0, wait))
+            env = self._wait_sending_acks(corr, max(0.0, wait))
         except RequestTimeout:
             if time.monotonic() < give_up_at:
                 return _NOT_YET  # still parked at the coordinator: keep it for the next poll
@@ -683,6 +690,19 @@ class Consumer:
                 self._rejoin()
             return None
         raise env.error
+
+    def _wait_sending_acks(self, corr: int, wait: float) -> codec.Envelope:
+        """`Connection.wait_for`, sending the held acks when their interval is up meanwhile."""
+        deadline = time.monotonic() + wait
+        while True:
+            due = self._acks_due_at()
+            until = deadline if due is None else min(deadline, due)
+            try:
+                return self.conn.wait_for(corr, max(0.0, until - time.monotonic()))
+            except RequestTimeout:
+                if until >= deadline:
+                    raise
+                self.flush_acks(wait=False)
 
     def _drop_orphans(self) -> None:
         if len(self._orphans) > MAX_ORPHANS:  # replies that never came (their actor died): stop waiting
@@ -886,6 +906,22 @@ class Consumer:
         held = self.acks.count + self._in_order - self._folded
         if held >= self.ack_batch or time.monotonic() - self._acks_since >= self.ack_interval_s:
             self.flush_acks(wait=False)
+
+    def _acks_due_at(self) -> float | None:
+        """When the held acks must be sent: now if a batch is full, None if none are held."""
+        held = self.acks.count + self._in_order - self._folded
+        if not held:
+            return None
+        if self._acks_since is None:  # in-order acks after a flush start the interval here
+            self._acks_since = time.monotonic()
+        return 0.0 if held >= self.ack_batch else self._acks_since + self.ack_interval_s
+
+    def _flush_acks_if_due(self) -> None:
+        due = self._acks_due_at()
+        if due is not None and due <= time.monotonic():
+            self.flush_acks(wait=False)
+        elif self._ack_requests:
+            self._collect_ack_replies(block=False)
 
     def flush_acks(self, wait: bool = True) -> None:
         """Send pending acks; with ``wait``, until every ack request is answered."""
