@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -39,7 +40,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="also render RESULTS.md here (a full run writes bench/RESULTS.md by itself)")
     parser.add_argument("--phase-timeout", type=float, default=300.0, help="time bound per phase, seconds")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--client-sched", choices=("normal", "batch"), default="normal",
+                        help="scheduling policy of every system's client processes: batch runs them "
+                             "SCHED_BATCH (no wake-up preemption; Linux), the brokers keep theirs "
+                             "(see bench/PROFILE.md, 'latency and the scheduler')")
     args = parser.parse_args(argv)
+    if args.client_sched == "batch":
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # inherited by every client we start
+        except (AttributeError, OSError) as exc:
+            parser.error(f"--client-sched batch is not available here: {exc}")
     if args.scale <= 0:
         parser.error("--scale must be positive")
     try:

@@ -56,4 +56,14 @@ def describe() -> dict[str, Any]:
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "libraries": versions,
         "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "client_sched": client_sched(),
     }
+
+
+def client_sched() -> str | None:
+    """The scheduling policy the benchmark's client processes run under (they inherit ours)."""
+    if not hasattr(os, "sched_getscheduler"):
+        return None
+    policy = os.sched_getscheduler(0)
+    return {getattr(os, "SCHED_OTHER", 0): "SCHED_OTHER",
+            getattr(os, "SCHED_BATCH", 3): "SCHED_BATCH"}.get(policy, str(policy))

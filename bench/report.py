@@ -426,6 +426,9 @@ def render_machine(machine: dict[str, Any]) -> str:
         f"- Python: {machine.get('python')}",
         f"- libraries: {libs}",
         f"- load average at start: {', '.join(f'{x:.2f}' for x in load)}" if load else "- load average: unknown",
+        f"- benchmark client processes (every system's) scheduled {machine.get('client_sched') or 'unknown'}"
+        + (" (`--client-sched batch`; the brokers' own processes keep the default, see bench/PROFILE.md)"
+           if machine.get("client_sched") == "SCHED_BATCH" else ""),
     ])
 
 

@@ -71,6 +71,7 @@ class _Broker:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             raise RuntimeError(f"{exc}; broker log: {self.log_file}: {_tail(self.log_file)}") from exc
         self.url = self.handle.url
+        _default_scheduling(self.pids())
 
     def pids(self) -> list[int]:
         """Every process of this broker: the `zbroker up` process tree and every actor it lists."""
@@ -97,6 +98,28 @@ class _Broker:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             if os.path.exists(self.log_file):
                 os.remove(self.log_file)
+
+
+def _default_scheduling(pids: list[int]) -> None:
+    """Give the broker's processes the default policy if the harness runs clients otherwise.
+
+    `--client-sched batch` is about the clients: the broker, started from the
+    harness, would inherit it, and the peers' servers (started elsewhere) do not.
+    Threads an actor starts later inherit from the thread reset here.
+    """
+    other = getattr(os, "SCHED_OTHER", None)
+    if other is None or os.sched_getscheduler(0) == other:
+        return
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setscheduler(int(tid), other, os.sched_param(0))
+            except OSError:
+                pass  # the thread ended meanwhile
 
 
 def _tail(path: str, lines: int = 5) -> str:
