@@ -368,11 +368,16 @@ class Poll(Message):
     generation: int
     max_records: int = 1000
     max_wait_ms: int = 0
+    # Exclusive groups: when nothing can be leased now, lease up to this many of
+    # the next records ahead of the log end instead (reason "ahead", PROTOCOL.md).
+    ahead: int = 0
 
     def check(self) -> None:
         if not (1 <= self.max_records <= 1_000_000):
             raise ProtocolError("'max_records' must be between 1 and 1000000", op="poll")
-        _nonneg("poll", max_wait_ms=self.max_wait_ms)
+        _nonneg("poll", max_wait_ms=self.max_wait_ms, ahead=self.ahead)
+        if self.ahead > 1_000_000:
+            raise ProtocolError("'ahead' must be at most 1000000", op="poll", field="ahead")
         if self.max_wait_ms > MAX_WAIT_MS:
             raise ProtocolError(f"'max_wait_ms' must be at most {MAX_WAIT_MS}", op="poll", field="max_wait_ms")
 
@@ -383,7 +388,8 @@ class PollReply(Message):
 
     Each item leases offsets [start, end) of one partition. ``attempt`` counts
     deliveries including this one; ``reason`` is "new", "timeout", "nack",
-    "rebalance", "restart" or "nack:<text>". The records themselves are
+    "rebalance", "restart", "nack:<text>" or "ahead" (offsets that may not
+    exist yet, leased as they appear: see `Poll.ahead`). The records themselves are
     fetched from the partition actor named in `metadata`.
     """
     generation: int

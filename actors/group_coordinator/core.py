@@ -35,7 +35,15 @@ records. `GroupCoordinatorCore` decides who may lease what:
   leased to at most one member at a time.
 * Leases. A poll leases redeliveries first, then new records up to the
   partition's known log end, spread round-robin over the member's partitions,
-  within the in-flight limits. Each delivery gets its own lease id; the
+  within the in-flight limits. A poll of an exclusive group's member that
+  finds nothing may instead be answered with *ahead* leases (`Poll.ahead`):
+  the partition's next offsets, leased before they exist. Records become
+  leased under that id, their ack timers starting, as the log reaches them;
+  acks that beat the log-end report are kept and applied then. An ahead
+  lease ends when all its offsets exist or with its generation, and while it
+  lasts nothing else leases that partition's new records, so the member can
+  hand out what its parked fetch brings without a poll round trip.
+  Each delivery gets its own lease id; the
   `LeaseRecord` registry remembers where a lease lives and what was acked
   under it, so a repeated ack is idempotent and anything else not leased under
   that id is STALE (reported, never applied). A poll that finds nothing may
@@ -76,7 +84,8 @@ from actors.group_coordinator.assignor import assign
 from actors.group_coordinator.effects import (DeadLetter, Log, PersistGroupConfig, PersistOffsets, Reply,
                                               ReplyError)
 from actors.group_coordinator.group_state import Group, GroupConfig, Key, LeaseRecord, Member, ParkedPoll
-from actors.group_coordinator.partition_state import TIMEOUT, DeadLettering, Lease, LogRange, PartitionState, Piece
+from actors.group_coordinator.partition_state import (AHEAD, TIMEOUT, DeadLettering, Lease, LogRange, PartitionState,
+                                                      Piece)
 from actors.group_coordinator.ranges import RangeSet
 from protocol import messages as m
 from protocol.errors import (Fenced, ProtocolError, StaleLease, Unavailable, UnknownGroup, UnknownMember,
@@ -427,6 +436,8 @@ class GroupCoordinatorCore:
             return
         group.generation += 1
         self._metrics["rebalances"] += 1
+        for state in group.partitions.values():
+            self._end_ahead(group, state, now)  # an ahead lease lives within one generation
         self._fence_parked(group, out)
         self._wake.add(group.name)
         out.append(Log("rebalance", {"group": group.name, "generation": group.generation, "cause": cause,
@@ -453,6 +464,8 @@ class GroupCoordinatorCore:
             return
         group, member = found
         deliveries = self._lease_records(group, member, msg.max_records, now)
+        if not deliveries and msg.ahead and group.config.mode == "exclusive":
+            deliveries = self._lease_ahead(group, member, min(msg.ahead, msg.max_records))
         if deliveries or msg.max_wait_ms == 0:
             out.append(Reply(token, self._poll_reply(group, deliveries)))
             return
@@ -518,6 +531,63 @@ class GroupCoordinatorCore:
             deliveries.append([key[0], key[1], lease.lease_id, start, end, lease.attempt, lease.reason])
             member.in_flight += end - start
 
+    def _lease_ahead(self, group: Group, member: Member, count: int) -> list:
+        """Ahead leases over the member's partitions that have nothing to lease now."""
+        budget = min(count, group.config.max_in_flight - member.in_flight)
+        keys = []
+        for key in member.assignment:
+            state, log = group.partitions.get(key), self._logs.get(key)
+            if (state is not None and log is not None and state.committed is not None and state.ahead is None
+                    and state.available(log.end) == 0):
+                keys.append(key)
+        deliveries: list = []
+        for i, key in enumerate(keys):
+            state = group.partitions[key]
+            n = min(budget // (len(keys) - i), group.config.max_in_flight - state.leased.count())
+            if n <= 0:
+                continue
+            lease_id = self._new_lease_id()
+            start, end = state.lease_ahead(member.member_id, lease_id, n)
+            # No timer yet: each record's deadline starts when it exists (_fill_ahead).
+            self._leases[lease_id] = LeaseRecord(lease_id, group.name, key, member.member_id, start, end, 0)
+            member.in_flight += n
+            budget -= n
+            deliveries.append([key[0], key[1], lease_id, start, end, 1, AHEAD])
+        return deliveries
+
+    def _fill_ahead(self, group: Group, state: PartitionState, now: int) -> None:
+        """The log grew into an ahead lease: those records are leased now, their timers start."""
+        lease_id = state.ahead.lease_id
+        piece, early = state.fill_ahead(self._logs[state.key].end, now, group.config.ack_timeout_ms)
+        if piece is None:
+            return
+        record = self._leases[lease_id]
+        record.deadline_ms = max(record.deadline_ms, piece[2].deadline_ms)
+        self._push(piece[2].deadline_ms, _LEASE, lease_id)
+        if early:  # acks that arrived before the coordinator knew the records existed
+            pieces = [p for s, e in early for p in state.leased_under(lease_id, s, e)]
+            state.ack(pieces)
+            for start, end, _ in pieces:
+                record.acked.add(start, end)
+            member = group.members.get(record.member_id)
+            if member is not None:
+                member.in_flight -= sum(e - s for s, e, _ in pieces)
+            self._dirty[(group.name, state.key)] = state
+            self._wake.add(group.name)
+
+    def _end_ahead(self, group: Group, state: PartitionState, now: int) -> None:
+        if state.ahead is None:
+            return
+        lease_id = state.ahead.lease_id
+        member = group.members.get(state.ahead.member_id)
+        unfilled = state.drop_ahead()
+        if member is not None:
+            member.in_flight -= unfilled
+        record = self._leases.get(lease_id)
+        if record is not None and record.deadline_ms <= now and not state.leased_under(lease_id, record.start,
+                                                                                        record.end):
+            del self._leases[lease_id]  # nothing of it ever existed (or all of it is over): no timer will
+
     def _poll_reply(self, group: Group, deliveries: list) -> m.PollReply:
         return m.PollReply(generation=group.generation, deliveries=deliveries,
                            ack_timeout_ms=group.config.ack_timeout_ms)
@@ -560,6 +630,9 @@ class GroupCoordinatorCore:
             if msg.op == "ack":  # acking again what this lease already acked is harmless
                 for s, e in record.acked.intersection(start, end):
                     valid.add(s, e)
+                early = state.ack_early(lease_id, start, end)  # ahead of the log end we know
+                if early is not None:
+                    valid.add(*early)
             stale.extend([topic, partition, lease_id, s, e] for s, e in valid.gaps(start, end))
             applied += valid.count()
             if pieces:
@@ -682,7 +755,8 @@ class GroupCoordinatorCore:
             self._dead_letter(group, state, state.requeue(expired, TIMEOUT, now, now, group.config.max_deliveries),
                               out)
             self._wake.add(group.name)
-        if now >= record.deadline_ms and not state.leased_under(lease_id, record.start, record.end):
+        if (now >= record.deadline_ms and not state.leased_under(lease_id, record.start, record.end)
+                and (state.ahead is None or state.ahead.lease_id != lease_id)):
             del self._leases[lease_id]  # nothing can be leased under it any more
 
     # ==================================================================================
@@ -776,6 +850,7 @@ class GroupCoordinatorCore:
             target = {"earliest": log.start, "latest": log.end}.get(msg.to) if isinstance(msg.to, str) else \
                 min(max(msg.to, log.start), log.end)
             state = self._add_state(group, key)
+            self._end_ahead(group, state, now)
             for start, end, lease in state.reset_to(target):
                 self._uncount(group, lease, end - start)
             self._dirty[(group.name, key)] = state
@@ -811,6 +886,8 @@ class GroupCoordinatorCore:
         groups = self._groups_on.get(key, [])
         for group in groups:
             state = group.partitions[key]
+            if grew and state.ahead is not None:
+                self._fill_ahead(group, state, now)
             unresolved = state.committed is None
             self._resolve_start(group, state, now, out)
             if grew or unresolved:
@@ -833,6 +910,7 @@ class GroupCoordinatorCore:
         else:
             out.append(Log("committed_below_log_start", {**fields, "committed": state.committed,
                                                          "log_start": log.start}))
+            self._end_ahead(group, state, now)
             for start, end, lease in state.skip_to(offset):
                 self._uncount(group, lease, end - start)
         self._dirty[(group.name, state.key)] = state

@@ -128,6 +128,9 @@ class Group:
             "committed": durable, "committed_pending": state.committed,
             "lag": max(0, log.end - base) if log is not None and base is not None else None,
             "in_flight": state.leased.count(), "ready": state.ready.count() + state.delayed.count(),
+            # Offsets leased ahead of the log end (not written yet) and to whom.
+            "ahead": (None if state.ahead is None else
+                      {"member": state.ahead.member_id, "start": state.next_new, "end": state.ahead.end}),
             "dead_lettering": state.dead_lettering.count(), "holes": state.finished.len_ranges(),
             "oldest_unfinished_age_ms": None if seen is None else now_ms - seen,
             "redeliveries": state.redeliveries, "dead_letters": state.dead_letters,

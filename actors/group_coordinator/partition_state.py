@@ -10,6 +10,8 @@ The offsets of a partition, seen by one group, fall into these regions::
                                 delayed         nacked with a delay; moves to `ready` on time
                                 dead_lettering  being copied to the dead-letter topic
     [next_new, log_end)       never delivered ("new")
+    [next_new, ahead.end)     exclusive groups: leased to one member before the records exist
+                              (an "ahead" lease); each becomes `leased` when the log reaches it
 
 Every region is a `RangeMap`/`RangeSet`, so a million records leased under
 one lease are one entry. Attempt counts live in the `Lease`/`Ready`/
@@ -24,12 +26,12 @@ of the group (who may lease, member counters, effects) are made by
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from actors.group_coordinator.ranges import RangeMap, RangeSet
 
-NEW, TIMEOUT, REBALANCE, RESTART = "new", "timeout", "rebalance", "restart"
+NEW, TIMEOUT, REBALANCE, RESTART, AHEAD = "new", "timeout", "rebalance", "restart", "ahead"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,24 @@ class DeadLettering:
     last_reason: str
     since_ms: int
     failed: bool = False  # the shell's copy failed; a retry is scheduled
+
+
+@dataclass(slots=True)
+class Ahead:
+    """Offsets [next_new, end) leased to `member_id` under `lease_id` before they exist.
+
+    The member reads them with a parked fetch and hands each out as it arrives,
+    so a new record reaches it without a poll round trip. Each record's lease
+    (and ack timer) starts when the coordinator learns it exists (`fill_ahead`).
+    Acks that arrive before that are kept in `early` and applied then.
+    """
+    lease_id: int
+    member_id: str
+    end: int
+    early: RangeSet = field(default_factory=RangeSet)
+
+    def as_lease(self) -> "Lease":
+        return Lease(self.lease_id, self.member_id, 1, AHEAD, 0, 0)
 
 
 Piece = tuple[int, int, Lease]  # [start, end) of one lease
@@ -118,6 +138,7 @@ class PartitionState:
         self.ready: RangeMap[Ready] = RangeMap()
         self.delayed: RangeMap[Ready] = RangeMap()
         self.dead_lettering: RangeMap[DeadLettering] = RangeMap()
+        self.ahead: Ahead | None = None
         self.durable_committed: int | None = None  # last value the writer reported on disk
         self.durable_epoch = 0
         self.redeliveries = 0  # records handed out again (attempt > 1)
@@ -167,7 +188,7 @@ class PartitionState:
             grants.append((start, end, lease))
             self.redeliveries += end - start
             limit -= end - start
-        if limit > 0 and log_end > self.next_new:
+        if limit > 0 and log_end > self.next_new and self.ahead is None:  # an ahead lease owns the new ones
             start, end = self.next_new, min(log_end, self.next_new + limit)
             lease = Lease(new_lease_id(), member_id, 1, NEW, deadline, now_ms)
             self.leased.set(start, end, lease)
@@ -177,7 +198,52 @@ class PartitionState:
 
     def available(self, log_end: int) -> int:
         """How many records `take` could hand out now."""
-        return self.ready.count() + max(0, log_end - self.next_new)
+        return self.ready.count() + (0 if self.ahead is not None else max(0, log_end - self.next_new))
+
+    # -- leasing ahead of the log (exclusive groups) -----------------------------------
+
+    def lease_ahead(self, member_id: str, lease_id: int, count: int) -> tuple[int, int]:
+        """Lease the next `count` offsets from `next_new`, existing or not; returns [start, end)."""
+        assert self.ahead is None, "one ahead lease per partition"
+        self.ahead = Ahead(lease_id, member_id, self.next_new + count)
+        return self.next_new, self.ahead.end
+
+    def fill_ahead(self, log_end: int, now_ms: int, ack_timeout_ms: int) -> tuple[Piece | None, list]:
+        """Records of the ahead lease that now exist become leased (deadline from now).
+
+        Returns the new piece and the early-acked ranges within it, which the caller
+        acks; the ahead lease ends once all its offsets exist.
+        """
+        ahead = self.ahead
+        if ahead is None or log_end <= self.next_new:
+            return None, []
+        start, end = self.next_new, min(log_end, ahead.end)
+        lease = Lease(ahead.lease_id, ahead.member_id, 1, NEW, now_ms + ack_timeout_ms, now_ms)
+        self.leased.set(start, end, lease)
+        self.next_new = end
+        early = list(ahead.early.intersection(start, end))
+        if early:
+            ahead.early.remove(start, end)
+        if end >= ahead.end:
+            self.ahead = None
+        return (start, end, lease), early
+
+    def ack_early(self, lease_id: int, start: int, end: int) -> tuple[int, int] | None:
+        """An ack under the ahead lease for offsets not known to exist yet: kept for `fill_ahead`.
+        Returns the part of [start, end) it took, or None."""
+        ahead = self.ahead
+        if ahead is None or ahead.lease_id != lease_id:
+            return None
+        lo, hi = max(start, self.next_new), min(end, ahead.end)
+        if lo >= hi:
+            return None
+        ahead.early.add(lo, hi)
+        return lo, hi
+
+    def drop_ahead(self) -> int:
+        """End the ahead lease; returns how many of its offsets never became leased."""
+        ahead, self.ahead = self.ahead, None
+        return 0 if ahead is None else ahead.end - self.next_new
 
     def leased_under(self, lease_id: int, start: int, end: int) -> list[Piece]:
         return [p for p in self.leased.pieces(start, end) if p[2].lease_id == lease_id]
@@ -283,6 +349,7 @@ class PartitionState:
     def reset_to(self, offset: int) -> list[Piece]:
         """Operator reset: start over at `offset`, forgetting all progress. Returns dropped leases."""
         dropped = list(self.leased)
+        assert self.ahead is None, "the caller ends the ahead lease first (drop_ahead)"
         for region in (self.leased, self.ready, self.delayed, self.dead_lettering):
             region.clear()
         self.finished.clear()
@@ -331,4 +398,5 @@ class PartitionState:
 
     def range_entries(self) -> dict[str, int]:
         return {"leased": len(self.leased), "ready": len(self.ready), "delayed": len(self.delayed),
+                "ahead": 0 if self.ahead is None else 1 + self.ahead.early.len_ranges(),
                 "finished": self.finished.len_ranges(), "dead_lettering": len(self.dead_lettering)}

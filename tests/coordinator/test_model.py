@@ -21,6 +21,10 @@ topic, and after every step compares the core's answers with it:
   it restarts from what was durable);
 * every PersistOffsets is safe (below it all finished, holes finished, bounded)
   and never below what is already durable in the same reset epoch;
+* ahead leases (`Poll.ahead`) start at the log end, only when nothing else can
+  be leased, count in the member's in-flight records, turn into leases exactly
+  as the log reaches them (early acks applied then) and end with their
+  generation, a reset or a restart;
 * finally, a draining consumer gets every record below the log end acked or
   dead-lettered.
 """
@@ -90,6 +94,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.dead_lettering: dict[tuple[int, int], bool] = {}  # (p, o) -> emitted and not failed
         self.retry_at: dict[tuple[int, int], int] = {}  # failed dead letters: when they come back
         self.owners: dict[int, str] = {}
+        # Ahead leases (Poll.ahead): p -> {lease, member, end, early acks, generation}.
+        # Offsets from log_end[p] up to end are leased before they exist.
+        self.ahead: dict[int, dict] = {}
         self.members: set[str] = set()
         self.last_committed = [0] * P
         self.group_exists = False
@@ -195,6 +202,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.group_exists = True
         owners = {p: o for _t, p, o in group["assignment"]}
         members = {x["member_id"] for x in group["members"]}
+        for p in [p for p, a in self.ahead.items() if a["generation"] != group["generation"]]:
+            del self.ahead[p]  # an ahead lease ends with its generation
         for key, (_lease, member, _deadline) in list(self.active.items()):
             entitled = owners.get(key[0]) == member if self.MODE == "exclusive" else member in members
             if not entitled:
@@ -216,8 +225,18 @@ class CoordinatorMachine(RuleBasedStateMachine):
         client.parked = None
         for t, p, lease_id, start, end, attempt, reason in reply.deliveries:
             assert self._may_lease(member, p), f"{member} may not lease partition {p}"
-            assert t == "t" and 0 <= start < end <= self.log_end[p]
             assert lease_id not in self.leases
+            if reason == "ahead":
+                # Only when nothing else could be leased: it starts at the log end, holds none of
+                # the records that exist, and is the partition's only one.
+                assert self.MODE == "exclusive" and attempt == 1 and p not in self.ahead
+                assert t == "t" and start == self.log_end[p] < end
+                self.ahead[p] = {"lease": lease_id, "member": member, "end": end, "early": set(),
+                                 "generation": self.group["generation"]}
+                self.leases[lease_id] = {"member": member, "p": p, "acked": set(), "max_deadline": 0}
+                self.deliveries_seen.append((p, lease_id, start, end))
+                continue
+            assert t == "t" and 0 <= start < end <= self.log_end[p]
             for o in range(start, end):
                 key = (p, o)
                 assert key not in self.active, f"offset {key} leased twice"
@@ -250,6 +269,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     self._settle_one(msg, key, lease_id, dead)
                 elif mine and msg.op == "ack" and o in info["acked"] and self.now < info["max_deadline"]:
                     applied += 1  # idempotent re-ack
+                elif (mine and msg.op == "ack" and (a := self.ahead.get(p)) is not None and a["lease"] == lease_id
+                      and self.log_end[p] <= o < a["end"]):
+                    applied += 1  # ahead of the log: kept until the record exists
+                    a["early"].add(o)
                 else:
                     stale[(p, lease_id, o)] += 1
         if stale:
@@ -318,7 +341,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert part["committed"] == (durable.committed if durable else None)
         for member in self.group["members"]:
             held = sum(1 for _lease, holder, _deadline in self.active.values() if holder == member["member_id"])
+            held += sum(a["end"] - self.log_end[p] for p, a in self.ahead.items() if a["member"] == member["member_id"])
             assert member["in_flight"] == held, (member, held)
+        for part in self.group["partitions"]:
+            a = self.ahead.get(part["partition"])
+            expected = None if a is None else {"member": a["member"], "start": self.log_end[part["partition"]],
+                                               "end": a["end"]}
+            assert part["ahead"] == expected, (part["ahead"], expected)
 
     # ==================================================================================
     # Rules
@@ -326,7 +355,24 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @rule(p=st.integers(0, P - 1), n=st.integers(1, 8))
     def produce(self, p, n):
-        self.log_end[p] += n
+        # Due timers first (a session expiry may end an ahead lease), so that the log-range
+        # call below changes only the log and the model can fill the ahead lease first.
+        self._absorb(self.core.tick(self.now))
+        old, self.log_end[p] = self.log_end[p], self.log_end[p] + n
+        a = self.ahead.get(p)
+        if a is not None:
+            info = self.leases[a["lease"]]
+            for o in range(old, min(self.log_end[p], a["end"])):
+                self.attempts[(p, o)] = 1
+                if o in a["early"]:  # acked before the coordinator knew it existed
+                    info["acked"].add(o)
+                    self.core_fin[p].add(o)
+                    self._finished_ever(p, o)
+                else:
+                    self.active[(p, o)] = [a["lease"], a["member"], self.now + ACK_TIMEOUT]
+            info["max_deadline"] = self.now + ACK_TIMEOUT
+            if self.log_end[p] >= a["end"]:
+                del self.ahead[p]
         self._absorb(self.core.on_log_range("t", p, 0, self.log_end[p], self.now))
 
     @rule(c=st.integers(0, 2))
@@ -357,8 +403,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.token_owner.pop(client.parked, None)
         self.clients[c] = Client()
 
-    @rule(c=st.integers(0, 2), max_records=st.integers(1, 8), wait=st.sampled_from([0, 0, 500, 2_000]))
-    def poll(self, c, max_records, wait):
+    @rule(c=st.integers(0, 2), max_records=st.integers(1, 8), wait=st.sampled_from([0, 0, 500, 2_000]),
+          ahead=st.sampled_from([0, 4, 4]))
+    def poll(self, c, max_records, wait, ahead):
         client = self.clients[c]
         if client.parked is not None:
             return
@@ -370,7 +417,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             token = next(self.tokens)
             answer = self._call("poll", token, m.Poll(group="g", member_id=client.member_id,
                                                       generation=client.generation, max_records=max_records,
-                                                      max_wait_ms=wait), client)
+                                                      max_wait_ms=wait, ahead=ahead), client)
             if answer is None:
                 assert wait > 0
                 client.parked = token
@@ -417,6 +464,20 @@ class CoordinatorMachine(RuleBasedStateMachine):
                   "reject": {"reason": reason}}.get(op, {})
         self._as_client(c, lambda cl: OPS[op](group="g", member_id=cl.member_id, generation=cl.generation,
                                               ranges=ranges, **fields), op)
+
+    @rule(c=st.integers(0, 2), n=st.integers(1, 3), past_the_end=st.sampled_from([0, 0, 2]))
+    def ack_ahead(self, c, n, past_the_end):
+        """A member acks records of its ahead lease that the coordinator has not heard of yet
+        (its parked fetch beat the log-end report), sometimes past the end of the lease."""
+        client = self.clients[c]
+        mine = [(p, a) for p, a in sorted(self.ahead.items()) if a["member"] == client.member_id]
+        if not mine:
+            return
+        p, a = mine[0]
+        start = self.log_end[p]
+        ranges = [["t", p, a["lease"], start, min(start + n, a["end"]) + past_the_end]]
+        self._as_client(c, lambda cl: m.Ack(group="g", member_id=cl.member_id, generation=cl.generation,
+                                            ranges=ranges), "ack")
 
     @rule(c=st.integers(0, 2), max_records=st.integers(1, 8),
           policy=st.sampled_from(["ack", "ack", "ack_half", "ack_tail", "ack_tail", "nack", "nack_later",
@@ -505,6 +566,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         rows = [("g", "t", p, d.committed, d.holes, d.generation, d.reset_epoch) for p, d in self.durable.items()]
         self.base += 10 ** 9
         self.active.clear()
+        self.ahead.clear()
         self.leases.clear()
         self.dead_lettering.clear()
         self.retry_at.clear()
@@ -544,6 +606,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         # The model moves first: the reply's effects (persists) are checked against it.
         new_epoch = self.group["reset_epoch"] + 1
         self.active.clear()
+        self.ahead.clear()
         for p, x in targets.items():
             self.core_fin[p] = set(range(x))
             self.epoch[p] = new_epoch
