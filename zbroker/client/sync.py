@@ -475,6 +475,13 @@ class Consumer:
     leased ahead but never handed out (the consumer closed or died) count a
     delivery attempt when they come back. Use it when a batch is handled well
     within the ack timeout.
+
+    ``lease_ahead=True`` (exclusive groups with read-ahead; implies
+    ``poll_ahead``) asks the coordinator, when there is nothing to lease, for
+    an *ahead lease* on the partition's next offsets (docs/PROTOCOL.md, poll).
+    The consumer then hands out records as its parked fetch brings them, with
+    no poll round trip between a record's arrival and the caller: the lowest
+    latency at a trickle. The ahead range counts against ``max_in_flight``.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], member_id: str = "",
@@ -483,13 +490,18 @@ class Consumer:
                  on_assign: Callable[[list], None] | None = None,
                  on_revoke: Callable[[list], None] | None = None, heartbeat: bool = True,
                  curve: ClientKeys | None = None, read_ahead: bool = True,
-                 read_ahead_bytes: int = 32 << 20, poll_ahead: bool = False) -> None:
+                 read_ahead_bytes: int = 32 << 20, poll_ahead: bool = False, lease_ahead: bool = False) -> None:
         self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
         self.mode = ""
         self.read_ahead = read_ahead
         self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
         self._orphans: set[int] = set()  # read-ahead fetches given up on: their replies are dropped
-        self.poll_ahead = poll_ahead
+        self.poll_ahead = poll_ahead or lease_ahead
+        self.lease_ahead = lease_ahead
+        # Ahead leases held, oldest first: partition key -> [[lease id, next offset to hand out, end], ...].
+        # The coordinator grants the next one once the log reached the end of the last, which
+        # can be before this consumer handed all of the last one out.
+        self._ahead_leases: dict[tuple[str, int], list[list]] = {}
         self._held: list[list[ConsumedRecord]] = []  # leased (by a poll sent ahead), not handed out yet
         # Acks in delivery order (see ack): the last batch, the next record expected, how many
         # were acked in order, how many of those are folded into self.acks, each delivery's span.
@@ -548,6 +560,7 @@ class Consumer:
         self.ack_timeout_ms = reply.ack_timeout_ms
         self.mode = reply.mode
         self._held = []  # leased under the old generation: the coordinator hands them out again
+        self._ahead_leases.clear()  # an ahead lease ends with its generation
         # Shared groups interleave members' leases: the next one need not start
         # where this member's last ended, so guessing would only cost fetches.
         keep = [tuple(p) for p in reply.assignment] if self.read_ahead and self.mode == "exclusive" else []
@@ -617,6 +630,12 @@ class Consumer:
         if self._held:
             # Leased by a poll sent ahead for more than this call asked for: hand them out first.
             return self._hand_out(max_records)
+        deadline = time.monotonic() + timeout
+        if self._ahead_leases:
+            records = self._records_ahead(max_records, deadline)
+            if records:
+                return records
+            timeout = max(0.0, deadline - time.monotonic())
         max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
         if self._poll_ahead is not None and self._needs_rejoin.is_set():
             self._orphans.add(self._poll_ahead[0])  # it would be fenced: re-join now instead
@@ -627,15 +646,115 @@ class Consumer:
         if reply is None:
             reply = self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
                                                     generation=self.generation, max_records=max_records,
-                                                    max_wait_ms=max_wait_ms),
+                                                    max_wait_ms=max_wait_ms, ahead=self._ahead_wanted(max_records)),
                                      timeout=self.conn.request_timeout + timeout).msg
-        self._held = [part for part in self._fetch_deliveries(reply.deliveries) if part]
+        deliveries = self._take_ahead_leases(reply.deliveries)
+        self._held = [part for part in self._fetch_deliveries(deliveries) if part]
         records = self._hand_out(max_records)
         if self.poll_ahead and not self._held:
             self._send_poll_ahead(max_records, max_wait_ms)
         if self.read_ahead and self.mode == "exclusive":
             self._send_read_ahead(timeout)
+        if not records and self._ahead_leases:
+            records = self._records_ahead(max_records, deadline)
         return records
+
+    # -- ahead leases -------------------------------------------------------------------------
+
+    def _ahead_wanted(self, max_records: int) -> int:
+        return max_records if self.lease_ahead and self.read_ahead and self.mode == "exclusive" else 0
+
+    def _take_ahead_leases(self, deliveries: list) -> list:
+        """File the ahead leases of a poll reply; returns the deliveries to fetch now.
+
+        New records leased the ordinary way after an ahead lease mean the log passed
+        that ahead lease's end: what this consumer has not handed out of it yet exists,
+        and goes first, as a delivery of its own (read-ahead keeps one position per
+        partition, so it has to be handed out in offset order).
+        """
+        if not self._ahead_leases and not any(d[6] == "ahead" for d in deliveries):
+            return deliveries
+        rest, first = [], []
+        for d in deliveries:
+            topic, partition, lease, start, end, _attempt, reason = d
+            key = (topic, partition)
+            if reason != "ahead":
+                held = self._ahead_leases.get(key)
+                while reason == "new" and held and held[0][2] <= start:
+                    a_lease, a_pos, a_end = held.pop(0)
+                    if a_pos < a_end:
+                        first.append([topic, partition, a_lease, a_pos, a_end, 1, "new"])
+                if held == []:
+                    del self._ahead_leases[key]
+                rest.append(d)
+                continue
+            held = self._ahead_leases.setdefault(key, [])
+            if not held:
+                self.ahead.leased(key, start, start)  # the read-ahead fetch for this partition starts here
+            held.append([lease, start, end])
+        return first + rest
+
+    def _records_ahead(self, max_records: int, deadline: float) -> list[ConsumedRecord]:
+        """Hand out what the parked fetches brought under the ahead leases, waiting until
+        ``deadline`` for some; returns early (empty) when the poll sent ahead is answered."""
+        while True:
+            self._collect_read_ahead()
+            parts = self._serve_ahead(max_records)
+            if parts:
+                self._held = parts
+                records = self._hand_out(max_records)
+                if self._poll_ahead is None and self._ahead_leases:
+                    self._send_poll_ahead(max_records, max(0, min(int((deadline - time.monotonic()) * 1000),
+                                                                   m.MAX_WAIT_MS)))
+                self._send_read_ahead(max(0.0, deadline - time.monotonic()))
+                return records
+            if not self._ahead_leases or (self._poll_ahead is not None and self._poll_ahead[0] in self.conn._early):
+                return []  # all used up, or the coordinator answered: the caller takes it from here
+            now = time.monotonic()
+            if self._poll_ahead is None:
+                # Redeliveries, and the next ahead lease once this one is used up, come from a poll.
+                self._send_poll_ahead(max_records, max(0, min(int((deadline - now) * 1000), m.MAX_WAIT_MS)))
+            self._send_read_ahead(max(0.0, deadline - now))
+            due = self._acks_due_at()
+            until = deadline if due is None else min(deadline, due)
+            if until <= now:
+                if due is not None and due <= now:
+                    self.flush_acks(wait=False)
+                    continue
+                return []
+            env = self.conn.recv(until - now)
+            if env is not None and isinstance(env.corr_id, int):
+                self.conn._early[env.corr_id] = env
+
+    def _serve_ahead(self, max_records: int) -> list[list[ConsumedRecord]]:
+        """Records under the ahead leases that the read-ahead already holds, one part per lease."""
+        parts, room = [], max_records
+        for key, held in list(self._ahead_leases.items()):
+            while held and room > 0:
+                entry = held[0]
+                lease, pos, end = entry
+                first, part = pos, []
+                while pos < end and room > 0:
+                    frame = self.ahead.covering(key, pos)
+                    if frame is None:
+                        break
+                    got = decode_fetched(frame, key[0], key[1], from_offset=pos, until_offset=min(end, pos + room),
+                                         make=ConsumedRecord, extra=(lease, 1, "new"))
+                    if not got:
+                        break
+                    part.extend(got)
+                    pos = got[-1].offset + 1
+                    room -= len(got)
+                entry[1] = pos
+                if pos > first:
+                    self.ahead.leased(key, first, pos)
+                    parts.append(part)
+                if pos < end:
+                    break  # the rest has not arrived yet
+                held.pop(0)
+            if not held:
+                del self._ahead_leases[key]
+        return parts
 
     def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
         """Up to ``max_records`` of the held records, whole deliveries first, in order."""
@@ -661,7 +780,8 @@ class Consumer:
         try:
             corr = self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=self.member_id,
                                                         generation=self.generation, max_records=max_records,
-                                                        max_wait_ms=max_wait_ms))
+                                                        max_wait_ms=max_wait_ms,
+                                                        ahead=self._ahead_wanted(max_records)))
         except ZBrokerError:
             return  # the next poll asks the usual way
         self._poll_ahead = (corr, self.generation,
@@ -964,6 +1084,12 @@ class Consumer:
             self.stats["acked"] += int(err.data.get("applied", 0))
             stale = err.data.get("stale", [])
             self.stats["stale"] += sum(r[4] - r[3] for r in stale)
+            # An ahead lease the coordinator ended (reset, rebalance): hand out nothing more under it.
+            ended = {r[2] for r in stale}
+            for key, held in list(self._ahead_leases.items()):
+                held[:] = [entry for entry in held if entry[0] not in ended]
+                if not held:
+                    del self._ahead_leases[key]
             self.stale.extend(stale)
             log.warning("ack.stale", group=self.group, ranges=len(stale))
             return
