@@ -46,6 +46,11 @@ from storage.log.partition_log import LogConfig, PartitionLog
 log = structlog.get_logger("zbroker.partition")
 
 REPORT_INTERVAL_MS = 1000
+# Log-end reports go out at most this often. A quiet partition's first append is
+# reported at once; under a stream of appends, one report covers a millisecond of
+# them instead of one per loop turn (at one record per request that was one
+# coordinator wake-up per record: bench/PROFILE.md).
+REPORT_PACE_MS = 1
 RETENTION_CHECK_MS = 30_000
 RETRY_OPEN_MS = 1000
 # Fetches waiting at the log end, across all partitions; one more answers the oldest (empty).
@@ -148,6 +153,7 @@ class PartitionActorCore:
         self._seq = itertools.count()
         self._next_fsync_ms: int | None = None
         self._next_full_report_ms = 0
+        self._next_report_ms = 0  # when a change may be reported (REPORT_PACE_MS after the last)
         self._next_retention_ms = 0
         self.counters = {"produce_requests": 0, "records_appended": 0, "bytes_appended": 0,
                          "duplicates": 0, "fetch_requests": 0, "errors": 0, "fsyncs": 0}
@@ -400,6 +406,8 @@ class PartitionActorCore:
 
     def next_deadline(self) -> int | None:
         candidates = [self._next_full_report_ms]
+        if self._changed:
+            candidates.append(self._next_report_ms)
         if self._parked_heap:
             candidates.append(self._parked_heap[0].deadline_ms)
         if self._next_fsync_ms is not None:
@@ -428,10 +436,12 @@ class PartitionActorCore:
         return m.Register(actor_id=self.actor_id, endpoint=endpoint, storage_id=storage_id, pid=pid,
                           partitions=self.partition_reports(self.logs))
 
-    def take_report(self) -> m.Report | None:
-        """Log ends of the partitions that changed since the last report, if any."""
-        if not self._changed:
+    def take_report(self, now_ms: int) -> m.Report | None:
+        """Log ends of the partitions that changed since the last report, if any and if the
+        last report is at least REPORT_PACE_MS old (`next_deadline` says when to ask again)."""
+        if not self._changed or now_ms < self._next_report_ms:
             return None
+        self._next_report_ms = now_ms + REPORT_PACE_MS
         changed, self._changed = self._changed, set()
         return m.Report(actor_id=self.actor_id, partitions=self.partition_reports(changed))
 

@@ -195,7 +195,7 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
             _apply(effect, router, dealer, log)
         for effect in core.end_turn(now):
             _apply(effect, router, dealer, log)
-        report = core.take_report()
+        report = core.take_report(now)
         if report is not None:
             dealer.send_multipart(codec.encode_request(report, None), flags=zmq.NOBLOCK)
 

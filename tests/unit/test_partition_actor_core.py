@@ -151,12 +151,26 @@ def test_reassignment_releases_and_deferred_open_retries(tmp_path):
 
 
 def test_reports_carry_changed_partitions_only(core):
-    assert core.take_report() is not None  # the initial open counts as a change
-    assert core.take_report() is None
+    assert core.take_report(100) is not None  # the initial open counts as a change
+    assert core.take_report(200) is None
     produce(core, b"x", partition=1)
-    report = core.take_report()
+    report = core.take_report(300)
     assert [p[:4] for p in report.partitions] == [["t", 1, 0, 1]]
     assert core.heartbeat_due(0) is True and core.heartbeat_due(10) is False
+
+
+def test_reports_are_paced_a_quiet_partition_is_reported_at_once(core):
+    from actors.partition_log.core import REPORT_PACE_MS
+
+    assert core.take_report(1_000) is not None  # the initial open: at once
+    produce(core, b"a", partition=0)
+    assert core.take_report(1_000) is None  # within the pace of the last report: held ...
+    assert core.next_deadline() <= 1_000 + REPORT_PACE_MS  # ... and the loop is told when to send it
+    produce(core, b"b", partition=0)
+    report = core.take_report(1_000 + REPORT_PACE_MS)
+    assert [p[:4] for p in report.partitions] == [["t", 0, 0, 2]]  # one report for both appends
+    produce(core, b"c", partition=0)
+    assert core.take_report(5_000) is not None  # quiet for a while: reported at once
 
 
 def test_unknown_op_is_an_error_reply(core):
