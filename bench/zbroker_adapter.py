@@ -40,8 +40,9 @@ CHUNK = 1000
 # With 1,000-record batches the window holds one and every batch waits a round trip.
 PRODUCE_BATCH = 500
 # The consumers lease their next batch while they ack the current one (see
-# zbroker.client.Consumer, poll_ahead) and read the records ahead (the default).
-CONSUMER_OPTIONS = {"poll_ahead": True}
+# zbroker.client.Consumer, poll_ahead), read the records ahead (the default) and,
+# once caught up, hold an ahead lease so a new record needs no poll (lease_ahead).
+CONSUMER_OPTIONS = {"poll_ahead": True, "lease_ahead": True}
 FSYNC_INTERVAL = "interval:1000"
 
 
@@ -204,9 +205,9 @@ class ZBroker(Adapter):
             "produce_1k": f"fsync {FSYNC_INTERVAL}; {window}",
             "produce_fsync_always": f"fsync always (group commit per loop turn); {window}",
             "produce_unbatched": f"fsync {FSYNC_INTERVAL}; linger_ms=0, batch_size=1, max_in_flight_records=1,000",
-            "consume_ack": "Consumer max_in_flight=10,000, poll 1,000, poll_ahead, ack per record "
+            "consume_ack": "Consumer max_in_flight=10,000, poll 1,000, poll_ahead, lease_ahead, ack per record "
                            "(batched on the wire)",
-            "latency": "publisher linger_ms=0; consumer poll(timeout=0.1), poll_ahead, ack per record",
+            "latency": "publisher linger_ms=0; consumer poll(timeout=0.1), poll_ahead, lease_ahead, ack per record",
         }
 
     def setup(self) -> None:

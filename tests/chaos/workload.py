@@ -246,8 +246,9 @@ def consumer_main(url: str, topic: str, group: str, journal_path: str, stop: Any
     while not stop.is_set():
         try:
             if consumer is None:
+                # Half of the consumers hold ahead leases once caught up (Consumer(lease_ahead=True)).
                 consumer = Consumer(url, group=group, topics=[topic], session_timeout_ms=session_timeout_ms,
-                                    request_timeout=2.0, ack_interval_ms=5)
+                                    request_timeout=2.0, ack_interval_ms=5, lease_ahead=rng.random() < 0.5)
             polled = time.monotonic_ns()
             records = consumer.poll(max_records=rng.choice((10, 50, 100)), timeout=0.5)
             failures = 0
