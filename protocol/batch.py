@@ -30,7 +30,7 @@ from __future__ import annotations
 import struct
 import zlib
 from itertools import count, repeat
-from operator import itemgetter
+from operator import add, itemgetter
 from typing import Any, Callable, Iterator, NamedTuple
 
 import msgpack
@@ -66,7 +66,14 @@ class Record(tuple):
     """One record as a consumer sees it: an immutable tuple with named fields.
 
     A tuple subclass because a consumer builds hundreds of thousands per
-    second: `decode_fetched` creates each with a single ``tuple.__new__``.
+    second: `decode_fetched` creates each with one ``tuple.__new__`` from the
+    stored ``(timestamp_ms, key, value, headers)`` tuple plus two items. The
+    layout is ``(timestamp_ms, key, value, headers, offset, source)``: what
+    every record of a fetched batch shares (``(topic, partition)``, and the
+    lease in `ConsumedRecord`) is one ``source`` tuple, not copied per record.
+    Six slots instead of ten make each record cheaper to build and cheaper for
+    the garbage collector to walk while it is alive (bench/PROFILE.md).
+    Use the names; the positions are an implementation detail.
     """
 
     __slots__ = ()
@@ -74,15 +81,24 @@ class Record(tuple):
 
     def __new__(cls, topic: str, partition: int, offset: int, timestamp_ms: int, key: bytes | None,
                 value: bytes, headers: dict[str, bytes] | None, *extra: Any) -> "Record":
-        return tuple.__new__(cls, (topic, partition, offset, timestamp_ms, key, value, headers, *extra))
+        return tuple.__new__(cls, (timestamp_ms, key, value, headers, offset, (topic, partition, *extra)))
 
-    topic = property(itemgetter(0))
-    partition = property(itemgetter(1))
-    offset = property(itemgetter(2))
-    timestamp_ms = property(itemgetter(3))
-    key = property(itemgetter(4))
-    value = property(itemgetter(5))
-    headers = property(itemgetter(6))
+    def __getnewargs__(self) -> tuple:  # pickling (multiprocessing queues) goes through __new__
+        return (self[5][0], self[5][1], self[4], *self[:4], *self[5][2:])
+
+    timestamp_ms = property(itemgetter(0))
+    key = property(itemgetter(1))
+    value = property(itemgetter(2))
+    headers = property(itemgetter(3))
+    offset = property(itemgetter(4))
+
+    @property
+    def topic(self) -> str:
+        return self[5][0]
+
+    @property
+    def partition(self) -> int:
+        return self[5][1]
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.topic}/{self.partition}@{self.offset}, key={self.key!r:.40}, "
@@ -274,6 +290,7 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
     """
     out: list = []
     new = tuple.__new__
+    source = (topic, partition, *extra)
     view = memoryview(blob)
     pos, n = 0, len(view)
     while pos < n:
@@ -307,8 +324,7 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
             records = records[lo:hi]
         if not records:
             continue
-        # Columns, then rows again, all in C: no bytecode runs per record.
-        timestamps, keys, values, headers = zip(*records)
-        out.extend(map(new, repeat(make), zip(repeat(topic), repeat(partition), count(base + lo), timestamps,
-                                              keys, values, headers, *map(repeat, extra))))
+        # One tuple.__new__ per record from (stored record + (offset, source)), all in C:
+        # no bytecode runs per record.
+        out.extend(map(new, repeat(make), map(add, records, zip(count(base + lo), repeat(source)))))
     return out

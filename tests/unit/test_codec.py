@@ -1,5 +1,6 @@
 """The frame codec: every message round-trips; anything else is a ProtocolError, never a crash."""
 
+import pickle
 import types
 import zlib
 
@@ -10,10 +11,11 @@ from hypothesis import strategies as st
 
 from protocol import codec
 from protocol import messages as m
-from protocol.batch import (BATCH_HEADER_SIZE, build_batch_header, decode_fetched, encode_records,
+from protocol.batch import (BATCH_HEADER_SIZE, Record, build_batch_header, decode_fetched, encode_records,
                             iter_stored_batches, parse_batch_header, payload_record_count, validate_payload)
 from protocol.errors import CorruptBatch, ErrorCode, NotOwner, ProtocolError, StaleLease, ZBrokerError
 from protocol.partitioner import partition_for_key
+from zbroker.client.core import ConsumedRecord
 
 settings.register_profile("zbroker", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("zbroker")
@@ -188,6 +190,25 @@ def test_stored_batch_round_trip(records, base):
     decoded = decode_fetched(stored, "t", 0)
     assert [r.offset for r in decoded] == list(range(base, base + len(records)))
     assert [[r.timestamp_ms, r.key, r.value, r.headers] for r in decoded] == records
+
+
+@given(records_st, st.integers(min_value=0, max_value=2**40))
+def test_decoded_records_equal_constructed_ones_and_survive_pickling(records, base):
+    """decode_fetched builds records from the stored tuples directly (no constructor runs):
+    they must be the same values, with the same names, as the constructor builds."""
+    payload = encode_records(records)
+    stored = build_batch_header(payload, base_offset=base, record_count=len(records), append_time_ms=5) + payload
+    decoded = decode_fetched(stored, "t", 3, make=ConsumedRecord, extra=(77, 2, "timeout"))
+    for i, (record, (ts, key, value, headers)) in enumerate(zip(decoded, records)):
+        assert record == ConsumedRecord("t", 3, base + i, ts, key, value, headers, 77, 2, "timeout")
+        assert (record.topic, record.partition, record.offset, record.lease_id, record.attempt, record.reason) == (
+            "t", 3, base + i, 77, 2, "timeout")
+        assert record.lease == ["t", 3, 77, base + i, base + i + 1]
+        assert pickle.loads(pickle.dumps(record)) == record
+    plain = decode_fetched(stored, "t", 3)
+    assert [(r.topic, r.partition, r.offset, r.value) for r in plain] == [
+        ("t", 3, base + i, rec[2]) for i, rec in enumerate(records)]
+    assert all(type(pickle.loads(pickle.dumps(r))) is Record for r in plain)
 
 
 def test_fetch_decoding_skips_records_below_the_requested_offset():

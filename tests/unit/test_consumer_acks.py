@@ -53,7 +53,7 @@ def records_of(deliveries) -> tuple[list, list[int]]:
     out, sizes = [], []
     for partition, lease, first, count in deliveries:
         sizes.append(count)
-        out += [tuple.__new__(ConsumedRecord, ("t", partition, first + i, 0, None, b"", None, lease, 1, "new"))
+        out += [ConsumedRecord("t", partition, first + i, 0, None, b"", None, lease, 1, "new")
                 for i in range(count)]
     return out, sizes
 

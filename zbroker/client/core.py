@@ -28,18 +28,28 @@ from protocol.partitioner import partition_for_key
 
 
 class ConsumedRecord(Record):
-    """A record with the lease under which this consumer holds it."""
+    """A record with the lease under which this consumer holds it: its source is
+    ``(topic, partition, lease_id, attempt, reason)``, shared by the delivery's records."""
 
     __slots__ = ()
     _fields = Record._fields + ("lease_id", "attempt", "reason")
 
-    lease_id = property(itemgetter(7))
-    attempt = property(itemgetter(8))
-    reason = property(itemgetter(9))
+    @property
+    def lease_id(self) -> int:
+        return self[5][2]
+
+    @property
+    def attempt(self) -> int:
+        return self[5][3]
+
+    @property
+    def reason(self) -> str:
+        return self[5][4]
 
     @property
     def lease(self) -> list:
-        return [self.topic, self.partition, self.lease_id, self.offset, self.offset + 1]
+        topic, partition, lease_id = self[5][:3]
+        return [topic, partition, lease_id, self[4], self[4] + 1]
 
 
 class MetadataCache:

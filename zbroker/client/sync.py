@@ -987,11 +987,12 @@ class Consumer:
             if a >= b:
                 continue
             first, last = records[a], records[b - 1]
-            if last[2] - first[2] == b - 1 - a:  # offsets are dense within a delivery
-                self.acks.add_range([first[0], first[1], first[7], first[2], last[2] + 1])
+            if last[4] - first[4] == b - 1 - a:  # offsets are dense within a delivery
+                topic, partition, lease_id = first[5][:3]
+                self.acks.add_range([topic, partition, lease_id, first[4], last[4] + 1])
             else:  # pragma: no cover - defensive: never fold what was not acked
                 for r in records[a:b]:
-                    self.acks.add(r[0], r[1], r[7], r[2])
+                    self.acks.add(*r[5][:3], r[4])
         self._folded = hi
 
     def ack(self, record: ConsumedRecord) -> None:
@@ -1005,7 +1006,8 @@ class Consumer:
                 self._acks_held()
             return
         acks = self.acks
-        acks.add(record[0], record[1], record[7], record[2])  # topic, partition, lease_id, offset
+        source = record[5]  # (topic, partition, lease_id, ...), see ConsumedRecord
+        acks.add(source[0], source[1], source[2], record[4])
         if self._acks_since is None:
             self._acks_since = time.monotonic()
         # The clock is read every 64 acks, not every ack: poll() flushes anyway,
