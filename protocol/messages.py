@@ -371,8 +371,13 @@ class Poll(Message):
     # Exclusive groups: when nothing can be leased now, lease up to this many of
     # the next records ahead of the log end instead (reason "ahead", PROTOCOL.md).
     ahead: int = 0
+    # Acks riding on the poll ([[topic, partition, lease_id, start, end], ...]), applied
+    # before anything is leased: a consumer that polls as often as it acks sends one
+    # message instead of two. The reply's `acked` and `stale` report them.
+    acks: list = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
+        check_lease_ranges("poll", self.acks)
         if not (1 <= self.max_records <= 1_000_000):
             raise ProtocolError("'max_records' must be between 1 and 1000000", op="poll")
         _nonneg("poll", max_wait_ms=self.max_wait_ms, ahead=self.ahead)
@@ -391,10 +396,16 @@ class PollReply(Message):
     "rebalance", "restart", "nack:<text>" or "ahead" (offsets that may not
     exist yet, leased as they appear: see `Poll.ahead`). The records themselves are
     fetched from the partition actor named in `metadata`.
+
+    ``acked`` and ``stale`` report the poll's ``acks`` like an ack reply would
+    (``applied``, and the ``STALE_LEASE`` error's ``stale``): stale ranges do not
+    fail the poll.
     """
     generation: int
     deliveries: list
     ack_timeout_ms: int
+    acked: int = 0
+    stale: list = dataclasses.field(default_factory=list)
 
 
 @request("ack")

@@ -47,7 +47,9 @@ records. `GroupCoordinatorCore` decides who may lease what:
   `LeaseRecord` registry remembers where a lease lives and what was acked
   under it, so a repeated ack is idempotent and anything else not leased under
   that id is STALE (reported, never applied). A poll that finds nothing may
-  wait ("parked") until records, capacity or its deadline arrive.
+  wait ("parked") until records, capacity or its deadline arrive. A poll may
+  carry acks (`Poll.acks`): they are applied first, exactly like an `ack`,
+  so the capacity they free counts for this poll, and its reply reports them.
 * Time. One heap holds every deadline (lease expiry, member sessions, nack
   delays, parked polls, dead-letter retries); each call first runs the timers
   that are due, so a lease past its deadline is expired no matter how late the
@@ -315,7 +317,8 @@ class GroupCoordinatorCore:
                 if deliveries:
                     self._unpark(group, parked)
                     member.last_seen_ms = now
-                    out.append(Reply(parked.token, self._poll_reply(group, deliveries)))
+                    out.append(Reply(parked.token, self._poll_reply(group, deliveries, parked.acked,
+                                                                    parked.stale)))
         for (group_name, key), state in self._dirty.items():
             group = self._groups[group_name]
             holes, truncated = state.holes(self._max_holes)
@@ -463,19 +466,22 @@ class GroupCoordinatorCore:
         if not found:
             return
         group, member = found
+        # Acks first: what they finish frees capacity this poll may lease at once.
+        acked, stale = self._settle_ranges("ack", msg, group, member, msg.acks, now, out) if msg.acks else (0, [])
         deliveries = self._lease_records(group, member, msg.max_records, now)
         if not deliveries and msg.ahead and group.config.mode == "exclusive":
             deliveries = self._lease_ahead(group, member, min(msg.ahead, msg.max_records))
         if deliveries or msg.max_wait_ms == 0:
-            out.append(Reply(token, self._poll_reply(group, deliveries)))
+            out.append(Reply(token, self._poll_reply(group, deliveries, acked, stale)))
             return
         if member.parked >= MAX_PARKED_PER_MEMBER:
             # A client that keeps polling without waiting for answers must not be able
             # to grow this list without bound: its oldest wait ends, empty.
             oldest = next(p for p in group.parked if p.member_id == member.member_id)
             self._unpark(group, oldest)
-            out.append(Reply(oldest.token, self._poll_reply(group, [])))
-        parked = ParkedPoll(token, group.name, member.member_id, msg.max_records, now + msg.max_wait_ms)
+            out.append(Reply(oldest.token, self._poll_reply(group, [], oldest.acked, oldest.stale)))
+        parked = ParkedPoll(token, group.name, member.member_id, msg.max_records, now + msg.max_wait_ms,
+                            acked, stale)
         group.parked.append(parked)
         self._parked[token] = parked
         member.parked += 1
@@ -588,9 +594,10 @@ class GroupCoordinatorCore:
                                                                                         record.end):
             del self._leases[lease_id]  # nothing of it ever existed (or all of it is over): no timer will
 
-    def _poll_reply(self, group: Group, deliveries: list) -> m.PollReply:
+    def _poll_reply(self, group: Group, deliveries: list, acked: int = 0, stale: list | None = None
+                    ) -> m.PollReply:
         return m.PollReply(generation=group.generation, deliveries=deliveries,
-                           ack_timeout_ms=group.config.ack_timeout_ms)
+                           ack_timeout_ms=group.config.ack_timeout_ms, acked=acked, stale=stale or [])
 
     def _unpark(self, group: Group, parked: ParkedPoll) -> None:
         del self._parked[parked.token]
@@ -616,27 +623,7 @@ class GroupCoordinatorCore:
         if not found:
             return
         group, member = found
-        applied, stale = 0, []
-        for topic, partition, lease_id, start, end in msg.ranges:
-            key = (topic, partition)
-            record = self._leases.get(lease_id)
-            state = group.partitions.get(key)
-            if (record is None or state is None or record.group != group.name or record.key != key
-                    or record.member_id != member.member_id):
-                stale.append([topic, partition, lease_id, start, end])
-                continue
-            pieces = state.leased_under(lease_id, start, end)
-            valid = RangeSet([(s, e) for s, e, _ in pieces])
-            if msg.op == "ack":  # acking again what this lease already acked is harmless
-                for s, e in record.acked.intersection(start, end):
-                    valid.add(s, e)
-                early = state.ack_early(lease_id, start, end)  # ahead of the log end we know
-                if early is not None:
-                    valid.add(*early)
-            stale.extend([topic, partition, lease_id, s, e] for s, e in valid.gaps(start, end))
-            applied += valid.count()
-            if pieces:
-                self._apply(msg, group, member, state, record, pieces, now, out)
+        applied, stale = self._settle_ranges(msg.op, msg, group, member, msg.ranges, now, out)
         deadline_in_ms = (msg.extend_ms or group.config.ack_timeout_ms) if msg.op == "extend" else None
         if stale:
             data = {"deadline_in_ms": deadline_in_ms} if deadline_in_ms is not None else {}
@@ -652,9 +639,39 @@ class GroupCoordinatorCore:
         else:
             out.append(Reply(token, m.RejectReply(applied=applied)))
 
-    def _apply(self, msg, group: Group, member: Member, state: PartitionState, record: LeaseRecord,
+    def _settle_ranges(self, op: str, msg, group: Group, member: Member, ranges: list, now: int,
+                       out: list) -> tuple[int, list]:
+        """Apply `op` ("ack", "nack", "extend", "reject") to `ranges` of this member's leases.
+
+        Returns (offsets applied, stale ranges): the parts not leased to this member under
+        the given lease id, never applied.
+        """
+        applied, stale = 0, []
+        for topic, partition, lease_id, start, end in ranges:
+            key = (topic, partition)
+            record = self._leases.get(lease_id)
+            state = group.partitions.get(key)
+            if (record is None or state is None or record.group != group.name or record.key != key
+                    or record.member_id != member.member_id):
+                stale.append([topic, partition, lease_id, start, end])
+                continue
+            pieces = state.leased_under(lease_id, start, end)
+            valid = RangeSet([(s, e) for s, e, _ in pieces])
+            if op == "ack":  # acking again what this lease already acked is harmless
+                for s, e in record.acked.intersection(start, end):
+                    valid.add(s, e)
+                early = state.ack_early(lease_id, start, end)  # ahead of the log end we know
+                if early is not None:
+                    valid.add(*early)
+            stale.extend([topic, partition, lease_id, s, e] for s, e in valid.gaps(start, end))
+            applied += valid.count()
+            if pieces:
+                self._apply(op, msg, group, member, state, record, pieces, now, out)
+        return applied, stale
+
+    def _apply(self, op: str, msg, group: Group, member: Member, state: PartitionState, record: LeaseRecord,
                pieces: list[Piece], now: int, out: list) -> None:
-        if msg.op == "extend":
+        if op == "extend":
             # Like a visibility timeout: the new deadline is now + extend_ms, as asked.
             deadline = now + (msg.extend_ms or group.config.ack_timeout_ms)
             state.extend(pieces, deadline)
@@ -663,12 +680,12 @@ class GroupCoordinatorCore:
             return
         member.in_flight -= sum(e - s for s, e, _ in pieces)
         self._wake.add(group.name)  # capacity freed, maybe records ready
-        if msg.op == "ack":
+        if op == "ack":
             state.ack(pieces)
             for start, end, _ in pieces:
                 record.acked.add(start, end)
             self._dirty[(group.name, state.key)] = state
-        elif msg.op == "nack":
+        elif op == "nack":
             ready_at = now + msg.delay_ms
             doomed = state.requeue(pieces, f"nack:{msg.reason}" if msg.reason else "nack", ready_at, now,
                                    group.config.max_deliveries)
@@ -732,7 +749,7 @@ class GroupCoordinatorCore:
                     group = self._groups[payload.group]
                     self._unpark(group, payload)
                     group.members[payload.member_id].last_seen_ms = now
-                    out.append(Reply(payload.token, self._poll_reply(group, [])))
+                    out.append(Reply(payload.token, self._poll_reply(group, [], payload.acked, payload.stale)))
             else:  # _DEAD_LETTER_RETRY
                 group_name, key, offset = payload
                 group = self._groups[group_name]

@@ -69,6 +69,9 @@ class ParkedPoll:
     member_id: str
     max_records: int
     deadline_ms: int
+    # What the acks the poll carried came to; its reply, whenever it goes, reports them.
+    acked: int = 0
+    stale: list = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -145,7 +145,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if mine:
             answer = mine[0].msg if isinstance(mine[0], Reply) else mine[0].error
             self._note_membership_answer(token, answer)
-            if msg is not None and msg.op in OPS:
+            if msg is not None and (msg.op in OPS or (msg.op == "poll" and msg.acks)):
                 required_dead = self._check_settle(msg, answer)
         allowed_dead = required_dead | {k for k in expired if self.attempts[k] >= MAX_DELIVERIES} | \
             {k for k, when in self.retry_at.items() if when <= self.now}
@@ -254,11 +254,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
         return self.owners.get(p) == member if self.MODE == "exclusive" else member in self.members
 
     def _check_settle(self, msg, answer) -> set:
-        """Predict an ack/nack/extend/reject exactly; apply it to the model."""
+        """Predict an ack/nack/extend/reject (or the acks a poll carries) exactly; apply it to the model."""
         if isinstance(answer, (Fenced, UnknownMember)):
             return set()
+        op = "ack" if msg.op == "poll" else msg.op
         applied, stale, dead = 0, Counter(), set()
-        for _t, p, lease_id, start, end in msg.ranges:
+        for _t, p, lease_id, start, end in (msg.acks if msg.op == "poll" else msg.ranges):
             info = self.leases.get(lease_id)
             for o in range(start, end):
                 key = (p, o)
@@ -266,16 +267,19 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 mine = info is not None and info["member"] == msg.member_id and info["p"] == p
                 if mine and held is not None and held[0] == lease_id:
                     applied += 1
-                    self._settle_one(msg, key, lease_id, dead)
-                elif mine and msg.op == "ack" and o in info["acked"] and self.now < info["max_deadline"]:
+                    self._settle_one(op, msg, key, lease_id, dead)
+                elif mine and op == "ack" and o in info["acked"] and self.now < info["max_deadline"]:
                     applied += 1  # idempotent re-ack
-                elif (mine and msg.op == "ack" and (a := self.ahead.get(p)) is not None and a["lease"] == lease_id
+                elif (mine and op == "ack" and (a := self.ahead.get(p)) is not None and a["lease"] == lease_id
                       and self.log_end[p] <= o < a["end"]):
                     applied += 1  # ahead of the log: kept until the record exists
                     a["early"].add(o)
                 else:
                     stale[(p, lease_id, o)] += 1
-        if stale:
+        if isinstance(answer, m.PollReply):  # acks riding on a poll: stale ones do not fail it
+            got = Counter((p, lease, o) for _t, p, lease, s, e in answer.stale for o in range(s, e))
+            assert got == stale and answer.acked == applied, (answer, stale, applied)
+        elif stale:
             assert isinstance(answer, StaleLease), (answer, stale)
             got = Counter((p, lease, o) for _t, p, lease, s, e in answer.data["stale"] for o in range(s, e))
             assert got == stale
@@ -284,20 +288,20 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert answer.applied == applied, (answer, applied)
         return dead
 
-    def _settle_one(self, msg, key, lease_id, dead: set) -> None:
+    def _settle_one(self, op: str, msg, key, lease_id, dead: set) -> None:
         p, o = key
-        if msg.op == "extend":
+        if op == "extend":
             deadline = self.now + (msg.extend_ms or ACK_TIMEOUT)
             self.active[key][2] = deadline
             info = self.leases[lease_id]
             info["max_deadline"] = max(info["max_deadline"], deadline)
             return
         del self.active[key]
-        if msg.op == "ack":
+        if op == "ack":
             self.leases[lease_id]["acked"].add(o)
             self.core_fin[p].add(o)
             self._finished_ever(p, o)
-        elif msg.op == "reject" or self.attempts[key] >= MAX_DELIVERIES:
+        elif op == "reject" or self.attempts[key] >= MAX_DELIVERIES:
             dead.add(key)
 
     def ever_fin(self, p: int) -> set[int]:
@@ -430,13 +434,16 @@ class CoordinatorMachine(RuleBasedStateMachine):
                                    st.sampled_from(["own"] * 4 + ["own_old"] * 2 + ["any", "bogus", "other_partition"])),
                          min_size=1, max_size=3),
           delay=st.sampled_from([0, 0, 300]), extend_ms=st.sampled_from([0, 200, 2_000]),
-          reason=st.sampled_from(["", "oops"]))
-    def settle(self, c, op, picks, delay, extend_ms, reason):
+          reason=st.sampled_from(["", "oops"]), on_a_poll=st.booleans())
+    def settle(self, c, op, picks, delay, extend_ms, reason, on_a_poll):
         """Ack, nack, extend or reject ranges: mostly of this client's own leases, sometimes
-        parts of them, sometimes someone else's, an unknown lease id or the wrong partition."""
+        parts of them, sometimes someone else's, an unknown lease id or the wrong partition.
+        Acks go as an `ack` or ride on a poll (Poll.acks) that may lease more."""
         client = self.clients[c]
         if not self.deliveries_seen:
             return
+        if op == "ack" and on_a_poll and client.parked is not None:
+            on_a_poll = False  # one waiting poll per client in this model
         if client.member_id is None:
             self.join(c)
         own = [d for d in self.deliveries_seen if self.leases.get(d[1], {}).get("member") == client.member_id]
@@ -462,6 +469,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
             ranges.append(["t", p, lease, start, end])
         fields = {"nack": {"delay_ms": delay, "reason": reason}, "extend": {"extend_ms": extend_ms},
                   "reject": {"reason": reason}}.get(op, {})
+        if op == "ack" and on_a_poll:
+            self._as_client(c, lambda cl: m.Poll(group="g", member_id=cl.member_id, generation=cl.generation,
+                                                 max_records=3, acks=ranges), "poll")
+            return
         self._as_client(c, lambda cl: OPS[op](group="g", member_id=cl.member_id, generation=cl.generation,
                                               ranges=ranges, **fields), op)
 

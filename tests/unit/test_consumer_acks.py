@@ -37,6 +37,7 @@ def bare_consumer(ack_batch: int) -> Consumer:
     consumer.ack_batch, consumer.ack_interval_s = ack_batch, 3600.0
     consumer._acks_since = None
     consumer._ack_requests = {}
+    consumer._poll_acks = {}
     consumer._delivered, consumer._next, consumer._in_order, consumer._folded = [None], None, 0, 0
     consumer._spans = []
     consumer._ack_check_mask = 63 if ack_batch >= 64 else 0

@@ -295,11 +295,17 @@ class AsyncConsumer:
         raise AssertionError("unreachable")
 
     async def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
-        await self.flush_acks()
-        reply = (await self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
-                                                       generation=self.generation, max_records=max_records,
-                                                       max_wait_ms=int(timeout * 1000)),
-                                        timeout=self.conn.request_timeout + timeout)).msg
+        # The held acks ride on the poll (Poll.acks): applied before it leases, no round trip of their own.
+        acks = self.acks.take() if self.acks else []
+        try:
+            reply = (await self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
+                                                           generation=self.generation, max_records=max_records,
+                                                           max_wait_ms=int(timeout * 1000), acks=acks),
+                                            timeout=self.conn.request_timeout + timeout)).msg
+        except BaseException:
+            for r in acks:  # not known to be applied: they go again (a repeated ack is harmless)
+                self.acks.add_range(r)
+            raise
         out: list[ConsumedRecord] = []
         for topic, partition, lease, start, end, attempt, reason in reply.deliveries:
             offset = start

@@ -524,7 +524,8 @@ class Consumer:
         self.ack_timeout_ms = 0
         self.acks = AckAccumulator()
         self._acks_since: float | None = None
-        self._ack_requests: dict[int, list] = {}
+        self._ack_requests: dict[int, tuple[list, list]] = {}  # corr -> (ranges, ranges of polls before it)
+        self._poll_acks: dict[int, list] = {}  # poll sent ahead (corr) -> the acks riding on it
         self.stale: list = []
         self.stats = {"polled": 0, "acked": 0, "stale": 0, "rejoins": 0}
         self._needs_rejoin = threading.Event()
@@ -620,13 +621,18 @@ class Consumer:
     # -- polling ----------------------------------------------------------------------------
 
     def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
-        """Lease up to ``max_records`` and return their records (possibly fewer, possibly none)."""
-        if self._held or self._poll_ahead is not None:
-            # The next lease is already asked for: acks wait for their batch or interval
-            # (one Ack per ack_interval_ms, not one per poll when polls return a record each).
-            self._flush_acks_if_due()
-        else:
-            self.flush_acks(wait=False)  # a fresh poll: let the coordinator see the capacity acks free
+        """Lease up to ``max_records`` and return their records (possibly fewer, possibly none).
+
+        The acks held when a poll goes to the coordinator ride on it (`Poll.acks`):
+        one message instead of two, and the capacity they free counts for that poll.
+        Acks that no poll takes along leave on their own once ``ack_batch`` or
+        ``ack_interval_ms`` says so.
+        """
+        records = self._poll(max_records, timeout)
+        self._flush_acks_if_due()
+        return records
+
+    def _poll(self, max_records: int, timeout: float) -> list[ConsumedRecord]:
         if self._held:
             # Leased by a poll sent ahead for more than this call asked for: hand them out first.
             return self._hand_out(max_records)
@@ -638,16 +644,12 @@ class Consumer:
             timeout = max(0.0, deadline - time.monotonic())
         max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
         if self._poll_ahead is not None and self._needs_rejoin.is_set():
-            self._orphans.add(self._poll_ahead[0])  # it would be fenced: re-join now instead
-            self._poll_ahead = None
+            self._orphan_poll_ahead()  # it would be fenced: re-join now instead
         reply = self._take_poll_ahead(timeout) if self._poll_ahead is not None else None
         if reply is _NOT_YET:
             return []
         if reply is None:
-            reply = self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
-                                                    generation=self.generation, max_records=max_records,
-                                                    max_wait_ms=max_wait_ms, ahead=self._ahead_wanted(max_records)),
-                                     timeout=self.conn.request_timeout + timeout).msg
+            reply = self._poll_now(max_records, max_wait_ms, timeout)
         deliveries = self._take_ahead_leases(reply.deliveries)
         self._held = [part for part in self._fetch_deliveries(deliveries) if part]
         records = self._hand_out(max_records)
@@ -658,6 +660,50 @@ class Consumer:
         if not records and self._ahead_leases:
             records = self._records_ahead(max_records, deadline)
         return records
+
+    def _poll_now(self, max_records: int, max_wait_ms: int, timeout: float) -> m.PollReply:
+        """A poll that waits for its reply, carrying the held acks (re-sent if it is fenced and retried)."""
+        acks = self._acks_for_poll()
+        try:
+            reply = self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
+                                                    generation=self.generation, max_records=max_records,
+                                                    max_wait_ms=max_wait_ms, ahead=self._ahead_wanted(max_records),
+                                                    acks=acks),
+                                     timeout=self.conn.request_timeout + timeout).msg
+        except BaseException:
+            self._hold_again(acks)  # not known to be applied: they go again (a repeated ack is harmless)
+            raise
+        self._on_poll_acks(reply)
+        return reply
+
+    # -- acks riding on polls -------------------------------------------------------------------
+
+    def _acks_for_poll(self) -> list:
+        """Take the held acks for the poll about to be sent."""
+        self._fold_in_order_acks()
+        if not self.acks:
+            return []
+        self._acks_since = None
+        return self.acks.take()
+
+    def _hold_again(self, ranges: list) -> None:
+        """Acks a poll carried that may not have been applied (fenced, lost): send them again."""
+        for r in ranges:
+            self.acks.add_range(r)
+        if ranges and self._acks_since is None:
+            self._acks_since = time.monotonic()
+
+    def _on_poll_acks(self, reply: m.PollReply) -> None:
+        self.stats["acked"] += reply.acked
+        if reply.stale:
+            self._note_stale(reply.stale)
+
+    def _orphan_poll_ahead(self) -> None:
+        """Stop waiting for the poll sent ahead; the acks it carried are held again."""
+        corr = self._poll_ahead[0]
+        self._poll_ahead = None
+        self._orphans.add(corr)
+        self._hold_again(self._poll_acks.pop(corr, []))
 
     # -- ahead leases -------------------------------------------------------------------------
 
@@ -777,13 +823,17 @@ class Consumer:
         """Ask for the next lease now, so the coordinator works while the caller handles this batch."""
         if self._needs_rejoin.is_set():
             return  # the next poll re-joins first
+        acks = self._acks_for_poll()
         try:
             corr = self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=self.member_id,
                                                         generation=self.generation, max_records=max_records,
                                                         max_wait_ms=max_wait_ms,
-                                                        ahead=self._ahead_wanted(max_records)))
+                                                        ahead=self._ahead_wanted(max_records), acks=acks))
         except ZBrokerError:
+            self._hold_again(acks)
             return  # the next poll asks the usual way
+        if acks:
+            self._poll_acks[corr] = acks
         self._poll_ahead = (corr, self.generation,
                             time.monotonic() + max_wait_ms / 1000.0 + self.conn.request_timeout)
 
@@ -797,12 +847,14 @@ class Consumer:
         except RequestTimeout:
             if time.monotonic() < give_up_at:
                 return _NOT_YET  # still parked at the coordinator: keep it for the next poll
-            self._poll_ahead = None
-            self._orphans.add(corr)
+            self._orphan_poll_ahead()
             return None
         self._poll_ahead = None
+        acks = self._poll_acks.pop(corr, [])
         if env.error is None:
+            self._on_poll_acks(env.msg)
             return env.msg
+        self._hold_again(acks)  # a poll that failed applied none of them
         if env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
             if generation == self.generation:  # not re-joined since it was sent: do it now
                 if env.error.code == ErrorCode.UNKNOWN_MEMBER:
@@ -812,16 +864,25 @@ class Consumer:
         raise env.error
 
     def _wait_sending_acks(self, corr: int, wait: float) -> codec.Envelope:
-        """`Connection.wait_for`, sending the held acks when their interval is up meanwhile."""
+        """`Connection.wait_for`, sending the held acks when their interval is up meanwhile.
+
+        A full batch of acks does not go on its own here: the poll sent as soon as
+        this reply is in takes it along, and the interval still bounds the wait.
+        """
         deadline = time.monotonic() + wait
         while True:
-            due = self._acks_due_at()
+            due = self._acks_due_at(full_batch_is_due=False)
             until = deadline if due is None else min(deadline, due)
             try:
                 return self.conn.wait_for(corr, max(0.0, until - time.monotonic()))
             except RequestTimeout:
                 if until >= deadline:
                     raise
+                for env in self.conn.recv_nowait_all():  # in already? then the next poll takes the acks
+                    if isinstance(env.corr_id, int):
+                        self.conn._early[env.corr_id] = env
+                if corr in self.conn._early:
+                    return self.conn.wait_for(corr, 0)
                 self.flush_acks(wait=False)
 
     def _drop_orphans(self) -> None:
@@ -1029,14 +1090,15 @@ class Consumer:
         if held >= self.ack_batch or time.monotonic() - self._acks_since >= self.ack_interval_s:
             self.flush_acks(wait=False)
 
-    def _acks_due_at(self) -> float | None:
-        """When the held acks must be sent: now if a batch is full, None if none are held."""
+    def _acks_due_at(self, full_batch_is_due: bool = True) -> float | None:
+        """When the held acks must be sent: now if a batch is full (unless told otherwise),
+        else when their interval is up; None if none are held."""
         held = self.acks.count + self._in_order - self._folded
         if not held:
             return None
         if self._acks_since is None:  # in-order acks after a flush start the interval here
             self._acks_since = time.monotonic()
-        return 0.0 if held >= self.ack_batch else self._acks_since + self.ack_interval_s
+        return 0.0 if full_batch_is_due and held >= self.ack_batch else self._acks_since + self.ack_interval_s
 
     def _flush_acks_if_due(self) -> None:
         due = self._acks_due_at()
@@ -1046,13 +1108,23 @@ class Consumer:
             self._collect_ack_replies(block=False)
 
     def flush_acks(self, wait: bool = True) -> None:
-        """Send pending acks; with ``wait``, until every ack request is answered."""
+        """Send pending acks; with ``wait``, until every ack sent is applied.
+
+        Acks riding on a poll that is still waiting at the coordinator were applied
+        when it arrived: an ack request sent after it on the same socket, answered,
+        proves it (the coordinator serves one connection's requests in order), so
+        ``wait`` sends one, empty if need be.
+        """
         self._fold_in_order_acks()
-        if self.acks:
-            ranges = self.acks.take()
+        if self.acks or (wait and self._poll_acks):
+            ranges = self.acks.take() if self.acks else []
+            if wait:  # answered => every poll sent before it applied its acks (or failed: see _on_ack_reply)
+                ranges_before, self._poll_acks = [r for acks in self._poll_acks.values() for r in acks], {}
+            else:
+                ranges_before = []
             corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
                                                        generation=self.generation, ranges=ranges))
-            self._ack_requests[corr] = ranges
+            self._ack_requests[corr] = (ranges, ranges_before)
         self._acks_since = None
         self._collect_ack_replies(block=wait)
 
@@ -1066,10 +1138,12 @@ class Consumer:
                 if corr not in self.conn._early:
                     return
             env = self.conn.wait_for(corr)
-            ranges = self._ack_requests.pop(corr)
-            self._on_ack_reply(env, ranges)
+            ranges, ranges_before = self._ack_requests.pop(corr)
+            self._on_ack_reply(env, ranges, ranges_before)
 
-    def _on_ack_reply(self, env: codec.Envelope, ranges: list) -> None:
+    def _on_ack_reply(self, env: codec.Envelope, ranges: list, ranges_before: list = ()) -> None:
+        """``ranges_before``: acks that rode on polls sent before this request; they were
+        applied if this one was, and are sent again with it if it was fenced."""
         if env.error is None:
             self.stats["acked"] += env.msg.applied
             return
@@ -1078,24 +1152,28 @@ class Consumer:
             if err.code == ErrorCode.UNKNOWN_MEMBER:
                 self.member_id = ""
             self._rejoin()
+            ranges = list(ranges_before) + list(ranges)  # a repeated ack is harmless, a lost one is not
             corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
                                                        generation=self.generation, ranges=ranges))
-            self._ack_requests[corr] = ranges
+            self._ack_requests[corr] = (ranges, [])
             return
         if err.code == ErrorCode.STALE_LEASE:
             self.stats["acked"] += int(err.data.get("applied", 0))
-            stale = err.data.get("stale", [])
-            self.stats["stale"] += sum(r[4] - r[3] for r in stale)
-            # An ahead lease the coordinator ended (reset, rebalance): hand out nothing more under it.
-            ended = {r[2] for r in stale}
-            for key, held in list(self._ahead_leases.items()):
-                held[:] = [entry for entry in held if entry[0] not in ended]
-                if not held:
-                    del self._ahead_leases[key]
-            self.stale.extend(stale)
-            log.warning("ack.stale", group=self.group, ranges=len(stale))
+            self._note_stale(err.data.get("stale", []))
             return
         raise err
+
+    def _note_stale(self, stale: list) -> None:
+        """Ack ranges the coordinator refused as not (or no longer) leased to this member."""
+        self.stats["stale"] += sum(r[4] - r[3] for r in stale)
+        # An ahead lease the coordinator ended (reset, rebalance): hand out nothing more under it.
+        ended = {r[2] for r in stale}
+        for key, held in list(self._ahead_leases.items()):
+            held[:] = [entry for entry in held if entry[0] not in ended]
+            if not held:
+                del self._ahead_leases[key]
+        self.stale.extend(stale)
+        log.warning("ack.stale", group=self.group, ranges=len(stale))
 
     def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> m.Message:
         self.flush_acks(wait=True)
