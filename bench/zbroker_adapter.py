@@ -162,6 +162,7 @@ def _consume(url: str, topic: str, group: str, count: int, phase: Phase,
     then a group member), so a publisher started there cannot race the join."""
     _, _, Consumer, _ = _client_api()
     consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK, **CONSUMER_OPTIONS)
+    ack = consumer.ack  # one ack call per record, as an application would write the loop
     try:
         phase.begin()
         while phase.records < count and not phase.expired:
@@ -169,11 +170,14 @@ def _consume(url: str, topic: str, group: str, count: int, phase: Phase,
             if on_joined is not None:
                 on_joined()
                 on_joined = None
-            now = time.time_ns()
-            for record in records:
-                if recorder is not None:
+            if recorder is not None:
+                now = time.time_ns()
+                for record in records:
                     recorder.record(record.value, now)
-                consumer.ack(record)
+                    ack(record)
+            else:
+                for record in records:
+                    ack(record)
             phase.advance(len(records))
         consumer.flush_acks()
         phase.end()
@@ -448,11 +452,12 @@ def _scale_client(role: str, url: str, topic: str, share: int, total: int, size:
         producer.close()
         return
     consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK, **CONSUMER_OPTIONS)
+    ack = consumer.ack
     ready.wait()
     while done.value < total:  # the consumers share one group: stop when it has everything
         records = consumer.poll(max_records=CHUNK, timeout=0.1)
         for record in records:
-            consumer.ack(record)
+            ack(record)
         if records:
             with done.get_lock():
                 done.value += len(records)
