@@ -313,10 +313,10 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
         if not isinstance(records, tuple) or len(records) != header.record_count:
             raise CorruptBatch("record count does not match header", base_offset=base)
         try:
-            shapes_ok = set(map(type, records)) == {tuple} and set(map(len, records)) == {4}
-        except TypeError:
-            shapes_ok = False
-        if not shapes_ok:
+            lengths_ok = set(map(len, records)) == {4}
+        except TypeError:  # a number, nil or bool where a record should be
+            lengths_ok = False
+        if not lengths_ok:
             raise CorruptBatch("stored record is not [timestamp_ms, key, value, headers]", base_offset=base)
         lo = from_offset - base if from_offset > base else 0
         hi = len(records) if until_offset is None else min(len(records), until_offset - base)
@@ -325,6 +325,11 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
         if not records:
             continue
         # One tuple.__new__ per record from (stored record + (offset, source)), all in C:
-        # no bytecode runs per record.
-        out.extend(map(new, repeat(make), map(add, records, zip(count(base + lo), repeat(source)))))
+        # no bytecode runs per record. Concatenating is also the type check: a stored
+        # record that is a bin, str or map of length 4 instead of an array cannot be added
+        # to a tuple.
+        try:
+            out.extend(map(new, repeat(make), map(add, records, zip(count(base + lo), repeat(source)))))
+        except TypeError:
+            raise CorruptBatch("stored record is not [timestamp_ms, key, value, headers]", base_offset=base) from None
     return out

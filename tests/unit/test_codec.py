@@ -269,11 +269,16 @@ def test_boolean_versions_are_not_versions():
 
 
 def test_malformed_stored_records_are_corrupt_batches():
-    for payload in (msgpack.packb([[1, 2]]), msgpack.packb([5])):
+    four_long = [b"abcd", "abcd", {"a": 1, "b": 2, "c": 3, "d": 4}]  # sized like a record, not arrays
+    for payload in (msgpack.packb([[1, 2]]), msgpack.packb([5]), *(msgpack.packb([x]) for x in four_long)):
         stored = build_batch_header(payload, base_offset=0, record_count=1, append_time_ms=1) + payload
         with pytest.raises(CorruptBatch):
             decode_fetched(stored, "t", 0)
     payload = msgpack.packb(7)
     stored = build_batch_header(payload, base_offset=0, record_count=1, append_time_ms=1) + payload
+    with pytest.raises(CorruptBatch):
+        decode_fetched(stored, "t", 0)
+    payload = msgpack.packb([[1, None, b"v", None], [2, None, b"w", None, 5]])  # one record too long
+    stored = build_batch_header(payload, base_offset=0, record_count=2, append_time_ms=1) + payload
     with pytest.raises(CorruptBatch):
         decode_fetched(stored, "t", 0)
