@@ -1,13 +1,14 @@
 #!/usr/bin/env node
 // End-to-end check of the Node client against a running broker.
 //
-//   node e2e.js <coordinator-url> <topic>
+//   node e2e.js <coordinator-url> <topic> [--acks-on-poll]
 //
 // Creates <topic> (2 partitions) if missing, produces 500 keyed records with headers,
 // fetches them back and checks content and order per partition, then consumes them all
 // through group "node-e2e" with acks and waits until describe_group shows
-// committed == log_end for every partition. Prints one JSON summary line on stdout;
-// exits non-zero on any mismatch (details on stderr).
+// committed == log_end for every partition. With --acks-on-poll the acks of each poll's
+// deliveries ride on the next poll (Poll.acks) instead of going as an ack request.
+// Prints one JSON summary line on stdout; exits non-zero on any mismatch (details on stderr).
 
 import crypto from "node:crypto";
 
@@ -116,18 +117,21 @@ async function fetchBack(client, topic, expected) {
   return fetched;
 }
 
-async function consumeAll(client, topic, expected, runId, deadline) {
+async function consumeAll(client, topic, expected, runId, deadline, acksOnPoll) {
   const want = new Map();
   for (const [p, recs] of expected) for (const r of recs) want.set(`${p}:${r.offset}`, r);
   const lastByPartition = new Map([...expected].map(([p, recs]) => [p, recs[recs.length - 1].offset]));
   const consumer = client.consumer(GROUP, [topic], { sessionTimeoutMs: 10_000 });
   const seen = new Set();
   let committed = null;
+  let pending = [];  // with acksOnPoll: the last deliveries, acked by the next poll
+  let ackedOnPolls = 0;
   try {
     await consumer.join();
     for (;;) {
       check(Date.now() < deadline, `timed out: consumed ${seen.size}/${TOTAL}, committed ${JSON.stringify(committed)}`);
-      const deliveries = await consumer.poll({ maxRecords: 200, maxWaitMs: 200 });
+      const deliveries = await consumer.poll({ maxRecords: 200, maxWaitMs: 200, acks: acksOnPoll ? pending : undefined });
+      if (acksOnPoll && pending.length > 0) ackedOnPolls += consumer.lastPollAcks.applied;
       for (const d of deliveries) {
         check(d.start < d.end, `empty lease ${JSON.stringify([d.topic, d.partition, d.start, d.end])}`);
         if (d.topic !== topic) continue;
@@ -143,7 +147,8 @@ async function consumeAll(client, topic, expected, runId, deadline) {
           seen.add(`${d.partition}:${r.offset}`);
         }
       }
-      if (deliveries.length > 0) await consumer.ack(deliveries);  // stale ranges come back later
+      if (acksOnPoll) pending = deliveries;
+      else if (deliveries.length > 0) await consumer.ack(deliveries);  // stale ranges come back later
       if (seen.size < TOTAL || deliveries.length > 0) continue;
       const group = await client.describeGroup(GROUP);
       const parts = (group.partitions ?? []).filter((x) => x.topic === topic);
@@ -157,13 +162,13 @@ async function consumeAll(client, topic, expected, runId, deadline) {
     await consumer.leave().catch(() => {});
     consumer.close();
   }
-  return { consumed: seen.size, committed, stats: consumer.stats };
+  return { consumed: seen.size, committed, ackedOnPolls, stats: consumer.stats };
 }
 
 async function main() {
-  const [url, topic] = process.argv.slice(2);
-  if (!url || !topic) {
-    process.stderr.write("usage: node e2e.js <coordinator-url> <topic>\n");
+  const [url, topic, flag] = process.argv.slice(2);
+  if (!url || !topic || (flag !== undefined && flag !== "--acks-on-poll")) {
+    process.stderr.write("usage: node e2e.js <coordinator-url> <topic> [--acks-on-poll]\n");
     return 2;
   }
   const deadline = Date.now() + TIMEOUT_MS;
@@ -175,9 +180,10 @@ async function main() {
     const expected = await produceAll(client, topic, meta.partitions.length, runId);
     summary.produced = [...expected.values()].reduce((n, recs) => n + recs.length, 0);
     summary.fetched = await fetchBack(client, topic, expected);
-    const consumed = await consumeAll(client, topic, expected, runId, deadline);
+    const consumed = await consumeAll(client, topic, expected, runId, deadline, flag === "--acks-on-poll");
     summary.consumed = consumed.consumed;
     summary.committed = consumed.committed;
+    summary.acked_on_polls = consumed.ackedOnPolls;
     check(summary.produced === TOTAL && summary.fetched === TOTAL && summary.consumed === TOTAL,
       `counts differ: ${JSON.stringify(summary)}`);
     process.stderr.write(`consumer stats ${JSON.stringify(consumed.stats)}\n`);

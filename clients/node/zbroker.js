@@ -773,10 +773,19 @@ export class Consumer {
   /**
    * poll for leases and fetch their records. Returns deliveries:
    * [{topic, partition, leaseId, start, end, attempt, reason, records}].
+   * `acks` (deliveries or ranges, like ack()) ride on the poll and are applied before it
+   * leases anything (s.8.4, "Acks on a poll"); what they came to is in `this.lastPollAcks`
+   * as {applied, stale}. A poll that fails applied none of them: ack them again.
    */
-  async poll({ maxRecords = 1000, maxWaitMs = 0, fetchMaxBytes } = {}) {
-    const reply = await this.#groupCall("poll", { max_records: maxRecords, max_wait_ms: maxWaitMs },
-      { timeoutMs: maxWaitMs + this.client.requestTimeoutMs });
+  async poll({ maxRecords = 1000, maxWaitMs = 0, fetchMaxBytes, acks } = {}) {
+    const fields = { max_records: maxRecords, max_wait_ms: maxWaitMs };
+    if (acks && acks.length > 0) fields.acks = acks.map(toRange);
+    const reply = await this.#groupCall("poll", fields, { timeoutMs: maxWaitMs + this.client.requestTimeoutMs });
+    if (fields.acks) {
+      const stale = Array.isArray(reply.stale) ? reply.stale : [];
+      this.stats.staleRanges += stale.length;
+      this.lastPollAcks = { applied: Number.isInteger(reply.acked) ? reply.acked : 0, stale };
+    }
     if (reply.generation !== undefined) this.generation = reply.generation;
     if (reply.ack_timeout_ms !== undefined) this.ackTimeoutMs = reply.ack_timeout_ms;
     const deliveries = reply.deliveries.map(([topic, partition, leaseId, start, end, attempt, reason]) =>

@@ -26,13 +26,15 @@ def _tail(path, lines: int = 60) -> str:
         return "(no broker log)"
 
 
-def test_node_client_end_to_end(run_node, tmp_path):
+@pytest.mark.parametrize("acks", ["ack", "on-poll"])
+def test_node_client_end_to_end(run_node, tmp_path, acks):
+    """With acks "on-poll" every delivery is acked by the next poll (Poll.acks), not by `ack`."""
     from zbroker.supervisor import start_broker
 
     log_file = tmp_path / "broker.log"
     handle = start_broker(tmp_path / "data", port=0, log_file=log_file)
     try:
-        proc = run_node("e2e.js", handle.url, TOPIC, timeout=180)
+        proc = run_node("e2e.js", handle.url, TOPIC, *(["--acks-on-poll"] if acks == "on-poll" else []), timeout=180)
     finally:
         handle.stop()
     assert proc.returncode == 0, (
@@ -43,6 +45,10 @@ def test_node_client_end_to_end(run_node, tmp_path):
     # A fresh topic: every partition's committed offset is its log end, 500 records in all.
     assert set(summary["committed"]) == {"0", "1"}, summary
     assert sum(summary["committed"].values()) == 500, summary
+    if acks == "on-poll":
+        assert summary["acked_on_polls"] >= 500, summary  # every record, some twice if redelivered
+    else:
+        assert summary["acked_on_polls"] == 0, summary
 
 
 def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
