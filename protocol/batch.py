@@ -77,6 +77,7 @@ class Record(tuple):
     """
 
     __slots__ = ()
+    # The attribute names, in the constructor's order (not the tuple's positions).
     _fields = ("topic", "partition", "offset", "timestamp_ms", "key", "value", "headers")
 
     def __new__(cls, topic: str, partition: int, offset: int, timestamp_ms: int, key: bytes | None,

@@ -609,10 +609,11 @@ class GroupCoordinatorCore:
     def _fence_parked(self, group: Group, out: list) -> None:
         for parked in list(group.parked):
             self._unpark(group, parked)
+            # Its acks were applied when it arrived: say so, so that the member does not send them again.
             out.append(ReplyError(parked.token, Fenced(
                 f"group {group.name!r} moved to generation {group.generation} while the poll waited",
                 group=group.name, generation=group.generation, member_id=parked.member_id,
-                member_known=parked.member_id in group.members)))
+                member_known=parked.member_id in group.members, acked=parked.acked, stale=parked.stale)))
 
     # ==================================================================================
     # Settling leases: ack, nack, extend, reject

@@ -70,3 +70,15 @@ def test_a_fenced_poll_applies_none_of_its_acks():
     err = poll_acking(d, a, [["t", 0, lease, 0, 3]])
     assert isinstance(err, Fenced)
     assert d.committed() == 0
+
+
+def test_a_waiting_poll_fenced_by_a_rebalance_says_its_acks_were_applied():
+    d = Driver(logs={("t", 0): (0, 3)})
+    a = d.join()
+    lease = d.poll(a).deliveries[0][2]
+    assert poll_acking(d, a, [["t", 0, lease, 0, 3], ["t", 0, 5_555, 0, 1]], max_wait_ms=5_000, token="w") is PARKED
+    d.join()  # a second member: the waiting poll is answered FENCED
+    err = d.answers["w"]
+    assert isinstance(err, Fenced)
+    assert err.data["acked"] == 3 and err.data["stale"] == [["t", 0, 5_555, 0, 1]]
+    assert d.committed() == 3

@@ -4,10 +4,13 @@ any other order goes through the accumulator, and what is sent is exactly what w
 from __future__ import annotations
 
 import itertools
+import types
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol.errors import ShuttingDown, Unavailable
 from zbroker.client.core import AckAccumulator, ConsumedRecord
 from zbroker.client.sync import Consumer
 
@@ -141,3 +144,35 @@ def test_a_full_ack_batch_is_due_at_once():
     assert consumer.conn.ranges == []
     consumer._flush_acks_if_due()
     assert acked_set(consumer.conn.ranges) == [("t", 0, 7, o) for o in range(100)]
+
+
+class RefusingConnection(SentAcks):
+    """The coordinator is unreachable: every send fails."""
+
+    def send(self, endpoint, msg, frames=()):
+        raise Unavailable("no route to the coordinator")
+
+
+def test_acks_that_could_not_be_sent_are_held_again():
+    consumer = bare_consumer(ack_batch=1000)
+    consumer.conn = RefusingConnection()
+    consumer.conn.url = "inproc://coordinator"
+    records, sizes = records_of([(0, 7, 0, 10)])
+    consumer._deliver(records, sizes)
+    for r in records:
+        consumer.ack(r)
+    with pytest.raises(Unavailable):
+        consumer.flush_acks(wait=False)
+    consumer.conn = SentAcks()
+    consumer.conn.url = "inproc://coordinator"
+    consumer.flush_acks(wait=False)
+    assert acked_set(consumer.conn.ranges) == [("t", 0, 7, o) for o in range(10)]
+
+
+def test_acks_refused_because_the_coordinator_is_stopping_are_held_again():
+    consumer = bare_consumer(ack_batch=1000)
+    env = types.SimpleNamespace(error=ShuttingDown("stopping"), msg=None)
+    with pytest.raises(ShuttingDown):
+        consumer._on_ack_reply(env, [["t", 0, 7, 0, 5]], [["t", 0, 6, 0, 2]])
+    consumer.flush_acks(wait=False)
+    assert acked_set(consumer.conn.ranges) == [("t", 0, 6, 0), ("t", 0, 6, 1)] + [("t", 0, 7, o) for o in range(5)]

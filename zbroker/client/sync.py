@@ -561,6 +561,10 @@ class Consumer:
         self.ack_timeout_ms = reply.ack_timeout_ms
         self.mode = reply.mode
         self._held = []  # leased under the old generation: the coordinator hands them out again
+        # Acks riding on polls sent in the old generation: those polls may have been fenced
+        # on arrival, so the acks go again (a repeat is harmless; a loss costs a redelivery).
+        for corr in list(self._poll_acks):
+            self._hold_again(self._poll_acks.pop(corr))
         self._ahead_leases.clear()  # an ahead lease ends with its generation
         # Shared groups interleave members' leases: the next one need not start
         # where this member's last ended, so guessing would only cost fetches.
@@ -629,7 +633,14 @@ class Consumer:
         ``ack_interval_ms`` says so.
         """
         records = self._poll(max_records, timeout)
-        self._flush_acks_if_due()
+        try:
+            self._flush_acks_if_due()
+        except ZBrokerError as err:
+            if not records:
+                raise
+            # The records are leased and fetched: hand them out. The acks are held again
+            # and go with the next request.
+            log.warning("ack.deferred", group=self.group, error=str(getattr(err.code, "value", err.code)))
         return records
 
     def _poll(self, max_records: int, timeout: float) -> list[ConsumedRecord]:
@@ -854,7 +865,10 @@ class Consumer:
         if env.error is None:
             self._on_poll_acks(env.msg)
             return env.msg
-        self._hold_again(acks)  # a poll that failed applied none of them
+        if "acked" in env.error.data:  # answered with an error after it waited: its acks were applied
+            self.stats["acked"] += int(env.error.data["acked"])
+        else:
+            self._hold_again(acks)  # a poll that failed on arrival applied none of them
         if env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
             if generation == self.generation:  # not re-joined since it was sent: do it now
                 if env.error.code == ErrorCode.UNKNOWN_MEMBER:
@@ -866,12 +880,13 @@ class Consumer:
     def _wait_sending_acks(self, corr: int, wait: float) -> codec.Envelope:
         """`Connection.wait_for`, sending the held acks when their interval is up meanwhile.
 
-        A full batch of acks does not go on its own here: the poll sent as soon as
-        this reply is in takes it along, and the interval still bounds the wait.
+        When the acks are due and the reply is already in, they stay held: the poll
+        sent as soon as this batch is handed out takes them along. Otherwise they go
+        now; the poll may be waiting for exactly the capacity they free.
         """
         deadline = time.monotonic() + wait
         while True:
-            due = self._acks_due_at(full_batch_is_due=False)
+            due = self._acks_due_at()
             until = deadline if due is None else min(deadline, due)
             try:
                 return self.conn.wait_for(corr, max(0.0, until - time.monotonic()))
@@ -1090,15 +1105,15 @@ class Consumer:
         if held >= self.ack_batch or time.monotonic() - self._acks_since >= self.ack_interval_s:
             self.flush_acks(wait=False)
 
-    def _acks_due_at(self, full_batch_is_due: bool = True) -> float | None:
-        """When the held acks must be sent: now if a batch is full (unless told otherwise),
-        else when their interval is up; None if none are held."""
+    def _acks_due_at(self) -> float | None:
+        """When the held acks must be sent: now if a batch is full, else when their
+        interval is up; None if none are held."""
         held = self.acks.count + self._in_order - self._folded
         if not held:
             return None
         if self._acks_since is None:  # in-order acks after a flush start the interval here
             self._acks_since = time.monotonic()
-        return 0.0 if full_batch_is_due and held >= self.ack_batch else self._acks_since + self.ack_interval_s
+        return 0.0 if held >= self.ack_batch else self._acks_since + self.ack_interval_s
 
     def _flush_acks_if_due(self) -> None:
         due = self._acks_due_at()
@@ -1118,12 +1133,17 @@ class Consumer:
         self._fold_in_order_acks()
         if self.acks or (wait and self._poll_acks):
             ranges = self.acks.take() if self.acks else []
-            if wait:  # answered => every poll sent before it applied its acks (or failed: see _on_ack_reply)
-                ranges_before, self._poll_acks = [r for acks in self._poll_acks.values() for r in acks], {}
-            else:
-                ranges_before = []
-            corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
-                                                       generation=self.generation, ranges=ranges))
+            # Answered => every poll sent before it in this generation applied its acks
+            # (or was fenced, and then so is this request: see _on_ack_reply).
+            ranges_before = [r for acks in self._poll_acks.values() for r in acks] if wait else []
+            try:
+                corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
+                                                           generation=self.generation, ranges=ranges))
+            except ZBrokerError:
+                self._hold_again(ranges)
+                raise
+            if wait:
+                self._poll_acks = {}
             self._ack_requests[corr] = (ranges, ranges_before)
         self._acks_since = None
         self._collect_ack_replies(block=wait)
@@ -1153,14 +1173,20 @@ class Consumer:
                 self.member_id = ""
             self._rejoin()
             ranges = list(ranges_before) + list(ranges)  # a repeated ack is harmless, a lost one is not
-            corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
-                                                       generation=self.generation, ranges=ranges))
+            try:
+                corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
+                                                           generation=self.generation, ranges=ranges))
+            except ZBrokerError:
+                self._hold_again(ranges)
+                raise
             self._ack_requests[corr] = (ranges, [])
             return
         if err.code == ErrorCode.STALE_LEASE:
             self.stats["acked"] += int(err.data.get("applied", 0))
             self._note_stale(err.data.get("stale", []))
             return
+        if err.retriable:  # the coordinator is stopping or unreachable: the acks go again later
+            self._hold_again(list(ranges_before) + list(ranges))
         raise err
 
     def _note_stale(self, stale: list) -> None:
