@@ -1136,17 +1136,21 @@ class Consumer:
             # Answered => every poll sent before it in this generation applied its acks
             # (or was fenced, and then so is this request: see _on_ack_reply).
             ranges_before = [r for acks in self._poll_acks.values() for r in acks] if wait else []
-            try:
-                corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
-                                                           generation=self.generation, ranges=ranges))
-            except ZBrokerError:
-                self._hold_again(ranges)
-                raise
+            self._send_acks(ranges, ranges_before)
             if wait:
                 self._poll_acks = {}
-            self._ack_requests[corr] = (ranges, ranges_before)
         self._acks_since = None
         self._collect_ack_replies(block=wait)
+
+    def _send_acks(self, ranges: list, ranges_before: list) -> None:
+        """One Ack request; ranges it could not send are held again (and the error raised)."""
+        try:
+            corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
+                                                       generation=self.generation, ranges=ranges))
+        except ZBrokerError:
+            self._hold_again(ranges)
+            raise
+        self._ack_requests[corr] = (ranges, ranges_before)
 
     def _collect_ack_replies(self, block: bool) -> None:
         while self._ack_requests:
@@ -1172,14 +1176,8 @@ class Consumer:
             if err.code == ErrorCode.UNKNOWN_MEMBER:
                 self.member_id = ""
             self._rejoin()
-            ranges = list(ranges_before) + list(ranges)  # a repeated ack is harmless, a lost one is not
-            try:
-                corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
-                                                           generation=self.generation, ranges=ranges))
-            except ZBrokerError:
-                self._hold_again(ranges)
-                raise
-            self._ack_requests[corr] = (ranges, [])
+            # A repeated ack is harmless, a lost one is not.
+            self._send_acks(list(ranges_before) + list(ranges), [])
             return
         if err.code == ErrorCode.STALE_LEASE:
             self.stats["acked"] += int(err.data.get("applied", 0))
