@@ -303,8 +303,7 @@ class AsyncConsumer:
                                                            max_wait_ms=int(timeout * 1000), acks=acks),
                                             timeout=self.conn.request_timeout + timeout)).msg
         except BaseException:
-            for r in acks:  # not known to be applied: they go again (a repeated ack is harmless)
-                self.acks.add_range(r)
+            self._hold_again(acks)  # not known to be applied: they go again (a repeated ack is harmless)
             raise
         out: list[ConsumedRecord] = []
         for topic, partition, lease, start, end, attempt, reason in reply.deliveries:
@@ -339,8 +338,18 @@ class AsyncConsumer:
             await self._group_call(lambda: m.Ack(group=self.group, member_id=self.member_id,
                                                  generation=self.generation, ranges=ranges))
         except ZBrokerError as err:
-            if err.code is not ErrorCode.STALE_LEASE:
-                raise
+            if err.code is ErrorCode.STALE_LEASE:
+                return
+            if err.retriable:  # not applied, or not known to be: they go again (a repeat is harmless)
+                self._hold_again(ranges)
+            raise
+        except BaseException:  # cancelled mid-call: sent or not, sending again is harmless
+            self._hold_again(ranges)
+            raise
+
+    def _hold_again(self, ranges: list) -> None:
+        for r in ranges:
+            self.acks.add_range(r)
 
     async def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
         await self.flush_acks()
