@@ -1,5 +1,6 @@
 """The client's I/O-free pieces: batching, sequences, ack ranges and the deduper."""
 
+import pytest
 import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
@@ -7,6 +8,7 @@ from hypothesis import strategies as st
 from protocol.batch import encode_records, encode_values, validate_payload
 from protocol.partitioner import partition_for_key
 from zbroker.client.core import AckAccumulator, BatchAccumulator, Deduper, DeliveryHandle, group_by_lease
+from zbroker.client import sync
 from zbroker.client.core import ConsumedRecord
 
 
@@ -113,3 +115,11 @@ def test_deduper_forgets_after_ttl_and_is_bounded():
     for i in range(10):
         d.first_time(i, 11)
     assert len(d) == 3
+
+
+@pytest.mark.parametrize("seconds, expected", [(0.0, 0), (-0.5, 0), (0.0001, 1), (0.0007, 1), (0.001, 1),
+                                               (0.0047, 5), (1.0, 1000)])
+def test_poll_timeouts_round_up_so_a_short_wait_sleeps_instead_of_spinning(seconds, expected):
+    # A wait of 0.7 ms truncated to poll(0) returned at once, and the callers that loop
+    # until their deadline busy-waited for the rest of the millisecond.
+    assert sync.poll_timeout_ms(seconds) == expected

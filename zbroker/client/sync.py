@@ -11,6 +11,7 @@ instead of being delivered to its successor minutes later.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -50,6 +51,16 @@ def client_dealer(ctx: zmq.Context, endpoint: str, request_timeout: float, curve
     return sock
 
 
+def poll_timeout_ms(timeout_s: float) -> int:
+    """A zmq poll timeout in whole milliseconds, rounded up.
+
+    Rounded down, a wait of 0.7 ms became a poll(0) that returns at once, and
+    every caller that loops until its deadline spun on the CPU for the rest of
+    that millisecond: about half a millisecond of busy-waiting per wait.
+    """
+    return max(0, math.ceil(timeout_s * 1000))
+
+
 class Connection:
     """Sockets to the coordinator and the partition actors, with request/reply matching."""
 
@@ -85,7 +96,7 @@ class Connection:
 
     def recv(self, timeout_s: float) -> codec.Envelope | None:
         """The next reply from any socket, or None after ``timeout_s``."""
-        events = self.poller.poll(max(0, int(timeout_s * 1000)))
+        events = self.poller.poll(poll_timeout_ms(timeout_s))
         for sock, _ in events:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -598,7 +609,7 @@ class Consumer:
                         zmq.NOBLOCK)
                 except zmq.Again:
                     continue
-                if sock.poll(int(interval * 1000)):
+                if sock.poll(poll_timeout_ms(interval)):
                     env = codec.decode_reply(sock.recv_multipart())
                     if env.error is not None and env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
                         self._needs_rejoin.set()
