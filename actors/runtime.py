@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 import zmq
 
+from actors.wire import send_frames
 from protocol import codec
 from protocol.errors import ProtocolError, ZBrokerError
 
@@ -154,10 +155,7 @@ def decode_or_error(frames: list, log: Any) -> tuple[codec.Envelope | None, list
 def send_reply(sock: zmq.Socket, identity: bytes | None, frames: list) -> None:
     """Send without blocking; a full queue (slow peer) drops the reply."""
     try:
-        if identity is None:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        else:
-            sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        send_frames(sock, frames if identity is None else [identity, *frames], copy=False)
     except zmq.Again:
         structlog.get_logger("zbroker").warning("reply.dropped", reason="peer queue full")
 

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import zmq
 
 from actors import runtime, security
+from actors.wire import recv_frames
 from actors.group_coordinator import effects as fx
 from actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
 from actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
@@ -576,17 +577,15 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
             now = runtime.now_ms()
             if internal in ready:
                 for _ in range(TURN_BUDGET):
-                    try:
-                        frames = internal.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
+                    frames = recv_frames(internal)
+                    if frames is None:
                         break
                     if len(frames) >= 2:
                         shell.on_internal_message(frames[0], frames[1:], now)
             if router in ready:
                 for _ in range(TURN_BUDGET):
-                    try:
-                        frames = router.recv_multipart(zmq.NOBLOCK, copy=keys is None)
-                    except zmq.Again:
+                    frames = recv_frames(router, copy=keys is None)
+                    if frames is None:
                         break
                     if len(frames) < 2:
                         continue

@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from actors import runtime, security
+from actors.wire import recv_frames
 from actors.partition_log.core import (FsyncPolicy, Limits, OpenFailed, PartitionActorCore, Reply,
                                        ReplyError)
 from protocol import codec
@@ -161,8 +162,8 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
         now = wall_ms()
         if core.heartbeat_due(now):
             corr += 1
-            dealer.send_multipart(codec.encode_request(
-                core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid), corr), flags=zmq.NOBLOCK)
+            runtime.send_reply(dealer, None, codec.encode_request(
+                core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid), corr))
         deadline = core.next_deadline()
         timeout = 1000 if deadline is None else max(0, min(1000, deadline - now))
         try:
@@ -174,9 +175,8 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
         now = wall_ms()
         if router in ready:
             for _ in range(TURN_BUDGET):
-                try:
-                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                frames = recv_frames(router, copy=False)
+                if frames is None:
                     break
                 if len(frames) < 2:
                     continue
@@ -186,9 +186,8 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
                         acl, user)
         if dealer in ready:
             for _ in range(TURN_BUDGET):
-                try:
-                    frames = dealer.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
+                frames = recv_frames(dealer)
+                if frames is None:
                     break
                 _handle_from_coordinator(core, frames, now, router, dealer, log)
         for effect in core.tick(now):
@@ -197,7 +196,7 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
             _apply(effect, router, dealer, log)
         report = core.take_report(now)
         if report is not None:
-            dealer.send_multipart(codec.encode_request(report, None), flags=zmq.NOBLOCK)
+            runtime.send_reply(dealer, None, codec.encode_request(report, None))
 
 
 def _handle(core: PartitionActorCore, route: tuple, frames: list, now: int, router: zmq.Socket,

@@ -21,6 +21,7 @@ import structlog
 import zmq
 
 from actors.security import ClientKeys
+from actors.wire import recv_frames, send_frames
 from protocol import codec
 from protocol import messages as m
 from protocol.batch import decode_fetched
@@ -88,7 +89,8 @@ class Connection:
     def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> int:
         corr = next(self._ids)
         try:
-            self.socket(endpoint).send_multipart(codec.encode_request(msg, corr, frames), copy=len(frames) == 0)
+            send_frames(self.socket(endpoint), codec.encode_request(msg, corr, frames), copy=len(frames) == 0,
+                        block=True)  # up to SNDTIMEO: a connection still being made
         except zmq.Again:
             raise Unavailable(f"no connection to {endpoint} within {self.request_timeout}s",
                               endpoint=endpoint) from None
@@ -98,21 +100,15 @@ class Connection:
         """The next reply from any socket, or None after ``timeout_s``."""
         events = self.poller.poll(poll_timeout_ms(timeout_s))
         for sock, _ in events:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            return codec.decode_reply(frames)
+            frames = recv_frames(sock)
+            if frames is not None:
+                return codec.decode_reply(frames)
         return None
 
     def recv_nowait_all(self) -> list[codec.Envelope]:
         out = []
         for sock in self.sockets.values():
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            while (frames := recv_frames(sock)) is not None:
                 out.append(codec.decode_reply(frames))
         return out
 
