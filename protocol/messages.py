@@ -47,6 +47,7 @@ class Message:
 
     op: ClassVar[str]
     _fields: ClassVar[tuple[tuple[str, Any, bool, Any], ...]]
+    _checks: ClassVar[tuple]
 
     def check(self) -> None:
         """Structural checks beyond field types; raise ProtocolError."""
@@ -70,11 +71,44 @@ def _compile_fields(cls: type) -> tuple[tuple[str, Any, bool, Any], ...]:
     return tuple(out)
 
 
+def _accepted(expected: Any) -> tuple[tuple[type, ...] | None, bool]:
+    """What `isinstance` must accept for a field declared `expected` (None: anything), and
+    whether a bool is refused even so (bool is an int subclass; a flag is no count)."""
+    if expected is Any:
+        return None, False
+    if isinstance(expected, types.UnionType):
+        classes: list[type] = []
+        for member in expected.__args__:
+            accept, _ = _accepted(member)
+            if accept is None:
+                return None, False
+            classes += accept
+        numeric = int in classes or float in classes
+        return tuple(classes), numeric and bool not in expected.__args__
+    if expected is type(None):
+        return (type(None),), False
+    if expected is int:
+        return (int,), True
+    if expected is float:
+        return (int, float), True
+    origin = getattr(expected, "__origin__", None)  # list[int] is checked as a list
+    return ((origin if origin is not None else expected),), False
+
+
+def _compile_checks(fields: tuple[tuple[str, Any, bool, Any], ...]) -> tuple:
+    """Per field: (name, classes accepted or None, bool refused, required, default, type).
+    Decoding checks every field of every message; one isinstance per field is what
+    that costs, instead of walking the annotation each time."""
+    return tuple((name, *_accepted(ftype), required, default, ftype)
+                 for name, ftype, required, default in fields)
+
+
 def _register(table: dict[str, type], op: str, tell: bool = False):
     def wrap(cls):
         cls = dataclasses.dataclass(slots=True)(cls)
         cls.op = op
         cls._fields = _compile_fields(cls)
+        cls._checks = _compile_checks(cls._fields)
         table[op] = cls
         if tell:
             TELLS.add(op)
@@ -90,30 +124,13 @@ def reply(op: str):
     return _register(REPLIES, op)
 
 
-def _type_ok(value: Any, expected: Any) -> bool:
-    if expected is Any:
-        return True
-    if isinstance(expected, types.UnionType):
-        return any(_type_ok(value, t) for t in expected.__args__)
-    if expected is type(None):
-        return value is None
-    if expected is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if expected is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    origin = getattr(expected, "__origin__", None)
-    if origin is not None:
-        return isinstance(value, origin)
-    return isinstance(value, expected)
-
-
 def build(cls: type[Message], fields: dict[str, Any]) -> Message:
     """Construct and type-check a message from a decoded field map."""
     kwargs = {}
-    for name, ftype, required, default in cls._fields:
+    for name, accept, refuse_bool, required, default, ftype in cls._checks:
         if name in fields:
             value = fields[name]
-            if not _type_ok(value, ftype):
+            if accept is not None and (not isinstance(value, accept) or (refuse_bool and value.__class__ is bool)):
                 raise ProtocolError(f"field {name!r} of {cls.op!r} has the wrong type",
                                     op=cls.op, field=name, expected=_type_name(ftype),
                                     got=type(value).__name__)
