@@ -46,8 +46,8 @@ ADVANCE_RESEND_MS = 3000
 # Committed offsets go to the writer at most this often. Sending on every ack that
 # moved a commit costs a message and a reply per ack (thousands a second on a busy
 # group). At 5 ms, a consumer acking 2,000 paced records a second kept the writer
-# at a fifth of a core, most of it waking up for each message, and the wake-ups
-# competed with the data path; at 50 ms it is 4 %. A commit is only a restart
+# at 15-20 % of a core, most of it waking up for each message, and the wake-ups
+# competed with the data path; at 50 ms it is 4-5 %. A commit is only a restart
 # point: 50 ms more of acked records may be redelivered after a crash, never lost.
 ADVANCE_COALESCE_MS = 50
 LOAD_RETRY_MS = 1000
