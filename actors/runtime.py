@@ -152,12 +152,12 @@ def decode_or_error(frames: list, log: Any) -> tuple[codec.Envelope | None, list
         return None, codec.encode_error(op, corr_id, err)
 
 
-def send_reply(sock: zmq.Socket, identity: bytes | None, frames: list) -> None:
-    """Send without blocking; a full queue (slow peer) drops the reply."""
+def send_reply(sock: zmq.Socket, identity: bytes | None, frames: list, what: str = "reply") -> None:
+    """Send without blocking; a full queue (slow peer) drops the message, logged as `<what>.dropped`."""
     try:
         send_frames(sock, frames if identity is None else [identity, *frames], copy=False)
     except zmq.Again:
-        structlog.get_logger("zbroker").warning("reply.dropped", reason="peer queue full")
+        structlog.get_logger("zbroker").warning(f"{what}.dropped", reason="peer queue full")
 
 
 def error_frames(op: str | None, corr_id: Any, err: ZBrokerError) -> list:

@@ -10,8 +10,9 @@ for asking the socket for ZMQ_EVENTS first. A partition actor answering one
 record per request pays each of these once per record.
 
 Same semantics as pyzmq's: a multipart message is queued whole or not at all
-(ZeroMQ checks the high-water mark on its first frame), and frames are bytes
-or, with ``copy=False``, `zmq.Frame` objects.
+(ZeroMQ checks the high-water mark on its first frame, and every frame's type
+is checked before the first is sent), and received frames are bytes or, with
+``copy=False``, `zmq.Frame` objects.
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_FRAME_TYPES = (bytes, bytearray, memoryview, zmq.Frame)
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], copy: bool = True, block: bool = False) -> None:
     """Queue one multipart message; raises `zmq.Again` (nothing sent) when the peer's
     queue is at its high-water mark, at once or, with ``block``, after the socket's
     ZMQ_SNDTIMEO."""
+    for frame in frames:
+        # Checked before the first frame goes: a TypeError half-way would leave the
+        # frames before it queued, and the next message would be glued onto them.
+        if not isinstance(frame, _FRAME_TYPES):
+            raise TypeError(f"a frame must be bytes, bytearray, memoryview or zmq.Frame, not {type(frame).__name__}")
     send = sock.send
     flags = 0 if block else _NOBLOCK
     last = len(frames) - 1

@@ -10,7 +10,8 @@ messages, reads the clock once per turn, persists metadata files, and runs
 the two multi-step effects that need other actors:
 
 * committed-offset persistence: `PersistOffsets` effects are coalesced per key
-  and sent to the writer as one ``advance`` per turn; the writer's reply says
+  and sent to the writer as one ``advance`` at most every ADVANCE_COALESCE_MS
+  (50 ms); the writer's reply says
   what is durable and goes back to the core via ``on_durable``. Unconfirmed
   advances are resent when the writer restarts or stays silent.
 * dead letters: fetch the record from its partition actor, append it with

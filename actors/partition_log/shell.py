@@ -162,8 +162,9 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
         now = wall_ms()
         if core.heartbeat_due(now):
             corr += 1
+            # A registration the coordinator's queue refuses is dropped: the next one is a second away.
             runtime.send_reply(dealer, None, codec.encode_request(
-                core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid), corr))
+                core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid), corr), what="registration")
         deadline = core.next_deadline()
         timeout = 1000 if deadline is None else max(0, min(1000, deadline - now))
         try:
@@ -196,7 +197,8 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
             _apply(effect, router, dealer, log)
         report = core.take_report(now)
         if report is not None:
-            runtime.send_reply(dealer, None, codec.encode_request(report, None))
+            # Dropped when refused: the registration within a second reports every log end.
+            runtime.send_reply(dealer, None, codec.encode_request(report, None), what="report")
 
 
 def _handle(core: PartitionActorCore, route: tuple, frames: list, now: int, router: zmq.Socket,

@@ -1,6 +1,7 @@
 """actors.wire: the multipart send/receive the hot loops use instead of pyzmq's, byte for byte."""
 
 import itertools
+import time
 
 import pytest
 import zmq
@@ -75,22 +76,52 @@ def test_zero_copy_frames_keep_their_bytes(pair):
     assert [f.bytes for f in frames] == [b"peer", b"header", b"payload"]
 
 
-def test_a_full_queue_raises_again_at_once_or_after_the_send_timeout():
-    ctx = zmq.Context()
+def _stuck_dealer(ctx, send_timeout_ms):
+    """A DEALER whose one-message queue is full: nobody accepts its connection."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.SNDHWM, 1)
     dealer.setsockopt(zmq.IMMEDIATE, 0)
-    dealer.setsockopt(zmq.SNDTIMEO, 10)
-    dealer.connect("tcp://127.0.0.1:9")  # nobody accepts: messages stay queued
+    dealer.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+    dealer.connect("tcp://127.0.0.1:9")
+    sent = 0
+    with pytest.raises(zmq.Again):
+        for _ in range(10):
+            send_frames(dealer, [b"a", b"b"])
+            sent += 1
+    assert sent >= 1
+    return dealer
+
+
+def test_a_full_queue_raises_again_at_once_without_block():
+    ctx = zmq.Context()
+    dealer = _stuck_dealer(ctx, send_timeout_ms=2000)  # a blocking send would wait this long
     try:
-        sent = 0
+        started = time.monotonic()
         with pytest.raises(zmq.Again):
-            for _ in range(10):
-                send_frames(dealer, [b"a", b"b"])
-                sent += 1
-        with pytest.raises(zmq.Again):
-            send_frames(dealer, [b"a", b"b"], block=True)  # gives up after SNDTIMEO
-        assert sent >= 1
+            send_frames(dealer, [b"a", b"b"])
+        assert time.monotonic() - started < 0.1
     finally:
         dealer.close(linger=0)
         ctx.term()
+
+
+def test_block_waits_for_the_send_timeout_before_giving_up():
+    ctx = zmq.Context()
+    dealer = _stuck_dealer(ctx, send_timeout_ms=300)
+    try:
+        started = time.monotonic()
+        with pytest.raises(zmq.Again):
+            send_frames(dealer, [b"a", b"b"], block=True)
+        assert time.monotonic() - started >= 0.25
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+
+
+def test_a_frame_of_the_wrong_type_sends_nothing_and_the_next_message_arrives_whole(pair):
+    router, dealer = pair
+    with pytest.raises(TypeError):
+        send_frames(dealer, [b"header", "not bytes"])
+    send_frames(dealer, [b"next", b"payload"])
+    _wait(router)
+    assert recv_frames(router) == [b"peer", b"next", b"payload"]
