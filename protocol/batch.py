@@ -170,14 +170,89 @@ _NONE = type(None)
 _ts, _key, _value, _headers = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
 
 
+# Fixed-width msgpack integers (type byte -> bytes after it) and bin headers (type byte
+# -> length bytes), the encodings a uniform batch may use.
+_FIXED_INT_WIDTH = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
+_BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+_FIXINTS = bytes(range(0x80)) + bytes(range(0xE0, 0x100))
+
+
+def uniform_record_count(payload: bytes | memoryview) -> int | None:
+    """The record count of a payload whose records are all laid out like its first,
+    ``[timestamp, nil, bin of one length, nil]`` with one integer width, checked on
+    the bytes; None when it is anything else (`validate_payload` then decodes it).
+
+    This is what `encode_values` sends for a bulk of equal-sized values. If every
+    record starts with the same bytes at the same stride, has its nils and its bin
+    header where the first one has them, and the records fill the payload exactly,
+    then msgpack decodes it to exactly that many well-formed records: the bytes in
+    between are a fixed-width integer's and the values' own, any of which is valid.
+    Each check is one strided slice compared in C, a few microseconds per batch
+    where decoding the records costs about 0.5 µs each.
+    """
+    view = memoryview(payload).cast("B")  # strided slices of a view copy nothing
+    n = len(view)
+    if n < 6:
+        return None
+    first = view[0]
+    if 0x90 <= first <= 0x9F:
+        count, start = first & 0x0F, 1
+    elif first == 0xDC:
+        count, start = int.from_bytes(view[1:3], "big"), 3
+    elif first == 0xDD:
+        count, start = int.from_bytes(view[1:5], "big"), 5
+    else:
+        return None
+    if count == 0 or n < start + 6 or view[start] != 0x94:
+        return None
+    ts_type = view[start + 1]
+    if ts_type <= 0x7F or ts_type >= 0xE0:
+        key_at = 2  # a fixint: the type byte is the value
+    elif ts_type in _FIXED_INT_WIDTH:
+        key_at = 2 + _FIXED_INT_WIDTH[ts_type]
+    else:
+        return None
+    value_at = key_at + 1
+    length_bytes = _BIN_LENGTH_BYTES.get(view[start + value_at]) if n > start + value_at else None
+    if length_bytes is None or n < start + value_at + 1 + length_bytes:
+        return None
+    header_end = value_at + 1 + length_bytes
+    value_len = int.from_bytes(view[start + value_at + 1:start + header_end], "big")
+    stride = header_end + value_len + 1  # the nil headers close each record
+    if n - start != count * stride:
+        return None
+    body = view[start:]
+    nil = b"\xc0" * count
+    if body[0::stride] != b"\x94" * count or body[key_at::stride] != nil or body[stride - 1::stride] != nil:
+        return None
+    timestamps = body[1::stride]
+    if key_at == 2:
+        if timestamps.tobytes().translate(None, _FIXINTS):  # a byte left is no fixint
+            return None
+    elif timestamps != bytes((ts_type,)) * count:
+        return None
+    for i in range(value_at, header_end):  # the bin type and length bytes, alike in every record
+        if body[i::stride] != bytes((body[i],)) * count:
+            return None
+    return count
+
+
 def validate_payload(payload: bytes | memoryview) -> int:
     """Decode a payload and check every record's shape; returns the record count.
 
     The partition actor runs this on every produce, so a malformed batch gets
-    CORRUPT_BATCH instead of being stored to fail every consumer later. Each
-    check is one pass in C (``set(map(...))``), about 0.2 µs per record; the
-    payload is still stored exactly as it arrived.
+    CORRUPT_BATCH instead of being stored to fail every consumer later. A
+    uniform batch (what `encode_values` sends) is checked on its bytes by
+    `uniform_record_count`; any other is decoded, and each check is one pass in
+    C (``set(map(...))``), about 0.2 µs per record. The payload is stored
+    exactly as it arrived either way.
     """
+    count = uniform_record_count(payload)
+    return count if count is not None else validate_by_decoding(payload)
+
+
+def validate_by_decoding(payload: bytes | memoryview) -> int:
+    """`validate_payload` for any batch: decode every record and check its shape."""
     try:
         records = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=False, ext_hook=_reject_ext)
     except CorruptBatch:

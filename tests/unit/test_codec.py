@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from protocol import codec
 from protocol import messages as m
-from protocol.batch import (BATCH_HEADER_SIZE, Record, build_batch_header, decode_fetched, encode_records,
+from protocol.batch import (BATCH_HEADER_SIZE, Record, build_batch_header, decode_fetched, encode_records, encode_values,
+                            uniform_record_count, validate_by_decoding,
                             iter_stored_batches, parse_batch_header, payload_record_count, validate_payload)
 from protocol.errors import CorruptBatch, ErrorCode, NotOwner, ProtocolError, StaleLease, ZBrokerError
 from protocol.partitioner import partition_for_key
@@ -323,3 +324,67 @@ def _valid_fields(cls) -> dict:
         first = ftype.__args__[0] if isinstance(ftype, types.UnionType) else ftype
         out[name] = sample[getattr(first, "__origin__", None) or first]
     return out
+
+
+# -- the uniform-batch fast path of validate_payload -------------------------------------
+
+_uniform_batches = st.builds(
+    lambda n, size, ts, fill: encode_values([bytes([fill]) * size] * n, ts),
+    st.integers(1, 40), st.sampled_from([0, 1, 100, 255, 256, 1024, 70_000]),
+    st.one_of(st.integers(0, 127), st.integers(0, 2**64 - 1), st.integers(-2**63, -1)), st.integers(0, 255))
+_any_batches = st.lists(st.tuples(st.integers(-2**63, 2**64 - 1), st.one_of(st.none(), st.binary(max_size=8)),
+                                  st.binary(max_size=40),
+                                  st.one_of(st.none(), st.dictionaries(st.text(max_size=3), st.binary(max_size=3),
+                                                                       max_size=2))),
+                        min_size=1, max_size=20).map(lambda rs: encode_records([list(r) for r in rs]))
+
+
+@given(st.one_of(_uniform_batches, _any_batches), st.data())
+@settings(max_examples=600)
+def test_the_byte_level_check_of_a_uniform_batch_agrees_with_decoding_it(payload, data):
+    """Whenever the strided byte check answers, decoding the same bytes gives the same
+    count; it answers for every batch encode_values makes of equal-sized values; and a
+    batch with bytes changed, cut or added is never accepted by it if decoding refuses it."""
+    mutated = payload
+    how = data.draw(st.sampled_from(["none", "flip", "cut", "add"]))
+    if how == "flip":
+        i = data.draw(st.integers(0, len(payload) - 1))
+        mutated = payload[:i] + bytes([payload[i] ^ data.draw(st.integers(1, 255))]) + payload[i + 1:]
+    elif how == "cut":
+        mutated = payload[:data.draw(st.integers(0, len(payload) - 1))]
+    elif how == "add":
+        mutated = payload + data.draw(st.binary(min_size=1, max_size=4))
+    fast = uniform_record_count(memoryview(mutated))
+    if fast is not None:
+        assert validate_by_decoding(mutated) == fast
+    else:
+        try:
+            expected = validate_by_decoding(mutated)
+        except CorruptBatch:
+            with pytest.raises(CorruptBatch):
+                validate_payload(mutated)
+        else:
+            assert validate_payload(mutated) == expected
+
+
+@given(_uniform_batches)
+def test_encode_values_batches_take_the_byte_level_path(payload):
+    assert uniform_record_count(payload) == validate_by_decoding(payload)
+
+
+@pytest.mark.parametrize("timestamp", [5, -3, 200, 70_000, 2**40, -2**40])
+@pytest.mark.parametrize("value_size", [3, 300])
+def test_no_single_changed_byte_of_a_uniform_batch_fools_the_byte_level_check(timestamp, value_size):
+    """Every position of a small uniform batch, set to every other byte value: the byte
+    check either gives up or agrees with decoding (which may still accept the change,
+    e.g. in a value or a timestamp's digits)."""
+    payload = encode_values([b"v" * value_size] * 3, timestamp)
+    positions = range(len(payload)) if value_size < 10 else [*range(12), *range(len(payload) - 12, len(payload))]
+    for i in positions:
+        for replacement in range(256):
+            if replacement == payload[i]:
+                continue
+            mutated = payload[:i] + bytes([replacement]) + payload[i + 1:]
+            fast = uniform_record_count(mutated)
+            if fast is not None:
+                assert validate_by_decoding(mutated) == fast, (i, replacement)
