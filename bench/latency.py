@@ -155,14 +155,22 @@ class PublisherProcess:
 
 
 def paced_loop(
-    pacer: Pacer, publish_n: Callable[[int], None], *, clock=time.monotonic, sleep=time.sleep
+    pacer: Pacer, publish_n: Callable[[int], None], *, clock=time.monotonic, sleep=time.sleep,
+    service: Callable[[], float | None] | None = None,
 ) -> None:
-    """Drive a synchronous publisher: call `publish_n(k)` whenever k records are due."""
+    """Drive a synchronous publisher: call `publish_n(k)` whenever k records are due.
+
+    `service()`, if given, runs after every wake-up and returns when it next
+    needs to run (a lingering producer's deadline) or None; the loop sleeps
+    until that or the next due record, whichever is first.
+    """
     while not pacer.done:
         n = pacer.due(clock())
         if n:
             publish_n(n)
+        service_at = service() if service is not None else None
+        if n:
             continue
-        next_at = pacer.next_due_at()
-        if next_at is not None:
-            sleep(max(0.0, next_at - clock()))
+        wake_at = [t for t in (pacer.next_due_at(), service_at) if t is not None]
+        if wake_at:
+            sleep(max(0.0, min(wake_at) - clock()))

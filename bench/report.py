@@ -22,6 +22,14 @@ from typing import Any
 
 SYSTEMS = ("zbroker", "rabbitmq", "nats", "redis")
 PEERS = SYSTEMS[1:]
+# Latency rows: (system, phase). The zbroker publisher lingers 1 ms; the
+# variant row is the same workload with a publisher that does not.
+LATENCY_SERIES = {
+    "zbroker": ("zbroker", "latency"),
+    "zbroker_linger_0": ("zbroker", "latency_linger_0"),
+    **{peer: (peer, "latency") for peer in SYSTEMS[1:]},
+}
+LATENCY_TITLES = {"zbroker": "zbroker (publisher linger_ms=1)", "zbroker_linger_0": "zbroker, linger_ms=0"}
 THROUGHPUT_ROWS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched", "consume_ack")
 ROW_TITLES = {
     "produce": "produce 100 B, fsync interval",
@@ -38,7 +46,7 @@ CEILING_FOR_ROW = {
     "produce_unbatched": "unbatched_100",
     "consume_ack": "batched_100",
 }
-COLORS = {"zbroker": "tab:blue", "rabbitmq": "tab:orange", "nats": "tab:green", "redis": "tab:red",
+COLORS = {"zbroker": "tab:blue", "zbroker_linger_0": "tab:blue", "rabbitmq": "tab:orange", "nats": "tab:green", "redis": "tab:red",
           "zmq_ceiling": "tab:gray"}
 TEMPLATE = Path(__file__).resolve().parent / "RESULTS.md.tmpl"
 
@@ -98,16 +106,18 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
 
     latency_ms: dict[str, Any] = {}
     latency_cdf: dict[str, Any] = {}
-    for system in SYSTEMS:
-        phase, text = _phase(results, system, "latency")
-        status[system]["latency"] = text
+    for series, (system, workload) in LATENCY_SERIES.items():
+        phase, text = _phase(results, system, workload)
+        if series not in SYSTEMS and phase is None:
+            continue  # a variant row only appears when it ran
+        status.setdefault(series, {})["latency"] = text
         if _usable(phase) and phase.get("latency_ms"):
-            latency_ms[system] = {**phase["latency_ms"], "received": phase.get("received"),
+            latency_ms[series] = {**phase["latency_ms"], "received": phase.get("received"),
                                   "sent": (phase.get("publisher") or {}).get("sent"),
                                   "publisher_max_lag_ms": (phase.get("publisher") or {}).get("max_lag_ms")}
-            latency_cdf[system] = phase.get("cdf")
+            latency_cdf[series] = phase.get("cdf")
         else:
-            latency_ms[system] = None
+            latency_ms[series] = None
     workloads["latency_p99_ms"] = {s: (v or {}).get("p99") for s, v in latency_ms.items()}
     workloads["latency_ms"] = latency_ms
     workloads["server_cpu_us_per_record"] = cpu
@@ -228,13 +238,14 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out.append("\n### Publish-to-receive latency (ms), paced publisher in another process\n")
     out.append("| system | p50 | p99 | p99.9 | max | received / sent | publisher max lag |")
     out.append("|---|---:|---:|---:|---:|---:|---:|")
-    for system in SYSTEMS:
-        lat = w["latency_ms"].get(system)
+    for series in w["latency_ms"]:
+        lat = w["latency_ms"][series]
+        title = LATENCY_TITLES.get(series, series)
         if lat is None:
-            out.append(f"| {system} | {_cell(None, status[system].get('latency', 'not run'), notes)} "
+            out.append(f"| {title} | {_cell(None, status.get(series, {}).get('latency', 'not run'), notes)} "
                        "| | | | | |")
             continue
-        out.append(f"| {system} | {_num(lat['p50'], 2)} | {_num(lat['p99'], 2)} | {_num(lat['p99_9'], 2)} | "
+        out.append(f"| {title} | {_num(lat['p50'], 2)} | {_num(lat['p99'], 2)} | {_num(lat['p99_9'], 2)} | "
                    f"{_num(lat['max'], 2)} | {_num(lat.get('received'))} / {_num(lat.get('sent'))} | "
                    f"{_num(lat.get('publisher_max_lag_ms'), 1)} ms |")
 
@@ -394,8 +405,9 @@ def render_chart(summary: dict[str, Any], path: str | os.PathLike) -> None:
     plotted = False
     for system, points in summary.get("latency_cdf", {}).items():
         if points:
-            cdf.plot([p[0] for p in points], [p[1] for p in points], drawstyle="steps-post", label=system,
-                     color=COLORS.get(system))
+            cdf.plot([p[0] for p in points], [p[1] for p in points], drawstyle="steps-post",
+                     label=LATENCY_TITLES.get(system, system), color=COLORS.get(system),
+                     linestyle=":" if system not in SYSTEMS else "-")
             plotted = True
     cdf.set_xscale("log")
     cdf.set_xlabel("publish-to-receive latency (ms, log scale)")

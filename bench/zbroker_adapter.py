@@ -44,6 +44,13 @@ PRODUCE_BATCH = 500
 # once caught up, hold an ahead lease so a new record needs no poll (lease_ahead).
 CONSUMER_OPTIONS = {"poll_ahead": True, "lease_ahead": True}
 FSYNC_INTERVAL = "interval:1000"
+# The latency publisher lingers 1 ms, as a Kafka producer would (Kafka's default
+# is 5 ms): at 5,000 records/s about five records share a request, so the path
+# carries a fifth of the messages. The stamp is taken before `send`, so the
+# linger is part of every measured latency. bench/PROFILE.md, "Sixth pass",
+# has the linger 0 / 0.25 / 0.5 / 1 / 2 ms comparison; the harness also runs
+# linger 0 beside it (the "zbroker, linger_ms=0" row).
+LATENCY_LINGER_MS = 1.0
 
 
 def _client_api():
@@ -211,7 +218,8 @@ class ZBroker(Adapter):
             "produce_unbatched": f"fsync {FSYNC_INTERVAL}; linger_ms=0, batch_size=1, max_in_flight_records=1,000",
             "consume_ack": "Consumer max_in_flight=10,000, poll 1,000, poll_ahead, lease_ahead, ack per record "
                            "(batched on the wire)",
-            "latency": "publisher linger_ms=0; consumer poll(timeout=0.1), poll_ahead, lease_ahead, ack per record",
+            "latency": f"fsync {FSYNC_INTERVAL}; publisher linger_ms={LATENCY_LINGER_MS:g} (and a linger_ms=0 row); "
+                       "consumer poll(timeout=0.1), poll_ahead, lease_ahead, ack per record",
         }
 
     def setup(self) -> None:
@@ -257,11 +265,12 @@ class ZBroker(Adapter):
     def consume_ack(self, count: int, phase: Phase) -> None:
         _consume(self.broker.url, self.main_topic, f"bench-{self.run_id}", count, phase)
 
-    def latency(self, rate: float, seconds: float, size: int, phase: Phase) -> dict[str, Any]:
-        topic = self.broker.create_topic(f"{self.main_topic}-latency")
+    def latency(self, rate: float, seconds: float, size: int, phase: Phase,
+                linger_ms: float = LATENCY_LINGER_MS) -> dict[str, Any]:
+        topic = self.broker.create_topic(f"{self.main_topic}-latency-{linger_ms:g}")
         recorder = LatencyRecorder()
         publisher = PublisherProcess(paced_publisher, {"url": self.broker.url, "topic": topic, "rate": rate,
-                                                       "seconds": seconds, "size": size})
+                                                       "seconds": seconds, "size": size, "linger_ms": linger_ms})
         expected = Pacer(rate, seconds, 0.0).total
         _consume(self.broker.url, topic, f"bench-{self.run_id}-latency", expected, phase, recorder,
                  on_joined=publisher.start)
@@ -469,7 +478,7 @@ def paced_publisher(args: dict, ready, go, results) -> None:
     """Child process: send stamped records at `rate` per second for `seconds`."""
     try:
         _, Producer, _, _ = _client_api()
-        producer = Producer(args["url"], linger_ms=0, batch_size=CHUNK, max_in_flight_records=1000)
+        producer = Producer(args["url"], linger_ms=args["linger_ms"], batch_size=CHUNK, max_in_flight_records=1000)
         ready.set()
         go.wait()
         pacer = Pacer(args["rate"], args["seconds"], time.monotonic())
@@ -478,7 +487,16 @@ def paced_publisher(args: dict, ready, go, results) -> None:
             for _ in range(n):
                 producer.send(args["topic"], stamp(args["size"], time.time_ns()))
 
-        paced_loop(pacer, publish)
+        def send_lingered() -> float | None:
+            # The synchronous producer has no thread of its own: a batch whose
+            # linger ran out between two due records goes out here, on time.
+            deadline = producer.linger_deadline()
+            if deadline is not None and time.monotonic() >= deadline:
+                producer.poll()
+                deadline = producer.linger_deadline()
+            return deadline
+
+        paced_loop(pacer, publish, service=send_lingered)
         producer.flush()
         producer.close()
         results.put({"sent": pacer.sent, "max_lag_ms": pacer.max_lag_s * 1000})

@@ -49,6 +49,32 @@ def test_paced_loop_with_a_hand_driven_clock():
     assert pacer.max_lag_s == pytest.approx(0.0, abs=1e-9)
 
 
+def test_paced_loop_wakes_for_the_service_deadline_between_records():
+    # 10 records/s and a producer that must flush 0.03 s after each send: the loop
+    # sleeps until the flush deadline, not straight through to the next record.
+    now = [0.0]
+    flush_due: list[float] = []
+    flushed_at: list[float] = []
+
+    def publish(n: int) -> None:
+        flush_due.append(now[0] + 0.03)
+
+    def service() -> float | None:
+        while flush_due and flush_due[0] <= now[0] + 1e-12:
+            flushed_at.append(now[0])
+            flush_due.pop(0)
+        return flush_due[0] if flush_due else None
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    pacer = Pacer(rate=10, seconds=0.3, start=0.0)
+    paced_loop(pacer, publish, clock=lambda: now[0], sleep=sleep, service=service)
+    # The last record's flush is the caller's (its `flush()` after the loop).
+    assert flushed_at == pytest.approx([0.03, 0.13])
+    assert pacer.sent == 3
+
+
 def test_recorder_summary_percentiles_and_restorable_histogram():
     recorder = LatencyRecorder()
     sent_ns = 1_000_000_000

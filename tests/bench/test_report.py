@@ -104,6 +104,19 @@ def test_markdown_marks_missing_cells_with_footnoted_reasons(results):
     assert "![throughput and latency](latest.png)" in md
 
 
+def test_the_no_linger_latency_row_appears_only_when_it_ran(results):
+    md = report.render_markdown(report.summarize(results), chart="latest.png")
+    assert "linger_ms=0 |" not in md
+    results["systems"]["zbroker"]["phases"]["latency_linger_0"] = latency(40.0)
+    s = report.summarize(results)
+    assert s["workloads"]["latency_p99_ms"]["zbroker_linger_0"] == 40.0
+    assert s["workloads"]["zbroker_over_peer"]["latency_p99"]["rabbitmq"] == 0.25  # the main row's ratio
+    md = report.render_markdown(s, chart="latest.png")
+    row = next(line for line in md.splitlines() if line.startswith("| zbroker, linger_ms=0 |"))
+    assert "| 40.00 |" in row
+    assert list(s["latency_cdf"]) == ["zbroker", "zbroker_linger_0", "rabbitmq"]
+
+
 def test_results_md_is_the_template_filled_in(results):
     s = report.summarize(results)
     text = report.render_results_md(s, "results/latest.png",

@@ -79,6 +79,26 @@ def test_assigned_offsets_are_returned_to_the_producer(broker):
     assert [h.offset for h in handles] == [0, 1, 2]
 
 
+def test_poll_sends_a_lingering_batch_without_another_send(broker):
+    with Admin(broker.url) as admin:
+        admin.create_topic("linger", partitions=1)
+    with Producer(broker.url, linger_ms=200) as producer:
+        assert producer.linger_deadline() is None
+        before = time.monotonic()
+        handle = producer.send("linger", b"alone")
+        deadline = producer.linger_deadline()
+        assert deadline is not None and before + 0.2 <= deadline <= time.monotonic() + 0.2
+        producer.poll()  # too early: the record stays buffered
+        assert producer.in_flight_records == 0 and producer.linger_deadline() == deadline
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        producer.poll()
+        assert producer.linger_deadline() is None and producer.in_flight_records == 1
+        give_up = time.monotonic() + 10
+        while handle.offset is None and time.monotonic() < give_up:
+            producer.poll(timeout=0.05)
+        assert handle.offset == 0 and producer.in_flight_records == 0
+
+
 def test_unknown_topic_is_a_clear_error(broker):
     with Producer(broker.url) as producer:
         with pytest.raises(UnknownTopic) as info:

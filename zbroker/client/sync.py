@@ -226,7 +226,7 @@ class Producer:
 
     ``send`` buffers a record; a batch goes out when it holds ``batch_size``
     records or ``batch_bytes``, when its first record has waited ``linger_ms``
-    (checked on every call), or on ``flush``. At most
+    (checked on every ``send`` and ``poll``), or on ``flush``. At most
     ``max_in_flight_records`` are unacknowledged at once. Retries keep the
     batch's (producer_id, sequence), so the partition actor stores it once.
     """
@@ -276,15 +276,38 @@ class Producer:
         elif self._oldest_open is None:
             self._oldest_open = now
         elif now - self._oldest_open >= self.linger_s:
-            for b in self.acc.due(now, self.linger_s):
-                self._dispatch(b)
-            self._oldest_open = self.acc.oldest_opened_at()
+            self._dispatch_lingered(now)
         self._sends += 1
         if self.in_flight and self._sends & 63 == 0:
             # Collect replies now and then so the window keeps moving between batches.
             for env in self.conn.recv_nowait_all():
                 self._on_reply(env)
         return handle
+
+    def linger_deadline(self) -> float | None:
+        """When (``time.monotonic()``) the longest-waiting buffered batch is due to go out; None if none is."""
+        return None if self._oldest_open is None else self._oldest_open + self.linger_s
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Send the batches whose linger has run out and take in the replies that have arrived.
+
+        A synchronous producer has no background thread: ``send`` checks the
+        linger only when it is called. An application that sends in bursts
+        with pauses longer than ``linger_ms`` calls ``poll`` at
+        ``linger_deadline()`` (or from its idle loop) so that the last records
+        of a burst do not wait for the next one. Waits up to ``timeout``
+        seconds for a reply when requests are in flight.
+        """
+        now = time.monotonic()
+        if self._oldest_open is not None and now - self._oldest_open >= self.linger_s:
+            self._dispatch_lingered(now)
+        if self.in_flight or self.retrying:
+            self._pump(timeout)
+
+    def _dispatch_lingered(self, now: float) -> None:
+        for b in self.acc.due(now, self.linger_s):
+            self._dispatch(b)
+        self._oldest_open = self.acc.oldest_opened_at()
 
     def send_many(self, topic: str, values: list[bytes], partition: int | None = None) -> None:
         """Fast path for key-less, header-less values: whole batches at once."""
