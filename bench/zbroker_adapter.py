@@ -25,6 +25,7 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import statistics
 import tempfile
 import time
 import uuid
@@ -51,6 +52,8 @@ FSYNC_INTERVAL = "interval:1000"
 # has the linger 0 / 0.25 / 0.5 / 1 / 2 ms comparison; the harness also runs
 # linger 0 beside it (the "zbroker, linger_ms=0" row).
 LATENCY_LINGER_MS = 1.0
+# Scale-out rows are measured this many times each, interleaved (see ZBroker.scale_out).
+SCALE_OUT_ROUNDS = 3
 
 
 def _client_api():
@@ -284,24 +287,32 @@ class ZBroker(Adapter):
 
         `clients` producer processes (then as many consumers, one group)
         share the partitions, so the Python client is not the only limit.
+        At these rates a phase lasts a tenth of a second and one run's figures
+        move by a third on a shared machine, so the rows are run
+        SCALE_OUT_ROUNDS times, interleaved (1, 2, 4 actors, then again), each
+        on a new broker; a row reports the median and the range.
         """
-        rows = {}
-        for n in actors:
-            def run(broker: _Broker) -> dict[str, Any]:
-                topic = broker.create_topic(f"{self.main_topic}-scale{n}", partitions=4)
-                actor_pids = {name: pid for name, pid in broker.handle.pids().items() if name.startswith("partition-")}
-                row = {}
-                for role in ("produce", "consume_ack"):
-                    phase = make_phase(f"scale_out[{n} actors] {role}", count)
-                    before, after = _run_client_processes(role, broker.url, topic, count, size, clients, phase,
-                                                          group=f"bench-{self.run_id}-scale{n}",
-                                                          sample_pids=list(actor_pids.values()))
-                    row[role] = phase.result()
-                    row[role]["per_actor"] = _per_actor_cpu(broker, topic, count, actor_pids, before, after)
-                return row
+        runs: dict[str, list[dict[str, Any]]] = {str(n): [] for n in actors}
+        for round_no in range(SCALE_OUT_ROUNDS):
+            for n in actors:
+                def run(broker: _Broker) -> dict[str, Any]:
+                    topic = broker.create_topic(f"{self.main_topic}-scale{n}-{round_no}", partitions=4)
+                    actor_pids = {name: pid for name, pid in broker.handle.pids().items()
+                                  if name.startswith("partition-")}
+                    one = {}
+                    for role in ("produce", "consume_ack"):
+                        phase = make_phase(f"scale_out[{n} actors, round {round_no + 1}] {role}", count)
+                        before, after = _run_client_processes(role, broker.url, topic, count, size, clients, phase,
+                                                              group=f"bench-{self.run_id}-scale{n}-{round_no}",
+                                                              sample_pids=list(actor_pids.values()))
+                        one[role] = phase.result()
+                        one[role]["per_actor"] = _per_actor_cpu(broker, topic, count, actor_pids, before, after)
+                    return one
 
-            rows[str(n)] = self._with_broker(run, partition_actors=n)
-        return {"partitions": 4, "client_processes": clients, "actors": rows}
+                runs[str(n)].append(self._with_broker(run, partition_actors=n))
+        rows = {n: {role: scale_out_summary([r[role] for r in row_runs]) for role in ("produce", "consume_ack")}
+                for n, row_runs in runs.items()}
+        return {"partitions": 4, "client_processes": clients, "rounds": SCALE_OUT_ROUNDS, "actors": rows}
 
     def redelivery(self, leases: int, phase: Phase) -> dict[str, Any]:
         """A consumer dies holding `leases` records; time until another member has them all."""
@@ -354,6 +365,28 @@ class ZBroker(Adapter):
                 "delivered_while_victim_alive": len(early),
                 "session_timeout_ms": getattr(survivor, "session_timeout_ms", None),
                 "seconds_until_all_redelivered": redelivered_after_s, "duplicates_seen": duplicates}
+
+
+def scale_out_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One scale-out row for one role from its repeated runs: the median and the
+    range of the rate, of the broker's CPU per record and of the busiest actor's
+    CPU per million records (each run's busiest actor), and the runs themselves."""
+    def figures(pick: Callable[[dict[str, Any]], float | None]) -> list[float]:
+        return sorted(v for v in map(pick, runs) if v is not None)
+
+    def busiest(run: dict[str, Any]) -> float | None:
+        per_actor = [a.get("cpu_s_per_million_records") for a in (run.get("per_actor") or {}).values()]
+        per_actor = [f for f in per_actor if f is not None]
+        return max(per_actor) if per_actor else None
+
+    out: dict[str, Any] = {"runs": runs}
+    for name, pick in (("msgs_s", lambda r: r.get("msgs_s")),
+                       ("server_cpu_us_per_record", lambda r: r.get("server_cpu_us_per_record")),
+                       ("busiest_actor_cpu_s_per_million_records", busiest)):
+        values = figures(pick)
+        out[name] = statistics.median(values) if values else None
+        out[f"{name}_range"] = [values[0], values[-1]] if values else None
+    return out
 
 
 def _per_actor_cpu(broker: _Broker, topic: str, produced: int, actor_pids: dict[str, int], before: CpuSample,

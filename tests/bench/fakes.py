@@ -70,8 +70,8 @@ class MemoryQueue(Adapter):
             phase.advance()
         phase.end()
 
-    def latency(self, rate: float, seconds: float, size: int, phase: Phase) -> dict:
-        self.calls.append("latency")
+    def latency(self, rate: float, seconds: float, size: int, phase: Phase, **options) -> dict:
+        self.calls.append(" ".join(["latency", *(f"{k}={v}" for k, v in options.items())]))
         self._maybe_raise("latency")
         recorder = LatencyRecorder()
         total = Pacer(rate, seconds, 0.0).total

@@ -117,6 +117,32 @@ def test_the_no_linger_latency_row_appears_only_when_it_ran(results):
     assert list(s["latency_cdf"]) == ["zbroker", "zbroker_linger_0", "rabbitmq"]
 
 
+def test_scale_out_rows_report_the_median_and_range_of_their_runs(results):
+    from bench.zbroker_adapter import scale_out_summary
+
+    def run(msgs_s: float, *actor_cpu: float) -> dict:
+        return {**phase(msgs_s), "per_actor": {f"partition-{i}": {"records": 1, "cpu_s": c,
+                                                                  "cpu_s_per_million_records": c}
+                                               for i, c in enumerate(actor_cpu)}}
+
+    one = {role: scale_out_summary([run(900, 0.5), run(1000, 0.4), run(1200, 0.6)])
+           for role in ("produce", "consume_ack")}
+    two = {role: scale_out_summary([run(1500, 0.4, 0.7), run(1100, 0.5, 0.3), run(2000, 0.45, 0.5)])
+           for role in ("produce", "consume_ack")}
+    assert one["produce"]["msgs_s"] == 1000 and one["produce"]["msgs_s_range"] == [900, 1200]
+    # Each run's busiest actor (0.7, 0.5, 0.5), then their median.
+    assert two["produce"]["busiest_actor_cpu_s_per_million_records"] == 0.5
+    assert two["produce"]["busiest_actor_cpu_s_per_million_records_range"] == [0.5, 0.7]
+    results["systems"]["zbroker"]["phases"]["scale_out"] = {
+        "status": "ok", "partitions": 4, "client_processes": 2, "rounds": 3, "actors": {"1": one, "2": two}}
+    s = report.summarize(results)
+    assert s["workloads"]["scale_out_actor_cpu_s_per_million_records"]["produce"] == {"1": 0.5, "2": 0.5}
+    md = report.render_markdown(s, chart="latest.png")
+    assert "ran 3 times, interleaved" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 2 | "))
+    assert "| 1,500 [1,100–2,000] |" in row and "0.50 (+0%) [0.50–0.70]" in row
+
+
 def test_results_md_is_the_template_filled_in(results):
     s = report.summarize(results)
     text = report.render_results_md(s, "results/latest.png",
