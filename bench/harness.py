@@ -247,27 +247,29 @@ class Harness:
                 phases[workload] = self._measure(adapter.name, workload, spec.count, pids,
                                                  lambda phase, spec=spec: adapter.produce(spec, phase))
         if "latency" in selected:
-            phases["latency"] = self._latency(adapter, pids)
+            phases["latency"] = self._latency(adapter, "latency", pids)
         if adapter.name != "zbroker":
             return
         if "latency" in selected:
             # The same workload with a publisher that does not linger: what the
             # 1 ms linger of the main row buys, shown rather than implied.
-            phases[LATENCY_NO_LINGER] = self._latency(adapter, pids, linger_ms=0.0)
+            phases[LATENCY_NO_LINGER] = self._latency(adapter, LATENCY_NO_LINGER, pids, linger_ms=0.0)
         if "scale_out" in selected:
             phases["scale_out"] = self._scale_out(adapter)
         if "redelivery" in selected:
             phases["redelivery"] = self._measure(adapter.name, "redelivery", counts.leases, pids,
                                                  lambda phase: adapter.redelivery(counts.leases, phase))
 
-    def _latency(self, adapter: Adapter, pids: Callable[[], list[int]], **options: Any) -> dict[str, Any]:
+    def _latency(self, adapter: Adapter, workload: str, pids: Callable[[], list[int]],
+                 **options: Any) -> dict[str, Any]:
         counts = self.config.counts
         phase = self._measure(
-            adapter.name, "latency", int(counts.latency_rate * counts.latency_seconds), pids,
+            adapter.name, workload, int(counts.latency_rate * counts.latency_seconds), pids,
             lambda phase: adapter.latency(counts.latency_rate, counts.latency_seconds, 100, phase, **options),
             # A paced run has a known length: wait for stragglers, not for the general bound.
             timeout_s=min(self.config.phase_timeout_s, counts.latency_seconds + LATENCY_GRACE_S))
-        phase.update(rate=counts.latency_rate, seconds=counts.latency_seconds, **options)
+        # The schedule, beside the measured `seconds` (which it must not overwrite).
+        phase.update(rate=counts.latency_rate, paced_seconds=counts.latency_seconds)
         return phase
 
     def _scale_out(self, adapter: Adapter) -> dict[str, Any]:

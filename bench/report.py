@@ -22,14 +22,10 @@ from typing import Any
 
 SYSTEMS = ("zbroker", "rabbitmq", "nats", "redis")
 PEERS = SYSTEMS[1:]
-# Latency rows: (system, phase). The zbroker publisher lingers 1 ms; the
-# variant row is the same workload with a publisher that does not.
-LATENCY_SERIES = {
-    "zbroker": ("zbroker", "latency"),
-    "zbroker_linger_0": ("zbroker", "latency_linger_0"),
-    **{peer: (peer, "latency") for peer in SYSTEMS[1:]},
-}
-LATENCY_TITLES = {"zbroker": "zbroker (publisher linger_ms=1)", "zbroker_linger_0": "zbroker, linger_ms=0"}
+# zbroker's latency workload also runs with a publisher that does not linger;
+# that run is a variant row beside the systems, kept out of the per-system maps
+# (`latency_p99_ms`, `latency_ms`, `latency_cdf`) that scripts read.
+LATENCY_VARIANTS = {"zbroker_linger_0": ("zbroker", "latency_linger_0")}
 THROUGHPUT_ROWS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched", "consume_ack")
 ROW_TITLES = {
     "produce": "produce 100 B, fsync interval",
@@ -46,7 +42,7 @@ CEILING_FOR_ROW = {
     "produce_unbatched": "unbatched_100",
     "consume_ack": "batched_100",
 }
-COLORS = {"zbroker": "tab:blue", "zbroker_linger_0": "tab:blue", "rabbitmq": "tab:orange", "nats": "tab:green", "redis": "tab:red",
+COLORS = {"zbroker": "tab:blue", "rabbitmq": "tab:orange", "nats": "tab:green", "redis": "tab:red",
           "zmq_ceiling": "tab:gray"}
 TEMPLATE = Path(__file__).resolve().parent / "RESULTS.md.tmpl"
 
@@ -83,6 +79,25 @@ def _usable(phase: dict[str, Any] | None) -> bool:
     return phase is not None and phase.get("status") in ("ok", "timed_out")
 
 
+def _latency_entry(phase: dict[str, Any] | None) -> tuple[dict[str, Any] | None, list | None]:
+    """A latency phase's row (percentiles, counts, the publisher's lag and linger) and CDF."""
+    if not (_usable(phase) and phase.get("latency_ms")):
+        return None, None
+    publisher = phase.get("publisher") or {}
+    row = {**phase["latency_ms"], "received": phase.get("received"), "sent": publisher.get("sent"),
+           "publisher_max_lag_ms": publisher.get("max_lag_ms")}
+    if "linger_ms" in publisher:
+        row["publisher_linger_ms"] = publisher["linger_ms"]
+    return row, phase.get("cdf")
+
+
+def latency_title(series: str, row: dict[str, Any] | None) -> str:
+    """`zbroker`, or `zbroker (publisher linger_ms=1)` when the run says how its publisher lingered."""
+    system = LATENCY_VARIANTS.get(series, (series,))[0]
+    linger = (row or {}).get("publisher_linger_ms")
+    return system if linger is None else f"{system} (publisher linger_ms={linger:g})"
+
+
 def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
               command: str | None = None) -> dict[str, Any]:
     """The short form: `latest.json`'s shape (issue #5)."""
@@ -106,20 +121,25 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
 
     latency_ms: dict[str, Any] = {}
     latency_cdf: dict[str, Any] = {}
-    for series, (system, workload) in LATENCY_SERIES.items():
+    for system in SYSTEMS:
+        phase, text = _phase(results, system, "latency")
+        status[system]["latency"] = text
+        latency_ms[system], cdf = _latency_entry(phase)
+        if cdf is not None:
+            latency_cdf[system] = cdf
+    variants_ms: dict[str, Any] = {}
+    variants_cdf: dict[str, Any] = {}
+    for variant, (system, workload) in LATENCY_VARIANTS.items():
         phase, text = _phase(results, system, workload)
-        if series not in SYSTEMS and phase is None:
+        if phase is None:
             continue  # a variant row only appears when it ran
-        status.setdefault(series, {})["latency"] = text
-        if _usable(phase) and phase.get("latency_ms"):
-            latency_ms[series] = {**phase["latency_ms"], "received": phase.get("received"),
-                                  "sent": (phase.get("publisher") or {}).get("sent"),
-                                  "publisher_max_lag_ms": (phase.get("publisher") or {}).get("max_lag_ms")}
-            latency_cdf[series] = phase.get("cdf")
-        else:
-            latency_ms[series] = None
+        status[system][workload] = text
+        variants_ms[variant], cdf = _latency_entry(phase)
+        if cdf is not None:
+            variants_cdf[variant] = cdf
     workloads["latency_p99_ms"] = {s: (v or {}).get("p99") for s, v in latency_ms.items()}
     workloads["latency_ms"] = latency_ms
+    workloads["latency_variants_ms"] = variants_ms
     workloads["server_cpu_us_per_record"] = cpu
 
     zb_ratio: dict[str, dict[str, float | None]] = {}
@@ -151,6 +171,7 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
         "workloads": workloads,
         "status": status,
         "latency_cdf": latency_cdf,
+        "latency_variants_cdf": variants_cdf,
         "durability": {s: e.get("durability", {}) for s, e in results.get("systems", {}).items()},
         "versions": {s: e.get("version") for s, e in results.get("systems", {}).items()},
         "ceiling_note": "zmq_ceiling: raw pyzmq PUSH/PULL between two processes, same payloads; "
@@ -238,12 +259,16 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out.append("\n### Publish-to-receive latency (ms), paced publisher in another process\n")
     out.append("| system | p50 | p99 | p99.9 | max | received / sent | publisher max lag |")
     out.append("|---|---:|---:|---:|---:|---:|---:|")
-    for series in w["latency_ms"]:
-        lat = w["latency_ms"][series]
-        title = LATENCY_TITLES.get(series, series)
+    rows = []
+    for system in SYSTEMS:
+        rows.append((system, w["latency_ms"].get(system), status[system].get("latency", "not run")))
+        rows += [(variant, w.get("latency_variants_ms", {}).get(variant),
+                  status[system].get(LATENCY_VARIANTS[variant][1], "not run"))
+                 for variant in w.get("latency_variants_ms", {}) if LATENCY_VARIANTS.get(variant, ("",))[0] == system]
+    for series, lat, text in rows:
+        title = latency_title(series, lat)
         if lat is None:
-            out.append(f"| {title} | {_cell(None, status.get(series, {}).get('latency', 'not run'), notes)} "
-                       "| | | | | |")
+            out.append(f"| {title} | {_cell(None, text, notes)} | | | | | |")
             continue
         out.append(f"| {title} | {_num(lat['p50'], 2)} | {_num(lat['p99'], 2)} | {_num(lat['p99_9'], 2)} | "
                    f"{_num(lat['max'], 2)} | {_num(lat.get('received'))} / {_num(lat.get('sent'))} | "
@@ -335,6 +360,12 @@ def _render_scale_out(entry: dict[str, Any], notes: _Footnotes) -> str:
                      f"{_span(produce, 'busiest_actor_cpu_s_per_million_records', 2)} | "
                      f"{_num(cpu['consume_ack'].get(actors), 2)} ({vs_one('consume_ack', actors)})"
                      f"{_span(consume, 'busiest_actor_cpu_s_per_million_records', 2)} |")
+    left_out = [f"{actors} actors, {role}: {bad.get('status')} ({bad.get('reason')})"
+                for actors, row in entry["actors"].items() for role in ("produce", "consume_ack")
+                for bad in (row.get(role) or {}).get("runs_not_ok", [])]
+    if left_out:
+        lines.append("\nRuns not ok (a timed-out run's rate is kept, a failed run's is not): "
+                     + "; ".join(left_out) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -420,11 +451,15 @@ def render_chart(summary: dict[str, Any], path: str | os.PathLike) -> None:
     bars.grid(axis="y", which="both", alpha=0.3)
 
     plotted = False
-    for system, points in summary.get("latency_cdf", {}).items():
+    lines = [(s, p, "-") for s, p in summary.get("latency_cdf", {}).items()]
+    lines += [(s, p, ":") for s, p in summary.get("latency_variants_cdf", {}).items()]
+    latency_rows = {**summary["workloads"].get("latency_ms", {}),
+                    **summary["workloads"].get("latency_variants_ms", {})}
+    for series, points, style in lines:
         if points:
             cdf.plot([p[0] for p in points], [p[1] for p in points], drawstyle="steps-post",
-                     label=LATENCY_TITLES.get(system, system), color=COLORS.get(system),
-                     linestyle=":" if system not in SYSTEMS else "-")
+                     label=latency_title(series, latency_rows.get(series)),
+                     color=COLORS.get(LATENCY_VARIANTS.get(series, (series,))[0]), linestyle=style)
             plotted = True
     cdf.set_xscale("log")
     cdf.set_xlabel("publish-to-receive latency (ms, log scale)")

@@ -20,6 +20,7 @@ lists (a list, or the supervisor's name -> pid map), minus this process.
 from __future__ import annotations
 
 import inspect
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -28,6 +29,7 @@ import signal
 import statistics
 import tempfile
 import time
+import traceback
 import uuid
 from typing import Any, Callable
 
@@ -38,6 +40,8 @@ from bench.procstat import CpuSample, cpu_delta, with_descendants
 CHUNK = 1000
 # Records per produce request: half the 1,000-record window, so two batches are in
 # flight and the client encodes one while the partition actor writes the other.
+log = logging.getLogger("bench")
+
 # With 1,000-record batches the window holds one and every batch waits a round trip.
 PRODUCE_BATCH = 500
 # The consumers lease their next batch while they ack the current one (see
@@ -45,8 +49,8 @@ PRODUCE_BATCH = 500
 # once caught up, hold an ahead lease so a new record needs no poll (lease_ahead).
 CONSUMER_OPTIONS = {"poll_ahead": True, "lease_ahead": True}
 FSYNC_INTERVAL = "interval:1000"
-# The latency publisher lingers 1 ms, as a Kafka producer would (Kafka's default
-# is 5 ms): at 5,000 records/s about five records share a request, so the path
+# The latency publisher lingers 1 ms, as a Kafka producer would (Kafka 4.0's
+# default is 5 ms): at 5,000 records/s about five records share a request, so the path
 # carries a fifth of the messages. The stamp is taken before `send`, so the
 # linger is part of every measured latency. bench/PROFILE.md, "Sixth pass",
 # has the linger 0 / 0.25 / 0.5 / 1 / 2 ms comparison; the harness also runs
@@ -277,7 +281,7 @@ class ZBroker(Adapter):
         expected = Pacer(rate, seconds, 0.0).total
         _consume(self.broker.url, topic, f"bench-{self.run_id}-latency", expected, phase, recorder,
                  on_joined=publisher.start)
-        return {**recorder.summary(), "publisher": publisher.finish()}
+        return {**recorder.summary(), "publisher": {**publisher.finish(), "linger_ms": linger_ms}}
 
     # -- zbroker-only workloads ---------------------------------------------
 
@@ -309,7 +313,15 @@ class ZBroker(Adapter):
                         one[role]["per_actor"] = _per_actor_cpu(broker, topic, count, actor_pids, before, after)
                     return one
 
-                runs[str(n)].append(self._with_broker(run, partition_actors=n))
+                try:
+                    runs[str(n)].append(self._with_broker(run, partition_actors=n))
+                except Skipped:
+                    raise
+                except Exception as exc:  # one broken round loses one round, not the rows
+                    log.error("scale-out with %d actors, round %d failed:\n%s", n, round_no + 1,
+                              traceback.format_exc())
+                    failed = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+                    runs[str(n)].append({"produce": failed, "consume_ack": failed})
         rows = {n: {role: scale_out_summary([r[role] for r in row_runs]) for role in ("produce", "consume_ack")}
                 for n, row_runs in runs.items()}
         return {"partitions": 4, "client_processes": clients, "rounds": SCALE_OUT_ROUNDS, "actors": rows}
@@ -372,14 +384,19 @@ def scale_out_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     range of the rate, of the broker's CPU per record and of the busiest actor's
     CPU per million records (each run's busiest actor), and the runs themselves."""
     def figures(pick: Callable[[dict[str, Any]], float | None]) -> list[float]:
-        return sorted(v for v in map(pick, runs) if v is not None)
+        return sorted(v for v in map(pick, used) if v is not None)
 
     def busiest(run: dict[str, Any]) -> float | None:
         per_actor = [a.get("cpu_s_per_million_records") for a in (run.get("per_actor") or {}).values()]
         per_actor = [f for f in per_actor if f is not None]
         return max(per_actor) if per_actor else None
 
-    out: dict[str, Any] = {"runs": runs}
+    used = [r for r in runs if r.get("status", "ok") in ("ok", "timed_out")]
+    out: dict[str, Any] = {"runs": runs, "runs_used": len(used),
+                           "status": "ok" if used else "failed",
+                           # a timed-out run still measured a rate over what it did: kept, and said
+                           "runs_not_ok": [{"status": r.get("status"), "reason": r.get("reason")}
+                                           for r in runs if r.get("status", "ok") != "ok"]}
     for name, pick in (("msgs_s", lambda r: r.get("msgs_s")),
                        ("server_cpu_us_per_record", lambda r: r.get("server_cpu_us_per_record")),
                        ("busiest_actor_cpu_s_per_million_records", busiest)):

@@ -81,4 +81,4 @@ class MemoryQueue(Adapter):
             recorder.record(stamp(size, now), now + (200 + i % 100) * 1000)  # 0.2 .. 0.3 ms
             phase.advance()
         phase.end()
-        return {**recorder.summary(), "publisher": {"sent": total, "max_lag_ms": 0.0}}
+        return {**recorder.summary(), "publisher": {"sent": total, "max_lag_ms": 0.0, **options}}

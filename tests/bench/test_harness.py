@@ -26,7 +26,7 @@ def test_every_workload_runs_in_order_and_consume_reads_what_produce_wrote():
     assert zb.calls == ["setup", "produce", "consume_ack", "produce_1k", "produce_fsync_always",
                         "produce_unbatched", "latency", "latency linger_ms=0.0", "teardown"]
     phases = results["systems"]["zbroker"]["phases"]
-    assert phases["latency_linger_0"]["status"] == "ok" and phases["latency_linger_0"]["linger_ms"] == 0.0
+    assert phases["latency_linger_0"]["status"] == "ok" and phases["latency_linger_0"]["publisher"]["linger_ms"] == 0.0
     assert phases["produce"]["records"] == phases["consume_ack"]["records"] == 200
     assert all(phases[w]["status"] == "ok" for w in ("produce", "consume_ack", "produce_1k", "latency"))
     assert phases["latency"]["latency_ms"]["p50"] == pytest.approx(0.25, abs=0.06)

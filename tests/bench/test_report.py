@@ -104,17 +104,33 @@ def test_markdown_marks_missing_cells_with_footnoted_reasons(results):
     assert "![throughput and latency](latest.png)" in md
 
 
-def test_the_no_linger_latency_row_appears_only_when_it_ran(results):
+def test_the_no_linger_latency_row_appears_only_when_it_ran_and_stays_out_of_the_system_maps(results):
     md = report.render_markdown(report.summarize(results), chart="latest.png")
-    assert "linger_ms=0 |" not in md
-    results["systems"]["zbroker"]["phases"]["latency_linger_0"] = latency(40.0)
+    assert "linger_ms=0)" not in md
+    zb = results["systems"]["zbroker"]["phases"]
+    zb["latency"]["publisher"]["linger_ms"] = 1.0
+    zb["latency_linger_0"] = latency(40.0)
+    zb["latency_linger_0"]["publisher"]["linger_ms"] = 0.0
     s = report.summarize(results)
-    assert s["workloads"]["latency_p99_ms"]["zbroker_linger_0"] == 40.0
-    assert s["workloads"]["zbroker_over_peer"]["latency_p99"]["rabbitmq"] == 0.25  # the main row's ratio
+    w = s["workloads"]
+    assert w["latency_p99_ms"] == {"zbroker": 2.0, "rabbitmq": 8.0, "nats": None, "redis": None}
+    assert w["latency_variants_ms"]["zbroker_linger_0"]["p99"] == 40.0
+    assert w["zbroker_over_peer"]["latency_p99"]["rabbitmq"] == 0.25  # the main row's ratio
+    assert list(s["latency_cdf"]) == ["zbroker", "rabbitmq"] and list(s["latency_variants_cdf"]) == [
+        "zbroker_linger_0"]
     md = report.render_markdown(s, chart="latest.png")
-    row = next(line for line in md.splitlines() if line.startswith("| zbroker, linger_ms=0 |"))
+    titles = [line.split(" | ")[0] for line in md.splitlines() if "linger_ms=" in line and line.startswith("| ")]
+    assert titles == ["| zbroker (publisher linger_ms=1)", "| zbroker (publisher linger_ms=0)"]
+    row = next(line for line in md.splitlines() if line.startswith("| zbroker (publisher linger_ms=0) |"))
     assert "| 40.00 |" in row
-    assert list(s["latency_cdf"]) == ["zbroker", "zbroker_linger_0", "rabbitmq"]
+
+
+def test_a_failed_latency_run_and_its_variant_both_say_why(results):
+    zb = results["systems"]["zbroker"]["phases"]
+    zb["latency"] = {"status": "failed", "reason": "RuntimeError: publisher exited early"}
+    zb["latency_linger_0"] = {"status": "failed", "reason": "RuntimeError: no broker"}
+    md = report.render_markdown(report.summarize(results), chart="latest.png")
+    assert "publisher exited early" in md and "no broker" in md
 
 
 def test_scale_out_rows_report_the_median_and_range_of_their_runs(results):
@@ -141,6 +157,21 @@ def test_scale_out_rows_report_the_median_and_range_of_their_runs(results):
     assert "ran 3 times, interleaved" in md
     row = next(line for line in md.splitlines() if line.startswith("| 2 | "))
     assert "| 1,500 [1,100–2,000] |" in row and "0.50 (+0%) [0.50–0.70]" in row
+    assert "Runs not ok" not in md
+
+
+def test_a_failed_scale_out_run_is_left_out_of_the_medians_and_said():
+    from bench.zbroker_adapter import scale_out_summary
+
+    failed = {"status": "failed", "reason": "RuntimeError: broker did not start"}
+    late = {**phase(500), "status": "timed_out", "reason": "time bound 300 s reached", "per_actor": {}}
+    row = scale_out_summary([{**phase(1000), "per_actor": {}}, failed, late])
+    assert row["runs_used"] == 2 and row["msgs_s"] == 750 and row["msgs_s_range"] == [500, 1000]
+    assert [r["status"] for r in row["runs_not_ok"]] == ["failed", "timed_out"]
+    assert scale_out_summary([failed])["status"] == "failed"
+    entry = {"status": "ok", "client_processes": 2, "rounds": 3, "actors": {"1": {"produce": row}}}
+    md = report._render_scale_out(entry, report._Footnotes())
+    assert "broker did not start" in md and "time bound 300 s reached" in md
 
 
 def test_results_md_is_the_template_filled_in(results):

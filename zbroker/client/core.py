@@ -202,7 +202,8 @@ class BatchAccumulator:
 
     def due(self, now: float, linger_s: float) -> list[PendingBatch]:
         """Batches whose first record has waited at least the linger time."""
-        keys = [k for k, t in self._opened_at.items() if now - t >= linger_s]
+        # The same float form as Producer.linger_deadline(), so a deadline reached is a batch sent.
+        keys = [k for k, t in self._opened_at.items() if t + linger_s <= now]
         return [self.close(k) for k in keys]
 
     def drain(self) -> list[PendingBatch]:

@@ -275,7 +275,7 @@ class Producer:
             self._oldest_open = None
         elif self._oldest_open is None:
             self._oldest_open = now
-        elif now - self._oldest_open >= self.linger_s:
+        elif now >= self._oldest_open + self.linger_s:  # the form of linger_deadline() and acc.due()
             self._dispatch_lingered(now)
         self._sends += 1
         if self.in_flight and self._sends & 63 == 0:
@@ -295,11 +295,17 @@ class Producer:
         linger only when it is called. An application that sends in bursts
         with pauses longer than ``linger_ms`` calls ``poll`` at
         ``linger_deadline()`` (or from its idle loop) so that the last records
-        of a burst do not wait for the next one. Waits up to ``timeout``
-        seconds for a reply when requests are in flight.
+        of a burst do not wait for the next one.
+
+        When requests are in flight it waits for a reply, up to ``timeout``
+        seconds but at most 50 ms, and resends what is due for a retry.
+        Sending a batch can itself wait, even with ``timeout=0``, while
+        ``max_in_flight_records`` or ``max_in_flight_bytes`` are reached, as
+        ``send`` does. A batch that fails for good is reported on its records'
+        handles and by the next ``flush``.
         """
         now = time.monotonic()
-        if self._oldest_open is not None and now - self._oldest_open >= self.linger_s:
+        if self._oldest_open is not None and now >= self._oldest_open + self.linger_s:
             self._dispatch_lingered(now)
         if self.in_flight or self.retrying:
             self._pump(timeout)
