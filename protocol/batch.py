@@ -177,6 +177,17 @@ _BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}
 _FIXINTS = bytes(range(0x80)) + bytes(range(0xE0, 0x100))
 
 
+class UniformLayout(NamedTuple):
+    """Where the parts of every record sit in a uniform batch (see `uniform_layout`)."""
+
+    count: int  # records
+    start: int  # where the first record starts (after the array header)
+    stride: int  # bytes per record
+    key_at: int  # offset of the nil key in a record; the timestamp is bytes 1 .. key_at
+    value_start: int  # offset of the value's first byte in a record
+    value_length: int
+
+
 def uniform_record_count(payload: bytes | memoryview) -> int | None:
     """The record count of a payload whose records are all laid out like its first,
     ``[timestamp, nil, bin of one length, nil]`` with one integer width, checked on
@@ -190,6 +201,12 @@ def uniform_record_count(payload: bytes | memoryview) -> int | None:
     Each check is one strided slice compared in C, a few microseconds per batch
     where decoding the records costs about 0.5 µs each.
     """
+    layout = uniform_layout(payload)
+    return None if layout is None else layout.count
+
+
+def uniform_layout(payload: bytes | memoryview) -> UniformLayout | None:
+    """`uniform_record_count`'s check, returning where each record's parts are."""
     view = memoryview(payload).cast("B")  # strided slices of a view copy nothing
     n = len(view)
     if n < 6:
@@ -234,7 +251,7 @@ def uniform_record_count(payload: bytes | memoryview) -> int | None:
     for i in range(value_at, header_end):  # the bin type and length bytes, alike in every record
         if body[i::stride] != bytes((body[i],)) * count:
             return None
-    return count
+    return UniformLayout(count, start, stride, key_at, header_end, value_len)
 
 
 def validate_payload(payload: bytes | memoryview) -> int:
@@ -356,6 +373,68 @@ def stored_range(blob: bytes | memoryview) -> tuple[int, int] | None:
         pos = end
 
 
+_first = itemgetter(0)
+
+
+def _uniform_records(payload: memoryview, record_count: int, lo: int, hi: int, make: type, base: int,
+                     source: tuple) -> list | None:
+    """Records lo .. hi of a uniform batch that shares one timestamp, read off its bytes;
+    None for any other batch (`_unpacked_records` then decodes it).
+
+    A batch from `encode_values` (equal-sized values, one timestamp) is every
+    record's value at a fixed stride: `struct.iter_unpack` slices them out in C,
+    and each record is built from a `zip` of the shared parts, so the records are
+    the only objects made per record. Decoding with msgpack makes a tuple per
+    record and the record from it, which is also more for the garbage collector
+    to count (bench/PROFILE.md, sixth pass).
+    """
+    layout = uniform_layout(payload)
+    if layout is None:
+        return None
+    if layout.count != record_count:
+        raise CorruptBatch("record count does not match header", base_offset=base)
+    stride, key_at = layout.stride, layout.key_at
+    body = payload[layout.start:]
+    for i in range(1, key_at):  # each byte of the timestamp, alike in every record
+        if body[i::stride] != bytes((body[i],)) * record_count:
+            return None
+    if lo >= hi:
+        return []
+    timestamp = msgpack.unpackb(body[1:key_at])
+    values = map(_first, struct.iter_unpack(f"{layout.value_start}x{layout.value_length}s1x",
+                                            body[lo * stride:hi * stride]))
+    return list(map(tuple.__new__, repeat(make), zip(repeat(timestamp), repeat(None), values, repeat(None),
+                                                      count(base + lo), repeat(source))))
+
+
+def _unpacked_records(payload: memoryview, record_count: int, lo: int, hi: int, make: type, base: int,
+                      source: tuple) -> list:
+    """Records lo .. hi of any batch, decoded with msgpack; CorruptBatch if it is not a
+    msgpack array of ``record_count`` four-item arrays."""
+    try:
+        records = msgpack.unpackb(payload, raw=False, use_list=False, ext_hook=_reject_ext)
+    except Exception as exc:
+        raise CorruptBatch(f"stored payload is not valid msgpack: {exc}", base_offset=base) from exc
+    if not isinstance(records, tuple) or len(records) != record_count:
+        raise CorruptBatch("record count does not match header", base_offset=base)
+    try:
+        lengths_ok = set(map(len, records)) == {4}
+    except TypeError:  # a number, nil or bool where a record should be
+        lengths_ok = False
+    if not lengths_ok:
+        raise CorruptBatch("stored record is not [timestamp_ms, key, value, headers]", base_offset=base)
+    if lo or hi < len(records):
+        records = records[lo:hi]
+    # One tuple.__new__ per record from (stored record + (offset, source)), all in C:
+    # no bytecode runs per record. Concatenating is also the type check: a stored
+    # record that is a bin, str or map of length 4 instead of an array cannot be added
+    # to a tuple.
+    try:
+        return list(map(tuple.__new__, repeat(make), map(add, records, zip(count(base + lo), repeat(source)))))
+    except TypeError:
+        raise CorruptBatch("stored record is not [timestamp_ms, key, value, headers]", base_offset=base) from None
+
+
 def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from_offset: int = 0,
                    until_offset: int | None = None, verify_crc: bool = True,
                    make: type[Record] = Record, extra: tuple = ()) -> list:
@@ -365,7 +444,6 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
     (the consumer's lease, attempt and reason).
     """
     out: list = []
-    new = tuple.__new__
     source = (topic, partition, *extra)
     view = memoryview(blob)
     pos, n = 0, len(view)
@@ -382,30 +460,13 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
         if verify_crc and not batch_crc_ok(view, start, header):
             raise CorruptBatch("batch CRC mismatch", position=start, base_offset=base)
         payload = view[start + BATCH_HEADER_SIZE:pos]
-        try:
-            records = msgpack.unpackb(payload, raw=False, use_list=False, ext_hook=_reject_ext)
-        except Exception as exc:
-            raise CorruptBatch(f"stored payload is not valid msgpack: {exc}", base_offset=base) from exc
-        if not isinstance(records, tuple) or len(records) != header.record_count:
-            raise CorruptBatch("record count does not match header", base_offset=base)
-        try:
-            lengths_ok = set(map(len, records)) == {4}
-        except TypeError:  # a number, nil or bool where a record should be
-            lengths_ok = False
-        if not lengths_ok:
-            raise CorruptBatch("stored record is not [timestamp_ms, key, value, headers]", base_offset=base)
         lo = from_offset - base if from_offset > base else 0
-        hi = len(records) if until_offset is None else min(len(records), until_offset - base)
-        if lo or hi < len(records):
-            records = records[lo:hi]
-        if not records:
-            continue
-        # One tuple.__new__ per record from (stored record + (offset, source)), all in C:
-        # no bytecode runs per record. Concatenating is also the type check: a stored
-        # record that is a bin, str or map of length 4 instead of an array cannot be added
-        # to a tuple.
-        try:
-            out.extend(map(new, repeat(make), map(add, records, zip(count(base + lo), repeat(source)))))
-        except TypeError:
-            raise CorruptBatch("stored record is not [timestamp_ms, key, value, headers]", base_offset=base) from None
+        hi = header.record_count if until_offset is None else min(header.record_count, until_offset - base)
+        records = _uniform_records(payload, header.record_count, lo, hi, make, base, source)
+        if records is None:
+            records = _unpacked_records(payload, header.record_count, lo, hi, make, base, source)
+        if out:
+            out += records
+        else:
+            out = records  # the usual fetch is one batch: no copy
     return out

@@ -388,3 +388,72 @@ def test_no_single_changed_byte_of_a_uniform_batch_fools_the_byte_level_check(ti
             fast = uniform_record_count(mutated)
             if fast is not None:
                 assert validate_by_decoding(mutated) == fast, (i, replacement)
+
+
+def _decoded_by_msgpack_alone(payload: bytes, record_count: int, base: int, lo: int, hi: int) -> list | None:
+    """What a consumer must get from a stored payload, from msgpack and the record shape
+    rule alone (None: the batch is corrupt): the oracle for decode_fetched's paths."""
+    try:
+        records = msgpack.unpackb(payload, raw=False, use_list=False)
+    except Exception:
+        return None
+    if not isinstance(records, tuple) or len(records) != record_count:
+        return None
+    if not all(isinstance(r, tuple) and len(r) == 4 for r in records):
+        return None
+    return [ConsumedRecord("t", 3, base + i, *records[i], 77, 2, "new") for i in range(lo, hi)]
+
+
+@given(st.one_of(_uniform_batches, _any_batches,
+                 st.builds(lambda n, size, ts: encode_records([[ts + i % 2, None, b"x" * size, None]
+                                                               for i in range(n)]),
+                           st.integers(2, 20), st.integers(0, 300), st.integers(0, 2**40))),
+       st.integers(0, 2**40), st.data())
+@settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow])
+def test_every_decoding_path_gives_the_records_msgpack_gives(payload, base, data):
+    """decode_fetched reads a uniform batch with one timestamp off its bytes and decodes
+    the rest with msgpack; both must give exactly what msgpack's own decoding gives, for
+    any window, and refuse exactly what it refuses (batches changed byte by byte too)."""
+    how = data.draw(st.sampled_from(["none", "none", "flip", "cut"]))
+    if how == "flip":
+        i = data.draw(st.integers(0, len(payload) - 1))
+        payload = payload[:i] + bytes([payload[i] ^ data.draw(st.integers(1, 255))]) + payload[i + 1:]
+    elif how == "cut":
+        payload = payload[:data.draw(st.integers(1, len(payload) - 1))] if len(payload) > 1 else payload
+    declared = data.draw(st.sampled_from([payload_record_count_or_one(payload), 1, 2]))
+    lo = data.draw(st.integers(0, declared - 1))
+    hi = data.draw(st.integers(lo + 1, declared))
+    stored = build_batch_header(payload, base_offset=base, record_count=declared, append_time_ms=1) + payload
+    expected = _decoded_by_msgpack_alone(payload, declared, base, lo, hi)
+    if expected is None:
+        with pytest.raises(CorruptBatch):
+            decode_fetched(stored, "t", 3, from_offset=base + lo, until_offset=base + hi, make=ConsumedRecord,
+                           extra=(77, 2, "new"))
+        return
+    got = decode_fetched(stored, "t", 3, from_offset=base + lo, until_offset=base + hi, make=ConsumedRecord,
+                         extra=(77, 2, "new"))
+    assert got == expected
+    assert all(type(r) is ConsumedRecord for r in got)
+
+
+def payload_record_count_or_one(payload: bytes) -> int:
+    try:
+        return max(1, len(msgpack.unpackb(payload)))
+    except Exception:
+        return 1
+
+
+@pytest.mark.parametrize("timestamp", [0, 5, -3, 200, 70_000, 2**40, -2**40, 2**64 - 1])
+@pytest.mark.parametrize("value_size", [0, 1, 300, 70_000])
+def test_a_uniform_batch_with_one_timestamp_is_read_off_its_bytes(timestamp, value_size, monkeypatch):
+    """The byte path really is taken (msgpack is never asked to decode the batch) and
+    gives the stored values, with the batch's timestamp on every record."""
+    import protocol.batch as batch
+
+    values = [bytes([i]) * value_size for i in range(5)]
+    payload = encode_values(values, timestamp)
+    stored = build_batch_header(payload, base_offset=10, record_count=5, append_time_ms=1) + payload
+    monkeypatch.setattr(batch, "_unpacked_records", None)  # calling it would be a TypeError
+    records = decode_fetched(stored, "t", 0, from_offset=11, until_offset=14)
+    assert [(r.offset, r.timestamp_ms, r.key, r.value, r.headers) for r in records] == [
+        (10 + i, timestamp, None, values[i], None) for i in (1, 2, 3)]
