@@ -139,8 +139,10 @@ async def _consume_stamped(stream: str, durable: str, count: int, phase: Phase,
                 await pull()
 
         await nc.subscribe(inbox, cb=on_message)
-        publisher.start()
+        # The phase (its /proc scan) begins before the publisher: every system's clock
+        # and the stamps of its first records start the same way (zbroker_adapter._consume).
         phase.begin()
+        publisher.start()
         await pull()
         while not done.is_set() and not phase.expired:
             try:

@@ -302,8 +302,8 @@ class RabbitMQ(Adapter):
                         run.stop()
 
                 def consuming(_frame) -> None:
+                    phase.begin()  # before the publisher, as for every system
                     publisher.start()
-                    phase.begin()
 
                 def consume(_frame) -> None:
                     channel.basic_consume(queue, on_message, auto_ack=False, callback=consuming)

@@ -175,8 +175,8 @@ class RedisStreams(Adapter):
         recorder = LatencyRecorder()
         publisher = PublisherProcess(paced_publisher, {"key": key, "rate": rate, "seconds": seconds, "size": size})
         expected = Pacer(rate, seconds, 0.0).total
+        phase.begin()  # before the publisher, as for every system
         publisher.start()
-        phase.begin()
         while phase.records < expected and not phase.expired:
             reply = self.client.xreadgroup(GROUP, "c1", {key: ">"}, count=READ_COUNT, block=100)
             if not reply:
