@@ -103,7 +103,13 @@ class Phase:
         self.ended_at = self._clock()
         self.client_cpu_s = time.process_time() - self._client_cpu_before
         if self._cpu_before is not None:
-            delta = cpu_delta(self._cpu_before, CpuSample.take(self._pids))
+            # Listed again: a process the server started during the phase (Redis's AOF
+            # rewrite child, a restarted actor) counts too; see cpu_delta.
+            try:
+                now_pids = set(self._server_pids())
+            except Exception:  # the server went away: what was there at the start is all we know
+                now_pids = set()
+            delta = cpu_delta(self._cpu_before, CpuSample.take(sorted(now_pids | set(self._pids))))
             self.server_cpu_s = delta.seconds
             self.cpu_unmatched = delta.unmatched
         if self._progress is not None and self._pending_progress:

@@ -1,7 +1,9 @@
 """Server CPU time from /proc/<pid>/stat.
 
 A phase's server cost is (utime + stime) summed over the server's processes,
-read just before and just after the phase. The kernel counts in clock ticks
+read just before and just after the phase, plus the CPU of their children
+that exited and were reaped meanwhile (cutime + cstime: Redis forks one to
+rewrite its AOF) and of processes that started during the phase. The kernel counts in clock ticks
 (usually 100 per second), so short phases would measure in steps of 10 ms;
 on Linux each process's POSIX CPU-time clock is read as well, to the
 nanosecond, and used when both ends have it (`process_cpu_clock`).
@@ -29,6 +31,7 @@ class ProcStat:
     utime_ticks: int
     stime_ticks: int
     start_ticks: int  # since boot: tells a recycled pid from the process we sampled
+    children_ticks: int = 0  # cutime + cstime: children that exited and were waited for
 
     @property
     def cpu_ticks(self) -> int:
@@ -58,6 +61,7 @@ def parse_stat(text: str) -> ProcStat:
         utime_ticks=int(field(14)),
         stime_ticks=int(field(15)),
         start_ticks=int(field(22)),
+        children_ticks=int(field(16)) + int(field(17)),
     )
 
 
@@ -96,24 +100,41 @@ class CpuSample:
 
     ticks: dict[tuple[int, int], int]
     precise: dict[tuple[int, int], float] = field(default_factory=dict)
+    # Reaped children's CPU (cutime + cstime) per process, in ticks.
+    children: dict[tuple[int, int], int] = field(default_factory=dict)
+    # When the sample was taken, in clock ticks since boot (None if unknown): a process
+    # that started later is new, and all of its CPU falls after this sample.
+    taken_at_ticks: int | None = None
 
     @staticmethod
     def take(pids: Iterable[int], proc_root: str = "/proc") -> "CpuSample":
-        ticks, precise = {}, {}
+        taken_at = uptime_ticks(proc_root)
+        ticks, precise, children = {}, {}, {}
         for pid in pids:
             stat = read_stat(pid, proc_root)
             if stat is not None:
                 key = (stat.pid, stat.start_ticks)
                 ticks[key] = stat.cpu_ticks
+                children[key] = stat.children_ticks
                 clock = process_cpu_clock(pid) if proc_root == "/proc" else None
                 if clock is not None:
                     precise[key] = clock
-        return CpuSample(ticks, precise)
+        return CpuSample(ticks, precise, children, taken_at)
 
     def only(self, pid: int) -> "CpuSample":
         """The part of this sample that is about `pid`."""
         return CpuSample({k: v for k, v in self.ticks.items() if k[0] == pid},
-                         {k: v for k, v in self.precise.items() if k[0] == pid})
+                         {k: v for k, v in self.precise.items() if k[0] == pid},
+                         {k: v for k, v in self.children.items() if k[0] == pid}, self.taken_at_ticks)
+
+
+def uptime_ticks(proc_root: str = "/proc") -> int | None:
+    """Clock ticks since boot (the unit of a process's start time), or None."""
+    try:
+        with open(f"{proc_root}/uptime", encoding="ascii") as f:
+            return int(float(f.read().split()[0]) * CLOCK_TICKS)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -125,12 +146,25 @@ class CpuDelta:
 
 
 def cpu_delta(before: CpuSample, after: CpuSample, ticks_per_s: int = CLOCK_TICKS) -> CpuDelta:
+    """CPU used between two samples by the processes in them.
+
+    Processes in both: their own CPU, plus what their reaped children used
+    meanwhile. Processes only in `after` that started after `before` was taken:
+    all of their CPU. Anything else present at one end only (exited, or a pid
+    the first sample missed) is counted in `unmatched`.
+    """
     common = before.ticks.keys() & after.ticks.keys()
-    unmatched = len(before.ticks.keys() ^ after.ticks.keys())
-    if common and all(k in before.precise and k in after.precise for k in common):
-        return CpuDelta(seconds=sum(after.precise[k] - before.precise[k] for k in common), unmatched=unmatched)
-    ticks = sum(after.ticks[k] - before.ticks[k] for k in common)
-    return CpuDelta(seconds=ticks / ticks_per_s, unmatched=unmatched)
+    started = before.taken_at_ticks
+    new = {k for k in after.ticks.keys() - before.ticks.keys() if started is not None and k[1] >= started}
+    unmatched = len(before.ticks.keys() ^ after.ticks.keys()) - len(new)
+    children = sum(after.children.get(k, 0) - before.children.get(k, 0) for k in common)
+    children += sum(after.children.get(k, 0) for k in new)
+    if all(k in before.precise and k in after.precise for k in common) and all(k in after.precise for k in new):
+        own = sum(after.precise[k] - before.precise[k] for k in common) + sum(after.precise[k] for k in new)
+        if common or new:
+            return CpuDelta(seconds=own + children / ticks_per_s, unmatched=unmatched)
+    ticks = sum(after.ticks[k] - before.ticks[k] for k in common) + sum(after.ticks[k] for k in new)
+    return CpuDelta(seconds=(ticks + children) / ticks_per_s, unmatched=unmatched)
 
 
 def us_per_record(cpu_seconds: float | None, records: int) -> float | None:

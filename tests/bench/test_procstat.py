@@ -9,11 +9,13 @@ import pytest
 from bench.procstat import CpuSample, cpu_delta, parse_stat, read_stat, us_per_record
 
 
-def stat_line(pid: int, comm: str, utime: int, stime: int, start: int = 777, ppid: int = 1) -> str:
+def stat_line(pid: int, comm: str, utime: int, stime: int, start: int = 777, ppid: int = 1,
+              cutime: int = 99, cstime: int = 98) -> str:
     # Fields 3.. of proc(5): state, ppid, pgrp, session, tty_nr, tpgid, flags, minflt, cminflt,
     # majflt, cmajflt, utime(14), stime(15), cutime, cstime, priority, nice, num_threads,
     # itrealvalue, starttime(22), vsize, ...
-    rest = ["S", ppid, 10, 10, 0, -1, 4194560, 5, 0, 0, 0, utime, stime, 99, 98, 20, 0, 4, 0, start, 123456, 789]
+    rest = ["S", ppid, 10, 10, 0, -1, 4194560, 5, 0, 0, 0, utime, stime, cutime, cstime, 20, 0, 4, 0, start,
+            123456, 789]
     return f"{pid} ({comm}) " + " ".join(str(x) for x in rest) + "\n"
 
 
@@ -30,8 +32,10 @@ def test_parse_stat_of_this_process_agrees_with_the_kernel():
     assert stat is not None and stat.pid == os.getpid() and stat.ppid == os.getppid()
 
 
-def fake_proc(root, entries: dict[int, str]) -> str:
+def fake_proc(root, entries: dict[int, str], uptime_s: float | None = None) -> str:
     root.mkdir()
+    if uptime_s is not None:
+        (root / "uptime").write_text(f"{uptime_s:.2f} 1.00\n")
     for pid, text in entries.items():
         (root / str(pid)).mkdir()
         (root / str(pid) / "stat").write_text(text)
@@ -50,6 +54,21 @@ def test_cpu_delta_sums_processes_present_at_both_ends(tmp_path):
     delta = cpu_delta(before, after, ticks_per_s=100)
     assert delta.seconds == pytest.approx(0.70)
     assert delta.unmatched == 2  # pid 3 exited, pid 4 is new
+
+
+def test_reaped_children_and_processes_started_during_the_phase_count(tmp_path):
+    # uptime 10 s = 1,000 ticks at 100/s when the first sample is taken.
+    before = CpuSample.take([1, 5], proc_root=fake_proc(tmp_path / "b", {
+        1: stat_line(1, "redis-server", 100, 0, start=50, cutime=7, cstime=3),
+        5: stat_line(5, "older", 10, 0, start=60)}, uptime_s=10.0))
+    after = CpuSample.take([1, 5, 6, 7], proc_root=fake_proc(tmp_path / "a", {
+        1: stat_line(1, "redis-server", 150, 0, start=50, cutime=37, cstime=13),  # +50 own, +40 reaped child
+        5: stat_line(5, "older", 20, 0, start=60),                               # +10
+        6: stat_line(6, "redis-rdb-bgsave", 30, 5, start=1_200, cutime=0, cstime=0),  # started after: all 35
+        7: stat_line(7, "missed", 500, 0, start=900, cutime=0, cstime=0)}, uptime_s=15.0))  # before: unknown
+    delta = cpu_delta(before, after, ticks_per_s=100)
+    assert delta.seconds == pytest.approx((50 + 40 + 10 + 35) / 100)
+    assert delta.unmatched == 1  # pid 7 was running before the first sample but not in it
 
 
 def test_a_recycled_pid_is_not_taken_for_the_same_process(tmp_path):
