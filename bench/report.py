@@ -91,6 +91,24 @@ def _latency_entry(phase: dict[str, Any] | None) -> tuple[dict[str, Any] | None,
     return row, phase.get("cdf")
 
 
+def _latency_status(phase: dict[str, Any] | None, text: str) -> str:
+    """A latency phase is ok only when the consumer got every record the publisher sent.
+
+    The phase itself counts records received against the schedule; a publisher
+    that failed, or records that never arrived, would otherwise leave
+    percentiles that look as good as a complete run's.
+    """
+    if text != "ok" or phase is None:
+        return text
+    publisher = phase.get("publisher") or {}
+    if publisher.get("error"):
+        return f"failed: the publisher failed: {publisher['error']}"
+    sent, received = publisher.get("sent"), phase.get("received") or 0
+    if sent is not None and received < sent:
+        return f"timed_out: {received:,} of the {sent:,} records sent arrived"
+    return "ok"
+
+
 def latency_title(series: str, row: dict[str, Any] | None) -> str:
     """`zbroker`, or `zbroker (publisher linger_ms=1)` when the run says how its publisher lingered."""
     system = LATENCY_VARIANTS.get(series, (series,))[0]
@@ -123,7 +141,7 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     latency_cdf: dict[str, Any] = {}
     for system in SYSTEMS:
         phase, text = _phase(results, system, "latency")
-        status[system]["latency"] = text
+        status[system]["latency"] = _latency_status(phase, text)
         latency_ms[system], cdf = _latency_entry(phase)
         if cdf is not None:
             latency_cdf[system] = cdf
@@ -133,7 +151,7 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
         phase, text = _phase(results, system, workload)
         if phase is None:
             continue  # a variant row only appears when it ran
-        status[system][workload] = text
+        status[system][workload] = _latency_status(phase, text)
         variants_ms[variant], cdf = _latency_entry(phase)
         if cdf is not None:
             variants_cdf[variant] = cdf
@@ -145,8 +163,10 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     zb_ratio: dict[str, dict[str, float | None]] = {}
     for row in THROUGHPUT_ROWS:
         zb_ratio[row] = {peer: ratio(workloads[row]["zbroker"], workloads[row][peer]) for peer in PEERS}
-    zb_ratio["latency_p99"] = {peer: ratio(workloads["latency_p99_ms"].get("zbroker"),
-                                           workloads["latency_p99_ms"].get(peer)) for peer in PEERS}
+    # Only complete latency runs are compared: a p99 over the records that did arrive
+    # says nothing about the ones that did not.
+    complete_p99 = {s: p99 for s, p99 in workloads["latency_p99_ms"].items() if status[s].get("latency") == "ok"}
+    zb_ratio["latency_p99"] = {peer: ratio(complete_p99.get("zbroker"), complete_p99.get(peer)) for peer in PEERS}
     workloads["zbroker_over_peer"] = zb_ratio
     workloads["zbroker_fraction_of_ceiling"] = {
         row: ratio(workloads[row]["zbroker"], workloads[row]["zmq_ceiling"]) for row in THROUGHPUT_ROWS}
@@ -267,6 +287,8 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
                  for variant in w.get("latency_variants_ms", {}) if LATENCY_VARIANTS.get(variant, ("",))[0] == system]
     for series, lat, text in rows:
         title = latency_title(series, lat)
+        if lat is not None and text != "ok":
+            title += f" ({notes.mark(text)})"
         if lat is None:
             out.append(f"| {title} | {_cell(None, text, notes)} | | | | | |")
             continue

@@ -133,6 +133,22 @@ def test_a_failed_latency_run_and_its_variant_both_say_why(results):
     assert "publisher exited early" in md and "no broker" in md
 
 
+def test_a_latency_run_that_lost_records_or_its_publisher_is_flagged_and_not_compared(results):
+    zb = results["systems"]["zbroker"]["phases"]
+    zb["latency"]["received"] = 4990  # of 5,000 sent
+    short = report.summarize(results)
+    assert short["status"]["zbroker"]["latency"] == "timed_out: 4,990 of the 5,000 records sent arrived"
+    assert short["workloads"]["zbroker_over_peer"]["latency_p99"]["rabbitmq"] is None
+    md = report.render_markdown(short, chart="latest.png")
+    assert "| zbroker (timed out [5]) |" in md and "[5] 4,990 of the 5,000 records sent arrived" in md
+
+    zb["latency"]["received"] = 5000
+    zb["latency"]["publisher"]["error"] = "ConnectionError: reset"
+    short = report.summarize(results)
+    assert short["status"]["zbroker"]["latency"] == "failed: the publisher failed: ConnectionError: reset"
+    assert short["workloads"]["zbroker_over_peer"]["latency_p99"]["rabbitmq"] is None
+
+
 def test_scale_out_rows_report_the_median_and_range_of_their_runs(results):
     from bench.zbroker_adapter import scale_out_summary
 
