@@ -132,7 +132,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             is_reply, env = codec.decode_any(frames)
             if is_reply:
                 if not env.ok:
-                    raise SystemExit(f"writer error: {env.error!r}")
+                    raise RuntimeError(f"writer error: {env.error!r}")
                 replies[env.corr_id] = time.perf_counter()
             elif isinstance(env.msg, m.WriterStatus):
                 statuses.append(env.msg)
@@ -141,7 +141,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         deadline = time.monotonic() + 30
         while not (statuses and statuses[-1].healthy):
             if time.monotonic() > deadline or not proc.is_alive():
-                raise SystemExit("writer did not become healthy")
+                raise RuntimeError("writer did not become healthy")
             pump(200)
         if observer:
             xact_before = observer.xact_commit()
@@ -183,7 +183,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                     absorbed += per_req
             replies.clear()
             if time.perf_counter() > t_stop + 30:
-                raise SystemExit("writer stopped answering")
+                raise RuntimeError("writer stopped answering")
         elapsed = time.perf_counter() - t_start
 
         n_status = len(statuses)
@@ -276,7 +276,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    json.dump(run_bench(_parser().parse_args(argv)), sys.stdout, indent=2)
+    try:
+        result = run_bench(_parser().parse_args(argv))
+    except RuntimeError as exc:  # raised, not SystemExit, so that the harness records a failed phase
+        raise SystemExit(f"commit absorption: {exc}") from None
+    json.dump(result, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
 
