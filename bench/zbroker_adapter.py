@@ -515,6 +515,21 @@ def _run_client_processes(role: str, url: str, topic: str, count: int, size: int
             reader.close()
 
 
+def _connect_to_partition_actors(conn: Any, topic: str) -> None:
+    """Open and test the client's connection to every actor serving `topic`.
+
+    A client connects to a partition actor on its first request there, which
+    in a phase of tens of milliseconds is a measurable part of it, and one
+    that grows with the number of actors. Done before the clock starts.
+    """
+    from protocol import messages as m
+
+    conn.refresh([topic])
+    endpoints = {conn.endpoint(topic, p) for p in range(conn.metadata.partitions(topic))}
+    for endpoint in sorted(endpoints):
+        conn.call(endpoint, m.Hello(versions=[m.PROTOCOL_VERSION], client="bench"))
+
+
 def _scale_client(role: str, url: str, topic: str, share: int, total: int, size: int, index: int,
                   clients: int, group: str, done, ready, go, report) -> None:
     """Child: a producer for partitions index, index+clients, ... or a consumer in `group`.
@@ -525,6 +540,7 @@ def _scale_client(role: str, url: str, topic: str, share: int, total: int, size:
         producer = Producer(url, linger_ms=2, batch_size=PRODUCE_BATCH, max_in_flight_records=1000)
         partitions = [p for p in range(4) if p % clients == index] or [index % 4]
         payload = bytes(size)
+        _connect_to_partition_actors(producer.conn, topic)
         ready.wait()
         go.wait()
         sent = 0
@@ -540,6 +556,7 @@ def _scale_client(role: str, url: str, topic: str, share: int, total: int, size:
         return
     consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK, **CONSUMER_OPTIONS)
     ack = consumer.ack
+    _connect_to_partition_actors(consumer.conn, topic)
     ready.wait()
     go.wait()
     while done.value < total:  # the consumers share one group: stop when it has everything
