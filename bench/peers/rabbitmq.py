@@ -267,12 +267,21 @@ class RabbitMQ(Adapter):
 
     def consume_ack(self, count: int, phase: Phase) -> None:
         def on_channel(channel, run: _SelectRun) -> None:
+            ending = []
+
+            def ended(_frame) -> None:
+                phase.end()
+                run.stop()
+
             def on_message(ch, method, _properties, _body) -> None:
                 ch.basic_ack(method.delivery_tag)
                 phase.advance()
-                if phase.records >= count or phase.expired:
-                    phase.end()
-                    run.stop()
+                if (phase.records >= count or phase.expired) and not ending:
+                    ending.append(True)
+                    # basic.ack has no reply; the answer to a passive declare sent after the
+                    # last one means the server has applied them all, as zbroker's phase
+                    # ends once its acks are applied.
+                    ch.queue_declare(self.main_queue, passive=True, callback=ended)
 
             def consume(_frame) -> None:
                 phase.begin()
