@@ -76,6 +76,20 @@ def test_read_ahead_serves_leases_of_an_exclusive_group_exactly_once(broker):
         wait_committed(admin, "plain", ends)
 
 
+def test_a_consumer_connects_to_the_actors_of_its_partitions_when_it_joins(start):
+    broker = start(partition_actors=2)
+    with Admin(broker.url) as admin:
+        admin.create_topic("spread", partitions=2)
+        owners = {p["endpoint"] for p in admin.metadata(["spread"])[0]["partitions"]}
+    assert len(owners) == 2, "the two partitions should live on two actors"
+    with Consumer(broker.url, group="early", topics=["spread"]) as consumer:
+        # Before any poll: the first fetch finds its socket there (no metadata request,
+        # no handshake on the poll's path).
+        assert owners <= set(consumer.conn.sockets)
+        produce_values(broker.url, "spread", [b"a", b"b", b"c", b"d"])
+        assert sorted(r.value for r in drain(consumer, 4)) == [b"a", b"b", b"c", b"d"]
+
+
 def test_a_shared_group_does_no_read_ahead_and_gets_everything(broker):
     with Admin(broker.url) as admin:
         admin.create_topic("fanout", partitions=2)

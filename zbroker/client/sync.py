@@ -607,10 +607,27 @@ class Consumer:
         keep = [tuple(p) for p in reply.assignment] if self.read_ahead and self.mode == "exclusive" else []
         self._orphans.update(self.ahead.retain(keep))
         self._needs_rejoin.clear()
+        self._connect_to_assigned()
         if old - new and self.on_revoke:
             self.on_revoke(sorted(old - new))
         if new - old and self.on_assign:
             self.on_assign(sorted(new - old))
+
+    def _connect_to_assigned(self) -> None:
+        """Connect to the actors of the assigned partitions now, while the first poll goes
+        to the coordinator, so that the first fetch does not also wait for a metadata
+        request and a TCP and ZeroMQ handshake (about 2 ms of a first poll's 4.5)."""
+        topics = sorted({topic for topic, _partition in self.assignment})
+        if not topics:
+            return
+        try:
+            self.conn.refresh(topics)
+            for topic, partition in self.assignment:
+                endpoint = self.conn.metadata.endpoint(topic, partition)
+                if endpoint is not None:
+                    self.conn.socket(endpoint)  # connects in the background
+        except ZBrokerError as err:  # the fetch finds the owner again when it needs it
+            log.info("consumer.connect_deferred", group=self.group, error=str(getattr(err.code, "value", err.code)))
 
     def _rejoin(self) -> None:
         self.stats["rejoins"] += 1
