@@ -103,13 +103,17 @@ class Phase:
         self.ended_at = self._clock()
         self.client_cpu_s = time.process_time() - self._client_cpu_before
         if self._cpu_before is not None:
-            # Listed again: a process the server started during the phase (Redis's AOF
-            # rewrite child, a restarted actor) counts too; see cpu_delta.
+            after = CpuSample.take(self._pids)
+            # Then listed again (a psutil scan, after the known processes were read so the
+            # scan is not in their figure): a process the server started during the phase
+            # (Redis's AOF rewrite child, a restarted actor) counts too; see cpu_delta.
             try:
-                now_pids = set(self._server_pids())
+                started = sorted(set(self._server_pids()) - set(self._pids))
             except Exception:  # the server went away: what was there at the start is all we know
-                now_pids = set()
-            delta = cpu_delta(self._cpu_before, CpuSample.take(sorted(now_pids | set(self._pids))))
+                started = []
+            if started:
+                after = after.merged(CpuSample.take(started))
+            delta = cpu_delta(self._cpu_before, after)
             self.server_cpu_s = delta.seconds
             self.cpu_unmatched = delta.unmatched
         if self._progress is not None and self._pending_progress:

@@ -102,6 +102,8 @@ class CpuSample:
     precise: dict[tuple[int, int], float] = field(default_factory=dict)
     # Reaped children's CPU (cutime + cstime) per process, in ticks.
     children: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Each process's parent pid: a child reaped between two samples is in its parent's cutime.
+    ppids: dict[tuple[int, int], int] = field(default_factory=dict)
     # When the sample was taken, in clock ticks since boot (None if unknown): a process
     # that started later is new, and all of its CPU falls after this sample.
     taken_at_ticks: int | None = None
@@ -109,30 +111,38 @@ class CpuSample:
     @staticmethod
     def take(pids: Iterable[int], proc_root: str = "/proc") -> "CpuSample":
         taken_at = uptime_ticks(proc_root)
-        ticks, precise, children = {}, {}, {}
+        ticks, precise, children, ppids = {}, {}, {}, {}
         for pid in pids:
             stat = read_stat(pid, proc_root)
             if stat is not None:
                 key = (stat.pid, stat.start_ticks)
                 ticks[key] = stat.cpu_ticks
                 children[key] = stat.children_ticks
+                ppids[key] = stat.ppid
                 clock = process_cpu_clock(pid) if proc_root == "/proc" else None
                 if clock is not None:
                     precise[key] = clock
-        return CpuSample(ticks, precise, children, taken_at)
+        return CpuSample(ticks, precise, children, ppids, taken_at)
 
     def only(self, pid: int) -> "CpuSample":
         """The part of this sample that is about `pid`."""
-        return CpuSample({k: v for k, v in self.ticks.items() if k[0] == pid},
-                         {k: v for k, v in self.precise.items() if k[0] == pid},
-                         {k: v for k, v in self.children.items() if k[0] == pid}, self.taken_at_ticks)
+        def mine(d: dict) -> dict:
+            return {k: v for k, v in d.items() if k[0] == pid}
+        return CpuSample(mine(self.ticks), mine(self.precise), mine(self.children), mine(self.ppids),
+                         self.taken_at_ticks)
+
+    def merged(self, other: "CpuSample") -> "CpuSample":
+        """This sample and `other` (other processes, read a moment later) as one."""
+        return CpuSample({**self.ticks, **other.ticks}, {**self.precise, **other.precise},
+                         {**self.children, **other.children}, {**self.ppids, **other.ppids},
+                         self.taken_at_ticks)
 
 
 def uptime_ticks(proc_root: str = "/proc") -> int | None:
     """Clock ticks since boot (the unit of a process's start time), or None."""
     try:
         with open(f"{proc_root}/uptime", encoding="ascii") as f:
-            return int(float(f.read().split()[0]) * CLOCK_TICKS)
+            return round(float(f.read().split()[0]) * CLOCK_TICKS)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -152,12 +162,23 @@ def cpu_delta(before: CpuSample, after: CpuSample, ticks_per_s: int = CLOCK_TICK
     meanwhile. Processes only in `after` that started after `before` was taken:
     all of their CPU. Anything else present at one end only (exited, or a pid
     the first sample missed) is counted in `unmatched`.
+
+    A parent's cutime grows by a reaped child's whole life; when that child was
+    in `before` (alive then, perhaps counted in full as new by the phase before),
+    what it had used by then is not this interval's and is taken off again.
     """
     common = before.ticks.keys() & after.ticks.keys()
     started = before.taken_at_ticks
     new = {k for k in after.ticks.keys() - before.ticks.keys() if started is not None and k[1] >= started}
     unmatched = len(before.ticks.keys() ^ after.ticks.keys()) - len(new)
-    children = sum(after.children.get(k, 0) - before.children.get(k, 0) for k in common)
+    parent_key = {k[0]: k for k in common}
+    counted_before: dict[tuple[int, int], int] = {}
+    for k in before.ticks.keys() - after.ticks.keys():
+        parent = parent_key.get(before.ppids.get(k, -1))
+        if parent is not None:
+            counted_before[parent] = counted_before.get(parent, 0) + before.ticks[k] + before.children.get(k, 0)
+    children = sum(max(0, after.children.get(k, 0) - before.children.get(k, 0) - counted_before.get(k, 0))
+                   for k in common)
     children += sum(after.children.get(k, 0) for k in new)
     if all(k in before.precise and k in after.precise for k in common) and all(k in after.precise for k in new):
         own = sum(after.precise[k] - before.precise[k] for k in common) + sum(after.precise[k] for k in new)

@@ -71,6 +71,20 @@ def test_reaped_children_and_processes_started_during_the_phase_count(tmp_path):
     assert delta.unmatched == 1  # pid 7 was running before the first sample but not in it
 
 
+def test_a_child_reaped_during_the_phase_counts_only_what_it_used_in_it(tmp_path):
+    # The AOF rewrite child was alive at the first sample (counted, perhaps in full, by the
+    # phase before); its parent reaps it during this one, and its cutime grows by the
+    # child's whole life: 80 ticks before the sample, 20 after.
+    before = CpuSample.take([1, 6], proc_root=fake_proc(tmp_path / "b", {
+        1: stat_line(1, "redis-server", 100, 0, start=50, cutime=0, cstime=0),
+        6: stat_line(6, "redis-rdb-bgsave", 70, 10, start=1_200, ppid=1, cutime=0, cstime=0)}, uptime_s=15.0))
+    after = CpuSample.take([1, 6], proc_root=fake_proc(tmp_path / "a", {
+        1: stat_line(1, "redis-server", 130, 0, start=50, cutime=90, cstime=10)}, uptime_s=20.0))
+    delta = cpu_delta(before, after, ticks_per_s=100)
+    assert delta.seconds == pytest.approx((30 + 20) / 100)
+    assert delta.unmatched == 1  # the child, gone from the second sample
+
+
 def test_a_recycled_pid_is_not_taken_for_the_same_process(tmp_path):
     before = CpuSample.take([9], proc_root=fake_proc(tmp_path / "b", {9: stat_line(9, "x", 500, 0, start=1)}))
     after = CpuSample.take([9], proc_root=fake_proc(tmp_path / "a", {9: stat_line(9, "x", 3, 0, start=2)}))
