@@ -275,12 +275,15 @@ class RabbitMQ(Adapter):
 
             def on_message(ch, method, _properties, _body) -> None:
                 ch.basic_ack(method.delivery_tag)
+                if ending:
+                    return  # delivered after the phase's end (a timed-out phase): not counted
                 phase.advance()
-                if (phase.records >= count or phase.expired) and not ending:
+                if phase.records >= count or phase.expired:
                     ending.append(True)
                     # basic.ack has no reply; the answer to a passive declare sent after the
-                    # last one means the server has applied them all, as zbroker's phase
-                    # ends once its acks are applied.
+                    # last one means the server has taken every ack off the channel (zbroker's
+                    # phase ends once its acks are applied). If it never comes, the run's
+                    # own timeout ends the phase.
                     ch.queue_declare(self.main_queue, passive=True, callback=ended)
 
             def consume(_frame) -> None:

@@ -628,6 +628,8 @@ class Consumer:
                     self.conn.socket(endpoint)  # connects in the background
         except ZBrokerError as err:  # the fetch finds the owner again when it needs it
             log.info("consumer.connect_deferred", group=self.group, error=str(getattr(err.code, "value", err.code)))
+        except zmq.ZMQError as err:  # e.g. a bad endpoint in the metadata: the fetch reports it
+            log.info("consumer.connect_deferred", group=self.group, error=str(err))
 
     def _rejoin(self) -> None:
         self.stats["rejoins"] += 1
