@@ -457,24 +457,24 @@ def _run_client_processes(role: str, url: str, topic: str, count: int, size: int
                           phase: Phase, group: str, sample_pids: list[int] = ()) -> tuple[CpuSample, CpuSample]:
     """Run the clients; returns the CPU of `sample_pids` at the phase's begin and end.
 
-    The clock covers the work only. Each client connects, then waits at `ready`
-    and again for `go`; the phase begins between the two, so neither a client's
-    start-up nor the phase's own set-up (reading /proc) is timed, and no client
-    starts before the clock. Each client reports on its own pipe when its work
-    is done (a producer's records acknowledged, a consumer's acks applied); the
-    phase ends at the last report, not when the processes have exited. At
-    several million records/s a 200,000-record phase lasts tens of milliseconds,
-    about as long as a Python process takes to exit.
+    The clock covers the work only. Each client connects, says it is ready on
+    its own pipe and waits for `go`; the phase begins when all are ready, so
+    neither a client's start-up nor the phase's own set-up (reading /proc) is
+    timed, and no client starts before the clock. Each client reports on its
+    pipe again when its work is done (a producer's records acknowledged, a
+    consumer's acks applied); the phase ends at the last report, not when the
+    processes have exited. At several million records/s a 200,000-record phase
+    lasts tens of milliseconds, about as long as a Python process takes to exit.
+    A client that exits early ends the wait at once, with its exit code.
     """
     mp = multiprocessing.get_context("spawn")
     done = mp.Value("q", 0)
-    ready = mp.Barrier(clients + 1)
     go = mp.Event()
     shares = [count // clients + (1 if i < count % clients else 0) for i in range(clients)]
     reports = [mp.Pipe(duplex=False) for _ in shares]
     procs = [
         mp.Process(target=_scale_client,
-                   args=(role, url, topic, share, count, size, i, clients, group, done, ready, go, reports[i][1]),
+                   args=(role, url, topic, share, count, size, i, clients, group, done, go, reports[i][1]),
                    name=f"bench-scale-{role}-{i}", daemon=True)
         for i, share in enumerate(shares)
     ]
@@ -482,8 +482,9 @@ def _run_client_processes(role: str, url: str, topic: str, count: int, size: int
         p.start()
     for _reader, writer in reports:
         writer.close()  # the child holds its own copy; the parent's would keep a dead child's pipe open
+    stopped: list[multiprocessing.Process] = []
     try:
-        ready.wait(60)
+        _wait_until_ready(role, {reader: proc for (reader, _w), proc in zip(reports, procs)})
         before = CpuSample.take(sample_pids)
         phase.begin()
         go.set()
@@ -499,12 +500,15 @@ def _run_client_processes(role: str, url: str, topic: str, count: int, size: int
             phase.advance(done.value - phase.records)
         phase.end()
         after = CpuSample.take(sample_pids)
+        for proc in waiting.values():  # past the time bound: the phase is timed out with what it did
+            proc.kill()
+            stopped.append(proc)
+        join_by = time.monotonic() + 10
         for p in procs:
-            p.join(10)
-        failed = [p.exitcode for p in procs if p.exitcode not in (0, None)]
-        if failed or waiting:
-            raise RuntimeError(f"scale-out {role} client processes exited with {failed}"
-                               + (f", {len(waiting)} did not finish in time" if waiting else ""))
+            p.join(max(0.1, join_by - time.monotonic()))
+        failed = [p.exitcode for p in procs if p.exitcode not in (0, None) and p not in stopped]
+        if failed:
+            raise RuntimeError(f"scale-out {role} client processes exited with {failed}")
         return before, after
     finally:
         for p in procs:
@@ -513,6 +517,24 @@ def _run_client_processes(role: str, url: str, topic: str, count: int, size: int
             p.join(5)
         for reader, _writer in reports:
             reader.close()
+
+
+def _wait_until_ready(role: str, pending: dict, timeout_s: float = 60.0) -> None:
+    """Wait for every client's first report; a client that exits first fails the round at once."""
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(f"{len(pending)} scale-out {role} client(s) not ready within {timeout_s:g} s")
+        for reader in multiprocessing.connection.wait(list(pending), timeout=remaining):
+            try:
+                reader.recv()
+            except EOFError:
+                proc = pending[reader]
+                proc.join(5)
+                raise RuntimeError(f"a scale-out {role} client exited before it was ready "
+                                   f"(exit code {proc.exitcode})") from None
+            del pending[reader]
 
 
 def _connect_to_partition_actors(conn: Any, topic: str) -> None:
@@ -531,9 +553,10 @@ def _connect_to_partition_actors(conn: Any, topic: str) -> None:
 
 
 def _scale_client(role: str, url: str, topic: str, share: int, total: int, size: int, index: int,
-                  clients: int, group: str, done, ready, go, report) -> None:
+                  clients: int, group: str, done, go, report) -> None:
     """Child: a producer for partitions index, index+clients, ... or a consumer in `group`.
-    Sends one message on `report` once its share of the work is done."""
+    Sends "ready" on `report` once connected, waits for `go`, and sends again once its
+    share of the work is done."""
     from zbroker.client import Consumer, Producer
 
     if role == "produce":
@@ -541,7 +564,7 @@ def _scale_client(role: str, url: str, topic: str, share: int, total: int, size:
         partitions = [p for p in range(4) if p % clients == index] or [index % 4]
         payload = bytes(size)
         _connect_to_partition_actors(producer.conn, topic)
-        ready.wait()
+        report.send("ready")
         go.wait()
         sent = 0
         while sent < share:
@@ -557,7 +580,7 @@ def _scale_client(role: str, url: str, topic: str, share: int, total: int, size:
     consumer = Consumer(url, group=group, topics=[topic], max_in_flight=10 * CHUNK, **CONSUMER_OPTIONS)
     ack = consumer.ack
     _connect_to_partition_actors(consumer.conn, topic)
-    ready.wait()
+    report.send("ready")
     go.wait()
     while done.value < total:  # the consumers share one group: stop when it has everything
         # A short wait: a consumer whose partitions are drained notices that the others

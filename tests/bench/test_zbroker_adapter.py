@@ -55,3 +55,22 @@ def test_scale_out_times_the_work_of_every_round_and_row():
                 stored = sum(a["records"] for a in run["per_actor"].values())
                 assert stored == 2000 and len(run["per_actor"]) == int(actors)
             assert summary["msgs_s"] > 0
+
+
+def test_a_client_that_exits_before_it_is_ready_fails_the_round_at_once():
+    import multiprocessing
+    import sys
+    import time
+
+    from bench.zbroker_adapter import _wait_until_ready
+
+    mp = multiprocessing.get_context("spawn")
+    reader, writer = mp.Pipe(duplex=False)
+    child = mp.Process(target=sys.exit, args=(3,), daemon=True)  # never says it is ready
+    child.start()
+    writer.close()  # the parent's copy: the child's exit then reads as EOF
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited before it was ready.*exit code 3"):
+        _wait_until_ready("produce", {reader: child}, timeout_s=60.0)
+    assert time.monotonic() - started < 30  # not the whole 60 s
+    child.join(5)
