@@ -84,6 +84,8 @@ def test_asyncio_twin_produces_and_consumes_with_acks(broker):
         assert all(h.offset is not None for h in handles)
         got = []
         async with AsyncConsumer(broker.url, group="aio", topics=["aio"]) as consumer:
+            # Connected to the partition actor at join, before the first fetch.
+            assert len(consumer.conn.sockets) == 2  # the coordinator and the one partition actor
             deadline = time.monotonic() + 20
             while len(got) < 300 and time.monotonic() < deadline:
                 for record in await consumer.poll(max_records=100, timeout=0.2):

@@ -123,3 +123,15 @@ def test_poll_timeouts_round_up_so_a_short_wait_sleeps_instead_of_spinning(secon
     # A wait of 0.7 ms truncated to poll(0) returned at once, and the callers that loop
     # until their deadline busy-waited for the rest of the millisecond.
     assert sync.poll_timeout_ms(seconds) == expected
+
+
+def test_metadata_endpoints_of_an_assignment_skip_what_is_not_known():
+    from zbroker.client.core import MetadataCache
+
+    cache = MetadataCache()
+    cache.update([{"name": "t", "partitions": [{"partition": 0, "endpoint": "tcp://a"},
+                                               {"partition": 1, "endpoint": "tcp://b"},
+                                               {"partition": 2, "endpoint": "tcp://a"},
+                                               {"partition": 3}]}])  # no live owner
+    assert cache.endpoints([["t", 0], ["t", 2], ["t", 1]]) == ["tcp://a", "tcp://b"]
+    assert cache.endpoints([["t", 3], ["t", 9], ["other", 0]]) == []

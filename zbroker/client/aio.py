@@ -268,6 +268,20 @@ class AsyncConsumer:
             reply = await self.conn.coordinator(m.Join(group=self.group, topics=self.topics,
                                                        session_timeout_ms=self.session_timeout_ms))
         self.member_id, self.generation, self.assignment = reply.member_id, reply.generation, reply.assignment
+        await self._connect_to_assigned()
+
+    async def _connect_to_assigned(self) -> None:
+        """As the synchronous Consumer does: connect to the assigned partitions' actors
+        now, so the first fetch waits for neither a metadata request nor a handshake."""
+        topics = sorted({topic for topic, _partition in self.assignment})
+        if not topics:
+            return
+        try:
+            await self.conn.refresh(topics)
+            for endpoint in self.conn.metadata.endpoints(self.assignment):
+                self.conn.socket(endpoint)  # connects in the background
+        except (ZBrokerError, zmq.ZMQError):
+            pass  # the fetch finds the owner again when it needs it
 
     async def _heartbeat(self) -> None:
         while True:

@@ -78,6 +78,15 @@ class MetadataCache:
     def forget(self, topic: str) -> None:
         self.topics.pop(topic, None)
 
+    def endpoints(self, assignment: Iterable) -> list[str]:
+        """The actors' endpoints for ``assignment`` ([topic, partition] pairs), where known."""
+        found = set()
+        for topic, partition in assignment:
+            parts = self.topics.get(topic)
+            if parts is not None and 0 <= partition < len(parts) and parts[partition].get("endpoint"):
+                found.add(parts[partition]["endpoint"])
+        return sorted(found)
+
 
 class PendingBatch:
     """A payload on its way to one partition; keeps its sequence across retries."""

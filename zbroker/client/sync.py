@@ -622,10 +622,8 @@ class Consumer:
             return
         try:
             self.conn.refresh(topics)
-            for topic, partition in self.assignment:
-                endpoint = self.conn.metadata.endpoint(topic, partition)
-                if endpoint is not None:
-                    self.conn.socket(endpoint)  # connects in the background
+            for endpoint in self.conn.metadata.endpoints(self.assignment):
+                self.conn.socket(endpoint)  # connects in the background
         except ZBrokerError as err:  # the fetch finds the owner again when it needs it
             log.info("consumer.connect_deferred", group=self.group, error=str(getattr(err.code, "value", err.code)))
         except zmq.ZMQError as err:  # e.g. a bad endpoint in the metadata: the fetch reports it
