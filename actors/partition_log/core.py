@@ -20,7 +20,12 @@ produce
 fetch
     Reads whole stored batches from the batch holding ``offset``. A fetch at
     the log end with ``max_wait_ms`` is parked and answered by the next
-    append to that partition, or empty at its deadline.
+    append to that partition, or empty at its deadline. With
+    ``fsync=always`` no fetch reply carries records before their fsync: one
+    answered in a turn that appended to its partition waits for `end_turn`.
+opening a log
+    A log is fsynced whole when it is opened (unless ``fsync=never``): the
+    previous owner may have died between a write and its fsync.
 reports
     The coordinator must learn log ends quickly (consumers long-poll on it),
     so every turn that appended produces a report of the changed partitions,
@@ -142,7 +147,7 @@ class PartitionActorCore:
         self._wanted: dict[tuple[str, int], LogConfig] = {}  # assigned but not open yet
         self._next_open_retry_ms = 0
         self._dirty_since_sync: set[tuple[str, int]] = set()
-        self._held_replies: list[Reply] = []
+        self._held_replies: list[Reply | ReplyError] = []  # fsync=always: sent after end_turn's fsync
         self._changed: set[tuple[str, int]] = set()
         # Waiting fetches per partition, by sequence number: answering one is O(1).
         self._parked: dict[tuple[str, int], dict[int, _ParkedFetch]] = {}
@@ -182,6 +187,10 @@ class PartitionActorCore:
                 log.info("partition.open_deferred", topic=key[0], partition=key[1], reason=str(exc))
                 continue
             del self._wanted[key]
+            if self.fsync.mode != "never":
+                # What the previous owner wrote but had not yet fsynced when it died is
+                # made durable before any of it is served or reported.
+                plog.make_durable()
             self.logs[key] = plog
             self._changed.add(key)
             rec = plog.recovery
@@ -296,7 +305,15 @@ class PartitionActorCore:
             if len(self._parked_fifo) > 2 * self._parked_count + 1024:
                 self._parked_fifo = collections.deque(p for p in self._parked_fifo if not p.done)
             return effects
-        return [self._read_reply(token, plog, msg)]
+        return self._after_sync(key, self._read_reply(token, plog, msg))
+
+    def _after_sync(self, key: tuple[str, int], effect: Any) -> list:
+        """With fsync=always, a fetch answered in a turn that appended to its partition
+        waits for end_turn's fsync, like the produce replies: it may carry the new records."""
+        if self.fsync.mode == "always" and key in self._dirty_since_sync:
+            self._held_replies.append(effect)
+            return []
+        return [effect]
 
     def _finish(self, parked: _ParkedFetch) -> None:
         """A waiting fetch stops waiting (it is being answered); heap entries stay until popped."""
@@ -317,7 +334,7 @@ class PartitionActorCore:
             oldest = self._parked_fifo.popleft()
         self._finish(oldest)
         key = (oldest.msg.topic, oldest.msg.partition)
-        return [self._read_reply(oldest.token, self.logs[key], oldest.msg)]
+        return self._after_sync(key, self._read_reply(oldest.token, self.logs[key], oldest.msg))
 
     def _read_reply(self, token: Any, plog: PartitionLog, msg: m.Fetch) -> Reply:
         max_bytes = min(max(msg.max_bytes, 1), self.limits.max_fetch_bytes)
@@ -380,7 +397,7 @@ class PartitionActorCore:
                 effects.append(ReplyError(parked.token, "fetch", NotOwner("partition moved", topic=key[0],
                                                                           partition=key[1])))
             else:
-                effects.append(self._read_reply(parked.token, plog, parked.msg))
+                effects += self._after_sync(key, self._read_reply(parked.token, plog, parked.msg))
         if self.fsync.mode == "interval" and self._dirty_since_sync:
             if self._next_fsync_ms is None:
                 self._next_fsync_ms = now_ms + self.fsync.interval_ms

@@ -79,12 +79,15 @@ class LockedLogOpener:
         return plog
 
 
-def _log_sync_failure(log: Any):
+def _log_sync_failure(log: Any, failures: list):
     def check(future: concurrent.futures.Future) -> None:
         if future.exception() is not None:
-            # The data stays in the page cache and the next interval tries again; a
-            # failing disk shows up on the loop thread at the next write.
+            # After a failed fsync the kernel may have dropped the dirty pages and
+            # cleared the error, so a later fsync would "succeed" without them. The
+            # loop exits instead (as for an I/O error on its own thread): the restarted
+            # actor recovers the log from what is on disk and fsyncs it whole.
             log.error("log.fsync_failed", error=repr(future.exception()))
+            failures.append(future.exception())
     return check
 
 
@@ -108,9 +111,10 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     data.mkdir(parents=True, exist_ok=True)
     # One thread for interval fsyncs: the loop keeps serving while the disk syncs.
     syncer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
+    sync_failures: list[BaseException] = []
 
     def background_sync(jobs: list) -> None:
-        syncer.submit(run_sync_jobs, jobs).add_done_callback(_log_sync_failure(log))
+        syncer.submit(run_sync_jobs, jobs).add_done_callback(_log_sync_failure(log, sync_failures))
 
     core = PartitionActorCore(actor_id, open_log=LockedLogOpener(data), fsync=FsyncPolicy.parse(fsync),
                               limits=Limits(max_batch_bytes=max_batch_bytes), background_sync=background_sync)
@@ -137,7 +141,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         dealer.connect(coordinator)
         log.info("actor.started", endpoint=endpoint, coordinator=coordinator, fsync=str(core.fsync),
                  data_dir=str(data))
-        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl)
+        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl, sync_failures)
         syncer.shutdown(wait=True)  # background fsyncs finish before the final one in close()
         for effect in core.close():
             _apply(effect, router, dealer, log)
@@ -152,13 +156,16 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
 
 
 def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
-          storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None) -> None:
+          storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
+          sync_failures: list) -> None:
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
     corr = 0
     pid = os.getpid()
     while not stop.stopping:
+        if sync_failures:
+            raise sync_failures[0]  # see _log_sync_failure
         now = wall_ms()
         if core.heartbeat_due(now):
             corr += 1

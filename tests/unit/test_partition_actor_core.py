@@ -209,3 +209,78 @@ def test_past_the_cap_the_oldest_waiting_fetch_is_answered_and_each_is_answered_
     [late] = core.tick(2000)  # "d" times out; nobody is answered twice
     assert late.token == "d"
     assert core.tick(3000) == []
+
+
+def _count_fsyncs(monkeypatch) -> list:
+    """Record what gets fsynced: the path behind each fd."""
+    import os
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+@pytest.mark.parametrize("policy", ["always", "interval:1000"])
+def test_a_log_opened_after_a_crash_is_fsynced_before_anything_is_served(tmp_path, monkeypatch, policy):
+    # The previous owner wrote a batch and a rolled segment and died before any fsync:
+    # a retried produce answered "duplicate" would otherwise be acked from the page cache.
+    plog = PartitionLog.open(tmp_path / "t" / "0", LogConfig(segment_bytes=200), now_ms=0)
+    plog.append(payload(b"a" * 150), 1, append_time_ms=0, producer_id=77, producer_seq=0)
+    plog.append(payload(b"b" * 150), 1, append_time_ms=0, producer_id=77, producer_seq=1)
+    assert len(plog._segments) == 2
+    for segment in plog._segments:
+        segment.close_fd()  # kill -9: no flush, no close
+    synced = _count_fsyncs(monkeypatch)
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse(policy))
+    core.on_assign([["t", 0, {"segment_bytes": 200}]], 0)
+    directory = str(tmp_path / "t" / "0")
+    assert directory in synced
+    assert {p for p in synced if p.endswith(".log")} == {str(s.data_path) for s in core.logs[("t", 0)]._segments}
+    effects = produce(core, b"b" * 150, pid=77, seq=1) + core.end_turn(2)
+    assert [e.msg.duplicate for e in effects] == [True]
+    core.close()
+
+
+def test_fsync_never_does_not_sync_at_open(tmp_path, monkeypatch):
+    PartitionLog.open(tmp_path / "t" / "0", LogConfig(), now_ms=0).close()
+    synced = _count_fsyncs(monkeypatch)
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("never"))
+    core.on_assign([["t", 0, None]], 0)
+    assert synced == []
+    core.logs[("t", 0)]._segments[-1].close_fd()
+
+
+def test_fsync_always_fetches_in_an_appending_turn_wait_for_the_sync(tmp_path):
+    # A waiting fetch whose deadline falls in the turn, a plain fetch after the produce and
+    # an evicted waiting fetch: none may carry the record before end_turn's fsync.
+    import actors.partition_log.core as core_module
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("always"))
+    core.on_assign([["t", 0, None]], 0)
+    assert core.handle("expiring", env(m.Fetch(topic="t", partition=0, offset=0, max_wait_ms=100)), 0) == []
+    assert produce(core, b"a", now=100) == []
+    assert core.tick(100) == []
+    assert core.handle("plain", env(m.Fetch(topic="t", partition=0, offset=0)), 100) == []
+    fsyncs = core.counters["fsyncs"]
+    released = core.end_turn(100)
+    assert core.counters["fsyncs"] == fsyncs + 1
+    by_token = {e.token: e for e in released}
+    for token in ("expiring", "plain"):
+        assert [r.value for r in decode_fetched(by_token[token].frames[0], "t", 0)] == [b"a"]
+    # The next turn appends nothing: a fetch is answered at once.
+    [f] = core.handle("later", env(m.Fetch(topic="t", partition=0, offset=0)), 101)
+    assert decode_fetched(f.frames[0], "t", 0)[0].value == b"a"
+    # The cap on waiting fetches answers the oldest; in an appending turn, after the sync.
+    old_cap = core_module.MAX_PARKED_FETCHES
+    core_module.MAX_PARKED_FETCHES = 1
+    try:
+        assert core.handle("oldest", env(m.Fetch(topic="t", partition=0, offset=1, max_wait_ms=500)), 102) == []
+        assert produce(core, b"b", now=103) == []  # wakes "oldest" only after the sync
+        assert core.handle("newest", env(m.Fetch(topic="t", partition=0, offset=2, max_wait_ms=500)), 103) == []
+        released = {e.token for e in core.end_turn(103)}
+        assert {"tok", "oldest"} <= released
+    finally:
+        core_module.MAX_PARKED_FETCHES = old_cap
+    core.close()
