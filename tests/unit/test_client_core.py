@@ -135,3 +135,35 @@ def test_metadata_endpoints_of_an_assignment_skip_what_is_not_known():
                                                {"partition": 3}]}])  # no live owner
     assert cache.endpoints([["t", 0], ["t", 2], ["t", 1]]) == ["tcp://a", "tcp://b"]
     assert cache.endpoints([["t", 3], ["t", 9], ["other", 0]]) == []
+
+
+def test_a_partition_whose_sequences_run_out_moves_to_a_new_producer_id():
+    # Sequences are signed 32-bit on the wire: batch 2**31 of one (producer_id, partition)
+    # would be refused with BAD_REQUEST, failing every record in it and after it.
+    from protocol import messages as m
+    from zbroker.client.core import MAX_SEQUENCE
+    acc = BatchAccumulator(batch_size=1, batch_bytes=1 << 20, producer_id=17)
+    acc._sequences[("t", 0)] = MAX_SEQUENCE
+    last = acc.add("t", 0, [0, None, b"a", None], 1, 0.0, None)
+    rolled = acc.add("t", 0, [0, None, b"b", None], 1, 0.0, None)
+    after = acc.add("t", 0, [0, None, b"c", None], 1, 0.0, None)
+    other = acc.add("t", 1, [0, None, b"d", None], 1, 0.0, None)
+    assert (last.producer_id, last.sequence) == (17, MAX_SEQUENCE)  # a retry of it keeps both
+    assert rolled.producer_id not in (0, 17) and rolled.sequence == 0
+    assert (after.producer_id, after.sequence) == (rolled.producer_id, 1)
+    assert (other.producer_id, other.sequence) == (17, 0)  # other partitions keep theirs
+    for b in (last, rolled, after):
+        m.build(m.Produce, {"topic": "t", "partition": 0, "producer_id": b.producer_id, "sequence": b.sequence})
+
+
+def test_the_size_estimate_counts_keys_and_headers():
+    # Counting only values, 1,000 records with 16 KiB keys made a 16 MB payload that the
+    # broker refuses whole (TOO_LARGE) although each record would fit alone.
+    from zbroker.client.core import record_size_estimate
+    key, headers = b"k" * 16384, {"trace": b"t" * 1000}
+    assert record_size_estimate(b"v", key, headers) >= 16384 + 1000 + 1
+    assert record_size_estimate(b"v", None, None) == record_size_estimate(b"v", None, {})
+    acc = BatchAccumulator(batch_size=1000, batch_bytes=1 << 20, producer_id=1)
+    closed = [b for b in (acc.add("t", 0, [0, key, b"v", headers], record_size_estimate(b"v", key, headers),
+                                  0.0, None) for _ in range(1000)) if b is not None]
+    assert closed and all(len(b.payload) <= (1 << 20) + 20000 for b in closed)

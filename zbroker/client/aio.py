@@ -9,6 +9,8 @@ consumer heartbeats in one.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
 import time
 from typing import Any, AsyncIterator, Iterable
@@ -21,7 +23,7 @@ from protocol import messages as m
 from protocol.batch import decode_fetched
 from protocol.errors import ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
-                                 MetadataCache, PendingBatch, group_by_lease)
+                                 MetadataCache, PendingBatch, group_by_lease, record_size_estimate)
 from actors.security import ClientKeys
 from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, client_dealer, curve_from_env
 
@@ -141,6 +143,52 @@ class AsyncAdmin:
         await self.close()
 
 
+class RecordWindow:
+    """At most ``capacity`` records in flight; a batch takes all of its permits at once.
+
+    Taking them one by one (an `asyncio.Semaphore` acquired per record) deadlocks
+    when several coroutines dispatch at once: each ends up holding part of what it
+    needs while nothing in flight is left to free the rest. Waiters are served in
+    arrival order, so batches of one partition leave in the order they were closed.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.available = capacity
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    async def acquire(self, count: int) -> int:
+        """Take ``count`` permits (at most the capacity); returns how many were taken."""
+        count = min(count, self.capacity)
+        if not self._waiters and self.available >= count:
+            self.available -= count
+            return count
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((count, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(count)  # granted just as it was cancelled: give them back
+            else:
+                with contextlib.suppress(ValueError):  # `_wake` may have dropped it already
+                    self._waiters.remove((count, fut))
+                self._wake()
+            raise
+        return count
+
+    def release(self, count: int) -> None:
+        self.available += count
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._waiters[0][0] <= self.available:
+            count, fut = self._waiters.popleft()
+            if not fut.done():
+                self.available -= count
+                fut.set_result(None)
+
+
 class AsyncProducer:
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
                  batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000, request_timeout: float = 5.0,
@@ -149,7 +197,7 @@ class AsyncProducer:
         self.linger_s = linger_ms / 1000.0
         self.retries = retries
         self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes)
-        self.window = asyncio.Semaphore(max_in_flight_records)
+        self.window = RecordWindow(max_in_flight_records)
         self.max_in_flight_records = max_in_flight_records
         self.tasks: set[asyncio.Task] = set()
         self.errors: list[ZBrokerError] = []
@@ -164,7 +212,8 @@ class AsyncProducer:
                 await self.conn.refresh([topic])
             partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), key)
         handle = DeliveryHandle(topic, partition)
-        batch = self.acc.add(topic, partition, [time.time_ns() // 1_000_000, key, value, headers], len(value) + 16,
+        batch = self.acc.add(topic, partition, [time.time_ns() // 1_000_000, key, value, headers],
+                             record_size_estimate(value, key, headers),
                              time.monotonic(), handle)
         if batch is not None:
             await self._dispatch(batch)
@@ -177,20 +226,19 @@ class AsyncProducer:
                 await self._dispatch(batch)
 
     async def _dispatch(self, batch: PendingBatch) -> None:
-        for _ in range(min(batch.count, self.max_in_flight_records)):
-            await self.window.acquire()
-        task = asyncio.get_running_loop().create_task(self._deliver(batch))
+        permits = await self.window.acquire(batch.count)
+        task = asyncio.get_running_loop().create_task(self._deliver(batch, permits))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _deliver(self, batch: PendingBatch) -> None:
+    async def _deliver(self, batch: PendingBatch, permits: int) -> None:
         try:
             while True:
                 batch.attempts += 1
                 try:
                     env = await self.conn.call(await self.conn.endpoint(batch.topic, batch.partition),
                                                m.Produce(topic=batch.topic, partition=batch.partition,
-                                                         producer_id=self.acc.producer_id, sequence=batch.sequence),
+                                                         producer_id=batch.producer_id, sequence=batch.sequence),
                                                (batch.payload,))
                 except ZBrokerError as err:
                     if (err.retriable or err.code in RETRIABLE_PRODUCE) and batch.attempts <= self.retries:
@@ -208,8 +256,7 @@ class AsyncProducer:
                     handle.offset = env.msg.base_offset + i
                 return
         finally:
-            for _ in range(min(batch.count, self.max_in_flight_records)):
-                self.window.release()
+            self.window.release(permits)
 
     async def flush(self) -> None:
         for batch in self.acc.drain():

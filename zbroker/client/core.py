@@ -91,18 +91,41 @@ class MetadataCache:
 class PendingBatch:
     """A payload on its way to one partition; keeps its sequence across retries."""
 
-    __slots__ = ("topic", "partition", "payload", "count", "sequence", "attempts", "first_record_at",
-                 "handles")
+    __slots__ = ("topic", "partition", "payload", "count", "producer_id", "sequence", "attempts", "handles")
 
-    def __init__(self, topic: str, partition: int, payload: bytes, count: int, sequence: int,
+    def __init__(self, topic: str, partition: int, payload: bytes, count: int, producer_id: int, sequence: int,
                  handles: list | None) -> None:
         self.topic = topic
         self.partition = partition
         self.payload = payload
         self.count = count
+        self.producer_id = producer_id
         self.sequence = sequence
         self.attempts = 0
         self.handles = handles
+
+
+# The protocol's sequences are signed 32-bit (docs/PROTOCOL.md, section 13): a
+# partition whose producer id has numbered this many batches moves to a new id.
+MAX_SEQUENCE = (1 << 31) - 1
+
+
+def new_producer_id() -> int:
+    """A random, non-zero 63-bit id (randomness keeps producers apart; nothing registers them)."""
+    return random.getrandbits(62) | 1
+
+
+def record_size_estimate(value: bytes, key: bytes | None, headers: dict | None) -> int:
+    """About what a record adds to a batch payload, so that ``batch_bytes`` bounds the
+    payload however large its keys and headers are (the broker refuses a payload over
+    its max_batch_bytes: every record in it would fail)."""
+    size = len(value) + 16
+    if key is not None:
+        size += len(key)
+    if headers:
+        # Keys are str, values bytes (a wrong type is refused when the batch is encoded).
+        size += sum(len(k) + len(v) + 4 if isinstance(v, (bytes, bytearray)) else 16 for k, v in headers.items())
+    return size
 
 
 class DeliveryHandle:
@@ -128,7 +151,9 @@ class BatchAccumulator:
     def __init__(self, *, batch_size: int, batch_bytes: int, producer_id: int | None = None) -> None:
         self.batch_size = batch_size
         self.batch_bytes = batch_bytes
-        self.producer_id = producer_id if producer_id is not None else random.getrandbits(62) | 1
+        self.producer_id = producer_id if producer_id is not None else new_producer_id()
+        # Partitions whose sequences ran out under `producer_id` continue under a new id.
+        self._producer_ids: dict[tuple[str, int], int] = {}
         self._open: dict[tuple[str, int], list] = {}
         self._open_bytes: dict[tuple[str, int], int] = {}
         self._open_handles: dict[tuple[str, int], list] = {}
@@ -182,8 +207,9 @@ class BatchAccumulator:
                 end = start + (end - start) // 2
                 size = sum(map(len, values[start:end])) + 18 * (end - start)
             chunk = values[start:end]
-            seq = self._next_sequence(topic, partition)
-            out.append(PendingBatch(topic, partition, encode_values(chunk, timestamp_ms), len(chunk), seq, None))
+            producer_id, seq = self._next_sequence(topic, partition)
+            out.append(PendingBatch(topic, partition, encode_values(chunk, timestamp_ms), len(chunk), producer_id,
+                                    seq, None))
             start = end
         return out
 
@@ -196,14 +222,19 @@ class BatchAccumulator:
         return self._make_batch(key[0], key[1], records, handles)
 
     def _make_batch(self, topic: str, partition: int, records: list, handles: list | None) -> PendingBatch:
-        seq = self._next_sequence(topic, partition)
-        return PendingBatch(topic, partition, encode_records(records), len(records), seq, handles)
+        producer_id, seq = self._next_sequence(topic, partition)
+        return PendingBatch(topic, partition, encode_records(records), len(records), producer_id, seq, handles)
 
-    def _next_sequence(self, topic: str, partition: int) -> int:
+    def _next_sequence(self, topic: str, partition: int) -> tuple[int, int]:
+        """The (producer_id, sequence) of the partition's next batch."""
         key = (topic, partition)
         seq = self._sequences.get(key, 0)
+        if seq > MAX_SEQUENCE:
+            # Batches already numbered keep their id and sequence for their retries.
+            self._producer_ids[key] = new_producer_id()
+            seq = 0
         self._sequences[key] = seq + 1
-        return seq
+        return self._producer_ids.get(key, self.producer_id), seq
 
     def oldest_opened_at(self) -> float | None:
         """When the longest-waiting open batch got its first record (None: nothing buffered)."""

@@ -27,7 +27,8 @@ from protocol import messages as m
 from protocol.batch import decode_fetched
 from protocol.errors import (ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError)
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
-                                 MetadataCache, PendingBatch, ReadAhead, group_by_lease)
+                                 MetadataCache, PendingBatch, ReadAhead, group_by_lease,
+                                 record_size_estimate)
 
 log = structlog.get_logger("zbroker.client")
 
@@ -130,6 +131,16 @@ class Connection:
                 return env
             if isinstance(env.corr_id, int):
                 self._early[env.corr_id] = env
+
+    def take_stashed(self) -> list[codec.Envelope]:
+        """The replies `wait_for` kept while it waited for another one (a pipelining
+        caller that itself calls `wait_for`, say for a metadata refresh, takes its
+        own replies back here)."""
+        if not self._early:
+            return []
+        stashed = list(self._early.values())
+        self._early.clear()
+        return stashed
 
     def call(self, endpoint: str, msg: m.Message, frames: tuple = (), timeout: float | None = None) -> codec.Envelope:
         env = self.wait_for(self.send(endpoint, msg, frames), timeout)
@@ -265,7 +276,8 @@ class Producer:
         handle = DeliveryHandle(topic, partition)
         ts = time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms
         now = time.monotonic()
-        batch = self.acc.add(topic, partition, [ts, key, value, headers], len(value) + 16, now, handle)
+        batch = self.acc.add(topic, partition, [ts, key, value, headers], record_size_estimate(value, key, headers),
+                             now, handle)
         if batch is not None:
             self._dispatch(batch)
             self._oldest_open = self.acc.oldest_opened_at()
@@ -356,7 +368,7 @@ class Producer:
         try:
             endpoint = self.conn.endpoint(batch.topic, batch.partition)
             corr = self.conn.send(endpoint, m.Produce(topic=batch.topic, partition=batch.partition,
-                                                      producer_id=self.acc.producer_id, sequence=batch.sequence),
+                                                      producer_id=batch.producer_id, sequence=batch.sequence),
                                   (batch.payload,))
         except ZBrokerError as err:
             self._retry_or_fail(batch, err)
@@ -394,7 +406,10 @@ class Producer:
         wait = min(timeout_s, 0.05)
         if self.retrying:
             wait = max(0.0, min(wait, min(at for at, _b in self.retrying) - time.monotonic()))
-        env = self.conn.recv(wait)
+        stashed = self.conn.take_stashed()  # produce replies that came during a metadata refresh
+        for env in stashed:
+            self._on_reply(env)
+        env = self.conn.recv(0.0 if stashed else wait)
         if env is not None:
             self._on_reply(env)
         for env in self.conn.recv_nowait_all():

@@ -1,0 +1,150 @@
+"""Producers against stand-in transports: the in-flight window and replies that
+arrive while the producer waits for something else."""
+
+import asyncio
+import threading
+import types
+
+import zmq
+
+from protocol import codec
+from protocol import messages as m
+from protocol.batch import decode_fetched
+from zbroker.client.aio import AsyncProducer, RecordWindow
+from zbroker.client.core import MetadataCache
+from zbroker.client.sync import Producer
+
+
+class _AsyncBroker:
+    """Answers every produce after a short while, numbering records per partition."""
+
+    def __init__(self) -> None:
+        self.metadata = MetadataCache()
+        self.metadata.update([{"name": "t", "partitions": [{"endpoint": "fake"}] * 3}])
+        self.ends: dict[int, int] = {}
+        self.stored: dict[int, list] = {}
+
+    async def endpoint(self, topic, partition):
+        return "fake"
+
+    async def refresh(self, topics=None):
+        pass
+
+    async def call(self, endpoint, msg, frames=(), timeout=None):
+        await asyncio.sleep(0.001)
+        values = [r.value for r in decode_fetched(_as_stored(frames[0]), msg.topic, msg.partition)]
+        base = self.ends.get(msg.partition, 0)
+        self.ends[msg.partition] = base + len(values)
+        self.stored.setdefault(msg.partition, []).extend(values)
+        return types.SimpleNamespace(msg=m.ProduceReply(base_offset=base, count=len(values)), error=None)
+
+    async def close(self):
+        pass
+
+
+def _as_stored(payload: bytes) -> bytes:
+    """A produce payload framed as the log stores it, so the test can read its records back."""
+    from storage.log.partition_log import PartitionLog  # noqa: F401 (the layout lives in storage)
+    import tempfile
+    from pathlib import Path
+    from storage.log.partition_log import LogConfig
+    from protocol.batch import validate_payload
+    with tempfile.TemporaryDirectory() as d:
+        plog = PartitionLog.open(Path(d), LogConfig(), now_ms=0)
+        plog.append(payload, validate_payload(payload), append_time_ms=0, producer_id=0, producer_seq=-1)
+        data = plog.read(0, 1 << 30)
+        plog.close()
+    return data
+
+
+def test_concurrent_senders_share_the_window_without_deadlock():
+    # Taking the window one permit at a time, three senders each held part of what their
+    # batch needed with nothing in flight to free the rest, and waited forever.
+    async def main():
+        producer = AsyncProducer("tcp://127.0.0.1:1", linger_ms=1000, batch_size=3, max_in_flight_records=4)
+        await producer.conn.close()
+        producer.conn = broker = _AsyncBroker()
+
+        async def sender(partition):
+            for i in range(30):
+                await producer.send("t", b"%d-%d" % (partition, i), partition=partition)
+
+        await asyncio.wait_for(asyncio.gather(*(sender(p) for p in range(3))), 10)
+        await asyncio.wait_for(producer.flush(), 10)
+        producer._linger_task.cancel()
+        assert producer.window.available == 4
+        for p in range(3):
+            assert broker.stored[p] == [b"%d-%d" % (p, i) for i in range(30)]  # all of them, in order
+
+    asyncio.run(main())
+
+
+def test_the_window_serves_waiters_in_arrival_order_and_survives_cancellation():
+    async def main():
+        window = RecordWindow(4)
+        assert await window.acquire(3) == 3
+        order = []
+
+        async def take(name, n):
+            await window.acquire(n)
+            order.append(name)
+
+        big = asyncio.ensure_future(take("big", 4))
+        gone = asyncio.ensure_future(take("cancelled", 1))
+        small = asyncio.ensure_future(take("small", 1))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        assert order == []  # "small" would fit, but "big" came first
+        window.release(3)
+        await asyncio.wait_for(big, 1)
+        window.release(4)
+        await asyncio.wait_for(small, 1)
+        assert order == ["big", "small"] and window.available == 3
+        window.release(1)
+        assert await asyncio.wait_for(window.acquire(100), 1) == 4  # a batch larger than the window takes all of it
+
+    asyncio.run(main())
+
+
+def test_a_produce_reply_that_arrives_during_a_metadata_refresh_is_not_lost():
+    # The refresh waits for its own reply and keeps the others aside; the producer must
+    # take its replies back from there, or it resends (and times out) a batch that landed.
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    url = f"tcp://127.0.0.1:{port}"
+    produces: list = []
+    stop = threading.Event()
+
+    def broker():
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while not stop.is_set():
+            if not poller.poll(20):
+                continue
+            identity, *frames = router.recv_multipart()
+            env = codec.decode_request(frames)
+            if env.op == "produce":
+                produces.append(env.msg.topic)
+                reply = m.ProduceReply(base_offset=len(produces) - 1, count=1)
+            else:  # metadata: answered only after the produce reply, so that one waits aside
+                stop.wait(0.1)
+                reply = m.MetadataReply(topics=[{"name": t, "partitions": [{"partition": 0, "endpoint": url}]}
+                                                for t in (env.msg.topics or ["a", "b"])])
+            router.send_multipart([identity, *codec.encode_reply(reply, env.corr_id)])
+
+    thread = threading.Thread(target=broker, daemon=True)
+    thread.start()
+    try:
+        with Producer(url, linger_ms=0, request_timeout=1.0, retries=0) as producer:
+            producer.conn.metadata.update([{"name": "a", "partitions": [{"partition": 0, "endpoint": url}]}])
+            handle = producer.send("a", b"x", partition=0)
+            producer.send("b", b"y")  # an unknown topic: a metadata refresh while "a" is in flight
+            producer.flush(timeout=5)  # with retries=0 a lost reply fails here (TIMEOUT)
+            assert handle.offset == 0
+        assert produces == ["a", "b"]  # each batch sent once
+    finally:
+        stop.set()
+        thread.join(2)
+        router.close(linger=0)
