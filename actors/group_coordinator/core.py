@@ -713,7 +713,9 @@ class GroupCoordinatorCore:
         Stale entries are normally skipped when popped, but a lease extended again
         and again, or parked polls answered early, would leave them to pile up until
         their times come. A lease entry is live while some piece of the lease still
-        has exactly that deadline; a parked-poll entry while that poll waits.
+        has exactly that deadline, or while it is the lease's own deadline: that
+        entry is what forgets the lease record once every record under it is
+        finished; a parked-poll entry while that poll waits.
         """
         live_deadlines: dict[int, set[int]] = {}
         for lease_id, record in self._leases.items():
@@ -724,7 +726,8 @@ class GroupCoordinatorCore:
         def live(entry: tuple) -> bool:
             when, _seq, kind, payload = entry
             if kind == _LEASE:
-                return when in live_deadlines.get(payload, ())
+                record = self._leases.get(payload)
+                return record is not None and (when == record.deadline_ms or when in live_deadlines[payload])
             if kind == _PARKED:
                 return self._parked.get(payload.token) is payload
             return True

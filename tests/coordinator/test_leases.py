@@ -281,3 +281,23 @@ def test_extending_one_lease_many_times_keeps_the_timer_heap_bounded():
         d.advance(5_000)
         d.call("heartbeat", m.Heartbeat(group="g", member_id=a.member_id, generation=a.generation))
     assert d.partition()["in_flight"] == 10
+
+
+def test_compacting_the_timers_keeps_what_forgets_a_lease_acked_early():
+    # Answered long polls leave timer entries behind, which makes the heap compact
+    # often. The lease's own deadline entry is what drops the lease record once all
+    # of it is acked: compaction dropped it, and every early-acked lease stayed for ever.
+    from tests.coordinator import ranges_of
+    d = Driver(logs={("t", 0): (0, 0)}, config=GroupConfig(ack_timeout_ms=5_000))
+    a = d.join()
+    for i in range(3000):
+        token = next(d.tokens)
+        assert d.call("poll", m.Poll(group="g", member_id=a.member_id, generation=a.generation,
+                                     max_wait_ms=30_000), token) is PARKED
+        d.log_range("t", 0, 0, i + 1)
+        d.settle("ack", a, ranges_of(d.answers[token]))
+        d.advance(10)
+    d.advance(31_000)
+    stats = d.core.statistics()
+    assert stats["lease_records"] == 0
+    assert d.committed() == 3000
