@@ -22,13 +22,25 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 
 # Topic names become directory names on the partition actors' disks.
-TOPIC_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+MAX_TOPIC_NAME_CHARS = 200
+TOPIC_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,%d}$" % (MAX_TOPIC_NAME_CHARS - 1))
 
 
 def validate_topic_name(name: str) -> None:
     if not isinstance(name, str) or not TOPIC_NAME.match(name) or ".." in name:
         raise ProtocolError("topic names are 1-200 characters of A-Z a-z 0-9 . _ - and may not start "
                             "with '.' or '-' or contain '..'", topic=str(name)[:200])
+
+
+# Group names are stored with the committed offsets (the commit writer refuses longer
+# ones, and one refused row would hold back every group's commits): checked at the door.
+MAX_GROUP_NAME_CHARS = 255
+
+
+def validate_group_name(name: str, op: str) -> None:
+    if not name or len(name) > MAX_GROUP_NAME_CHARS or "\x00" in name:
+        raise ProtocolError(f"'group' must be 1-{MAX_GROUP_NAME_CHARS} characters without NUL", op=op,
+                            field="group", got=name[:MAX_GROUP_NAME_CHARS])
 
 
 # Long polls wait at most this long; a client wanting more simply polls again.
@@ -334,8 +346,7 @@ class Join(Message):
     session_timeout_ms: int = 10_000
 
     def check(self) -> None:
-        if not self.group:
-            raise ProtocolError("'group' must not be empty", op="join", field="group")
+        validate_group_name(self.group, "join")
         if not self.topics or not all(isinstance(t, str) and t for t in self.topics):
             raise ProtocolError("'topics' must be a non-empty list of names", op="join", field="topics")
         if not (100 <= self.session_timeout_ms <= 3_600_000):
@@ -528,6 +539,9 @@ class ConfigureGroup(Message):
     start: str | None = None
 
     def check(self) -> None:
+        validate_group_name(self.group, "configure_group")
+        if self.dlq:  # empty or absent: "<topic>.dlq"
+            validate_topic_name(self.dlq)
         if self.mode is not None and self.mode not in ("exclusive", "shared"):
             raise ProtocolError("'mode' must be 'exclusive' or 'shared'", op="configure_group", got=self.mode)
         if self.start is not None and self.start not in ("earliest", "latest"):
@@ -550,6 +564,7 @@ class ResetGroup(Message):
     to: str | int
 
     def check(self) -> None:
+        validate_group_name(self.group, "reset_group")
         if isinstance(self.to, str) and self.to not in ("earliest", "latest"):
             raise ProtocolError("'to' must be 'earliest', 'latest' or an offset", op="reset_group")
         if isinstance(self.to, int) and self.to < 0:

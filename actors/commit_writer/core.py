@@ -52,12 +52,15 @@ import collections
 import dataclasses
 from typing import Any
 
+from protocol import messages as m
 from protocol.errors import ProtocolError, ShuttingDown, Unavailable, ZBrokerError
 from storage.offsets.base import OffsetRow
 
 Key = tuple[str, str, int]
 
-MAX_NAME_CHARS = 255  # keeps (group, topic, partition) far below PostgreSQL's btree entry limit
+# Keeps (group, topic, partition) far below PostgreSQL's btree entry limit; the protocol
+# refuses longer group names from clients (topic names are shorter still).
+MAX_NAME_CHARS = m.MAX_GROUP_NAME_CHARS
 MAX_HOLES = 100_000
 MAX_INT64 = (1 << 63) - 1
 MAX_INT32 = (1 << 31) - 1

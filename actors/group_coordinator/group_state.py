@@ -8,11 +8,13 @@ here is configuration validation and the read-only reports that
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from actors.group_coordinator.partition_state import LogRange, PartitionState
 from actors.group_coordinator.ranges import RangeSet
+from protocol.messages import MAX_TOPIC_NAME_CHARS
 
 Key = tuple[str, int]  # (topic, partition)
 
@@ -46,7 +48,17 @@ class GroupConfig:
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def dlq_topic(self, topic: str) -> str:
-        return self.dlq or f"{topic}.dlq"
+        return self.dlq or default_dlq_topic(topic)
+
+
+def default_dlq_topic(topic: str) -> str:
+    """``<topic>.dlq``, or for a topic name too long for that, a shortened name that
+    stays unique (a digest of the whole name) and valid as a topic name."""
+    name = f"{topic}.dlq"
+    if len(name) <= MAX_TOPIC_NAME_CHARS:
+        return name
+    digest = hashlib.sha1(topic.encode()).hexdigest()[:8]
+    return f"{topic[:MAX_TOPIC_NAME_CHARS - len(digest) - 5]}-{digest}.dlq"
 
 
 @dataclass(eq=False)

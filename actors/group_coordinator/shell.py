@@ -52,6 +52,9 @@ ADVANCE_RESEND_MS = 3000
 # point: 50 ms more of acked records may be redelivered after a crash, never lost.
 ADVANCE_COALESCE_MS = 50
 LOAD_RETRY_MS = 1000
+# Rows per load_offsets page; halved while the writer answers TOO_LARGE (a row may
+# carry up to 1,000 hole ranges, about 11 KB: a full page of those is over the header limit).
+LOAD_PAGE_ROWS = 2000
 WRITER_SILENT_MS = 3000
 REQUEST_TIMEOUT_MS = 5000
 # A reset is answered once the writer has its new offsets on disk; past this
@@ -166,6 +169,8 @@ class CoordinatorShell:
         self.next_load_ms = 0
         self.load_in_flight = False
         self.loaded_rows: list[tuple] = []
+        self.load_after: list | None = None  # the key the next page starts after
+        self.load_page_rows = LOAD_PAGE_ROWS
         self.unconfirmed: dict[tuple[str, str, int], list] = {}  # newest advance per key not yet durable
         self.to_send: dict[tuple[str, str, int], list] = {}
         self.last_advance_sent_ms = 0
@@ -343,9 +348,8 @@ class CoordinatorShell:
     def pump_writer(self, now: int) -> None:
         if not self.offsets_loaded:
             if self.writer["last_seen_ms"] is not None and not self.load_in_flight and now >= self.next_load_ms:
-                self.load_in_flight = True
-                self.loaded_rows = []
-                self.request(WRITER_IDENTITY, m.LoadOffsets(), now, self.on_offsets_loaded)
+                self.loaded_rows, self.load_after, self.load_page_rows = [], None, LOAD_PAGE_ROWS
+                self._request_offsets_page(now)
             return
         if self.unconfirmed and now - self.last_resend_ms > ADVANCE_RESEND_MS:
             # Rows the writer never confirmed (a lost reply, a writer that failed them) go
@@ -359,9 +363,21 @@ class CoordinatorShell:
         self.last_advance_sent_ms = now
         self.request(WRITER_IDENTITY, m.Advance(advances=batch), now, self.on_advance_reply)
 
+    def _request_offsets_page(self, now: int) -> None:
+        self.load_in_flight = True
+        self.request(WRITER_IDENTITY, m.LoadOffsets(after=self.load_after, limit=self.load_page_rows), now,
+                     self.on_offsets_loaded)
+
     def on_offsets_loaded(self, env: codec.Envelope | None) -> None:
         self.load_in_flight = False
         now = runtime.now_ms()
+        if (env is not None and env.error is not None and env.error.code is ErrorCode.TOO_LARGE
+                and self.load_page_rows > 1):
+            # The page did not fit in a reply: ask for the same page in half as many rows.
+            self.load_page_rows = max(1, self.load_page_rows // 2)
+            self.log.info("offsets.load_page_smaller", rows=self.load_page_rows)
+            self._request_offsets_page(now)
+            return
         if env is None or env.error is not None or env.msg is None:
             self.next_load_ms = now + LOAD_RETRY_MS
             self.log.warning("offsets.load_failed", reason=None if env is None or env.error is None
@@ -369,9 +385,8 @@ class CoordinatorShell:
             return
         self.loaded_rows.extend(tuple(r) for r in env.msg.rows)
         if env.msg.more:
-            last = self.loaded_rows[-1]
-            self.load_in_flight = True
-            self.request(WRITER_IDENTITY, m.LoadOffsets(after=list(last[:3])), now, self.on_offsets_loaded)
+            self.load_after = list(self.loaded_rows[-1][:3])
+            self._request_offsets_page(now)
             return
         rows, self.loaded_rows = self.loaded_rows, []
         self.offsets_loaded = True
@@ -426,6 +441,11 @@ class CoordinatorShell:
                 self.create_topic(effect.dlq_topic, 1, None, now)
             except TopicExists:
                 pass
+            except ZBrokerError as err:
+                # A name the broker refuses (a configuration from an older version): the
+                # record stays dead-lettering and is retried, and the error is in the log.
+                failed(f"cannot create the dead-letter topic {effect.dlq_topic!r}: {err.message}")
+                return
 
         def on_fetched(env: codec.Envelope | None) -> None:
             if env is None or env.error is not None:

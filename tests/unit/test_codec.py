@@ -457,3 +457,26 @@ def test_a_uniform_batch_with_one_timestamp_is_read_off_its_bytes(timestamp, val
     records = decode_fetched(stored, "t", 0, from_offset=11, until_offset=14)
     assert [(r.offset, r.timestamp_ms, r.key, r.value, r.headers) for r in records] == [
         (10 + i, timestamp, None, values[i], None) for i in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("msg", [
+    m.Join(group="g" * 256, topics=["t"]),
+    m.Join(group="a\x00b", topics=["t"]),
+    m.ConfigureGroup(group="g" * 256),
+    m.ResetGroup(group="", topic="t", to="earliest"),
+    m.ConfigureGroup(group="g", dlq="../escape"),
+    m.ConfigureGroup(group="g", dlq="d" * 201),
+])
+def test_group_names_and_dead_letter_topics_the_broker_cannot_store_are_refused_at_the_door(msg):
+    # A group name the commit writer refuses would have made it refuse every group's
+    # advances (they travel together); a dlq it cannot create left records stuck.
+    with pytest.raises(ProtocolError) as caught:
+        codec.decode_request(codec.encode_request(msg, 1))
+    assert caught.value.code is ErrorCode.BAD_REQUEST
+
+
+def test_the_longest_group_name_the_writer_stores_is_accepted():
+    from actors.commit_writer.core import MAX_NAME_CHARS
+    env = codec.decode_request(codec.encode_request(m.Join(group="g" * MAX_NAME_CHARS, topics=["t"]), 1))
+    assert env.msg.group == "g" * MAX_NAME_CHARS
+    assert codec.decode_request(codec.encode_request(m.ConfigureGroup(group="g", dlq=""), 1)).msg.dlq == ""
