@@ -22,6 +22,7 @@ class SentAcks:
         self.ranges: list[list] = []
         self._early: dict = {}
         self._ids = itertools.count(1)
+        self.request_timeout = 5.0
 
     def send(self, endpoint, msg, frames=()):
         self.ranges.extend(msg.ranges)

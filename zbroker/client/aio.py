@@ -339,7 +339,10 @@ class AsyncConsumer:
             except (Fenced, UnknownMember) as err:
                 if isinstance(err, UnknownMember):
                     self.member_id = ""
-                await self._join()
+                try:
+                    await self._join()
+                except ZBrokerError:
+                    pass  # the coordinator is away: the next beat (or poll) joins again
             except ZBrokerError:
                 pass
 
@@ -361,7 +364,8 @@ class AsyncConsumer:
         try:
             reply = (await self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
                                                            generation=self.generation, max_records=max_records,
-                                                           max_wait_ms=int(timeout * 1000), acks=acks),
+                                                           max_wait_ms=max(0, min(int(timeout * 1000), m.MAX_WAIT_MS)),
+                                                           acks=acks),
                                             timeout=self.conn.request_timeout + timeout)).msg
         except BaseException:
             self._hold_again(acks)  # not known to be applied: they go again (a repeated ack is harmless)
@@ -435,12 +439,15 @@ class AsyncConsumer:
                 await self.ack(record)
 
     async def close(self) -> None:
+        """Flush the held acks (their failure is raised, as by the sync consumer: the
+        application must know they were not applied), then leave the group."""
         try:
             await self.flush_acks()
-            await self.conn.call(self.conn.url, m.Leave(group=self.group, member_id=self.member_id,
-                                                        generation=self.generation), timeout=2.0)
-        except ZBrokerError:
-            pass
+            try:
+                await self.conn.call(self.conn.url, m.Leave(group=self.group, member_id=self.member_id,
+                                                            generation=self.generation), timeout=2.0)
+            except ZBrokerError:
+                pass  # not leaving costs only a session timeout before a rebalance
         finally:
             if self._heartbeat_task is not None:
                 self._heartbeat_task.cancel()

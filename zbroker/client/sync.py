@@ -35,6 +35,9 @@ log = structlog.get_logger("zbroker.client")
 DEFAULT_URL = "tcp://127.0.0.1:7400"
 READ_AHEAD_WAIT_S = 1.0
 MAX_ORPHANS = 4096
+# After a failed read-ahead fetch under an ahead lease, the pause before the next one
+# (an actor that is restarting answers NOT_OWNER at once until its logs are open).
+AHEAD_RETRY_S = 0.05
 _NOT_YET = object()  # a poll sent ahead that is still parked at the coordinator
 RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
 
@@ -553,6 +556,8 @@ class Consumer:
         # The coordinator grants the next one once the log reached the end of the last, which
         # can be before this consumer handed all of the last one out.
         self._ahead_leases: dict[tuple[str, int], list[list]] = {}
+        # Partitions with an ahead lease whose read-ahead fetch failed: when to fetch again.
+        self._ahead_retry: dict[tuple[str, int], float] = {}
         self._held: list[list[ConsumedRecord]] = []  # leased (by a poll sent ahead), not handed out yet
         # Acks in delivery order (see ack): the last batch, the next record expected, how many
         # were acked in order, how many of those are folded into self.acks, each delivery's span.
@@ -575,7 +580,8 @@ class Consumer:
         self.ack_timeout_ms = 0
         self.acks = AckAccumulator()
         self._acks_since: float | None = None
-        self._ack_requests: dict[int, tuple[list, list]] = {}  # corr -> (ranges, ranges of polls before it)
+        # corr -> (ranges, ranges of polls before it, when it was sent)
+        self._ack_requests: dict[int, tuple[list, list, float]] = {}
         self._poll_acks: dict[int, list] = {}  # poll sent ahead (corr) -> the acks riding on it
         self.stale: list = []
         self.stats = {"polled": 0, "acked": 0, "stale": 0, "rejoins": 0}
@@ -612,11 +618,15 @@ class Consumer:
         self.ack_timeout_ms = reply.ack_timeout_ms
         self.mode = reply.mode
         self._held = []  # leased under the old generation: the coordinator hands them out again
+        if self._poll_ahead is not None and self._poll_ahead[1] != self.generation:
+            # Sent in the old generation: its leases (an ahead lease among them) ended with it.
+            self._orphan_poll_ahead()
         # Acks riding on polls sent in the old generation: those polls may have been fenced
         # on arrival, so the acks go again (a repeat is harmless; a loss costs a redelivery).
         for corr in list(self._poll_acks):
             self._hold_again(self._poll_acks.pop(corr))
         self._ahead_leases.clear()  # an ahead lease ends with its generation
+        self._ahead_retry.clear()
         # Shared groups interleave members' leases: the next one need not start
         # where this member's last ended, so guessing would only cost fetches.
         keep = [tuple(p) for p in reply.assignment] if self.read_ahead and self.mode == "exclusive" else []
@@ -976,10 +986,28 @@ class Consumer:
             del early[corr]
             self._orphans.discard(corr)
 
+    def _read_ahead_failed(self, key: tuple[str, int]) -> None:
+        """The read-ahead gave up on ``key`` (its actor restarted, the partition moved).
+        Records under an ahead lease come only through it: fetch again soon, or they
+        would wait for the lease to expire."""
+        if key in self._ahead_leases:
+            self._ahead_retry[key] = time.monotonic() + AHEAD_RETRY_S
+
+    def _restart_ahead_reads(self) -> None:
+        now = time.monotonic()
+        for key, at in list(self._ahead_retry.items()):
+            if at <= now:
+                del self._ahead_retry[key]
+                held = self._ahead_leases.get(key)
+                if held:
+                    self.ahead.leased(key, held[0][1], held[0][1])  # from the next record to hand out
+
     def _send_read_ahead(self, timeout: float) -> None:
         """Fetch where the next leases will start; a fetch parks at the actor until records come."""
         wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
         self._collect_read_ahead()
+        if self._ahead_retry:
+            self._restart_ahead_reads()
         for key, offset, max_bytes in self.ahead.wanted():
             topic, partition = key
             try:
@@ -988,6 +1016,7 @@ class Consumer:
                                               max_bytes=max_bytes, max_wait_ms=wait_ms))
             except ZBrokerError:
                 self.ahead.drop(key)  # not reachable now: the next lease is fetched the usual way
+                self._read_ahead_failed(key)
                 continue
             self.ahead.sent(key, corr, offset)
 
@@ -1005,6 +1034,8 @@ class Consumer:
                 if not ok and env.error.retriable:
                     self.conn.metadata.forget(key[0])
                 self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None)
+                if not ok:
+                    self._read_ahead_failed(key)
 
     def _serve_from_read_ahead(self, d: list, out: list, deadline: float) -> int:
         """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
@@ -1029,6 +1060,8 @@ class Consumer:
                     self.conn.metadata.forget(topic)
                 ok = env is not None and env.error is None
                 self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None)
+                if not ok:
+                    self._read_ahead_failed(key)
                 continue
             got = decode_fetched(frame, topic, partition, from_offset=pos, until_offset=end,
                                  make=ConsumedRecord, extra=(lease, attempt, reason))
@@ -1041,50 +1074,66 @@ class Consumer:
 
     def _fetch_deliveries(self, deliveries: list) -> list[list[ConsumedRecord]]:
         """The records of each of ``deliveries``, in offset order (dense: a delivery's records
-        are consecutive offsets, which lets acks given in order fold into one range, see `ack`)."""
+        are consecutive offsets, which lets acks given in order fold into one range, see `ack`).
+
+        A partition that cannot be fetched now (its actor died, restarted or moved) costs
+        only its own deliveries: their leases expire and come back, and the other
+        partitions' records are handed out."""
         ahead_deadline = time.monotonic() + READ_AHEAD_WAIT_S
         pending: dict[int, tuple[int, list]] = {}
         parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
         reading_ahead = self.read_ahead and self.mode == "exclusive"
         if self._orphans:
             self._drop_orphans()
+
+        def fetch(i: int, d: list, start: int) -> None:
+            topic, partition, lease, _start, end, attempt, reason = d
+            try:
+                corr = self.conn.send(self.conn.endpoint(topic, partition),
+                                      m.Fetch(topic=topic, partition=partition, offset=start,
+                                              max_bytes=max(4096, (end - start) * 256)))
+            except ZBrokerError as err:
+                self._fetch_failed(topic, partition, err)
+                return
+            pending[corr] = (i, [topic, partition, lease, start, end, attempt, reason])
+
         for i, d in enumerate(deliveries):
-            topic, partition, lease, start, end, attempt, reason = d
+            start = d[3]
             if reading_ahead:
                 start = self._serve_from_read_ahead(d, parts[i], ahead_deadline)
-                if start >= end:
+                if start >= d[4]:
                     continue
-            corr = self.conn.send(self.conn.endpoint(topic, partition),
-                                  m.Fetch(topic=topic, partition=partition, offset=start,
-                                          max_bytes=max(4096, (end - start) * 256)))
-            pending[corr] = (i, [topic, partition, lease, start, end, attempt, reason])
+            fetch(i, d, start)
         while pending:
             corr, (i, d) = next(iter(pending.items()))
-            env = self.conn.wait_for(corr)
             del pending[corr]
             topic, partition, lease, start, end, attempt, reason = d
+            try:
+                env = self.conn.wait_for(corr)
+            except RequestTimeout as err:
+                self._orphans.add(corr)  # a reply that comes after all is dropped
+                self._fetch_failed(topic, partition, err)
+                continue
             if env.error is not None:
-                log.warning("fetch.failed", topic=topic, partition=partition, code=env.error.code.value,
-                            reason=env.error.message)
-                if env.error.retriable:
-                    # The partition moved or its actor restarted: the next fetch asks the
-                    # coordinator where it lives now. These leases expire and come back.
-                    self.conn.metadata.forget(topic)
-                    orphan = self.ahead.drop((topic, partition))
-                    if orphan is not None:
-                        self._orphans.add(orphan)
+                self._fetch_failed(topic, partition, env.error)
                 continue
             got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=start,
                                  until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
             parts[i].extend(got)
             if got and got[-1].offset + 1 < end:
-                # max_bytes cut the range short: fetch the rest.
-                next_start = got[-1].offset + 1
-                corr = self.conn.send(self.conn.endpoint(topic, partition),
-                                      m.Fetch(topic=topic, partition=partition, offset=next_start,
-                                              max_bytes=max(4096, (end - next_start) * 256)))
-                pending[corr] = (i, [topic, partition, lease, next_start, end, attempt, reason])
+                fetch(i, d, got[-1].offset + 1)  # max_bytes cut the range short: fetch the rest
         return parts
+
+    def _fetch_failed(self, topic: str, partition: int, err: ZBrokerError) -> None:
+        log.warning("fetch.failed", topic=topic, partition=partition, code=err.code.value, reason=err.message)
+        if err.retriable:
+            # The partition moved or its actor restarted: the next fetch asks the
+            # coordinator where it lives now. These leases expire and come back.
+            self.conn.metadata.forget(topic)
+            orphan = self.ahead.drop((topic, partition))
+            if orphan is not None:
+                self._orphans.add(orphan)
+            self._read_ahead_failed((topic, partition))
 
     def __iter__(self) -> Iterator[ConsumedRecord]:
         """Yields records forever; each is acked when the loop body returns for it."""
@@ -1218,20 +1267,40 @@ class Consumer:
         except ZBrokerError:
             self._hold_again(ranges)
             raise
-        self._ack_requests[corr] = (ranges, ranges_before)
+        self._ack_requests[corr] = (ranges, ranges_before, time.monotonic())
 
     def _collect_ack_replies(self, block: bool) -> None:
+        """Take the replies of the ack requests out, each as it comes (one that never
+        comes must not hide the others: a FENCED one among them means re-join now).
+        With ``block``, wait for all of them. A request without a reply within the
+        request timeout (lost with a coordinator that died, say) has its ranges held
+        again, to go with the next request (a repeated ack is harmless, a lost one is
+        not); with ``block`` its timeout is raised once the others are taken."""
+        lost: RequestTimeout | None = None
         while self._ack_requests:
-            corr = next(iter(self._ack_requests))
-            if not block and corr not in self.conn._early:
+            if not block:
                 for env in self.conn.recv_nowait_all():
                     if isinstance(env.corr_id, int):
                         self.conn._early[env.corr_id] = env
-                if corr not in self.conn._early:
-                    return
-            env = self.conn.wait_for(corr)
-            ranges, ranges_before = self._ack_requests.pop(corr)
-            self._on_ack_reply(env, ranges, ranges_before)
+            for corr in list(self._ack_requests):
+                ranges, ranges_before, sent_at = self._ack_requests[corr]
+                env = None
+                if block or corr in self.conn._early:
+                    try:
+                        env = self.conn.wait_for(corr)
+                    except RequestTimeout as err:
+                        lost = err
+                elif time.monotonic() - sent_at <= self.conn.request_timeout:
+                    continue  # still on its way
+                del self._ack_requests[corr]
+                if env is None:
+                    self._hold_again(list(ranges_before) + list(ranges))
+                    continue
+                self._on_ack_reply(env, ranges, ranges_before)
+            if not block:
+                break  # (a re-sent request, after a FENCED reply, is taken next time)
+        if lost is not None:
+            raise lost
 
     def _on_ack_reply(self, env: codec.Envelope, ranges: list, ranges_before: list = ()) -> None:
         """``ranges_before``: acks that rode on polls sent before this request; they were
@@ -1243,7 +1312,11 @@ class Consumer:
         if err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
             if err.code == ErrorCode.UNKNOWN_MEMBER:
                 self.member_id = ""
-            self._rejoin()
+            try:
+                self._rejoin()
+            except BaseException:
+                self._hold_again(list(ranges_before) + list(ranges))  # they go after a later join
+                raise
             # A repeated ack is harmless, a lost one is not.
             self._send_acks(list(ranges_before) + list(ranges), [])
             return
