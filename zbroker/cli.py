@@ -212,8 +212,7 @@ def cmd_groups(args: argparse.Namespace) -> int:
             else:
                 _print_group(group)
         elif args.groups_cmd == "reset":
-            to: str | int = args.to if args.to in ("earliest", "latest") else int(args.to)
-            result = admin.reset_group(args.group, args.topic, to)
+            result = admin.reset_group(args.group, args.topic, args.to)  # checked by _reset_target
             print(json.dumps(result) if args.json else
                   f"reset {args.group} on {args.topic} (epoch {result['reset_epoch']}): {result['partitions']}")
     return 0
@@ -250,6 +249,29 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 # -- parser ---------------------------------------------------------------------------------------
 
+def _positive(text: str) -> int:
+    value = int(text)  # argparse reports a ValueError as "invalid _positive value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def _reset_target(text: str) -> str | int:
+    if text in ("earliest", "latest"):
+        return text
+    try:
+        return _non_negative(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be earliest, latest or an offset, not {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zbroker", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -257,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--broker", default=DEFAULT_URL, help="coordinator URL (env ZBROKER_URL)")
     common.add_argument("--json", action="store_true", help="machine-readable output")
+    # The copies after a sub-subcommand (`topics list --json`) set nothing when absent, so
+    # that they do not overwrite what was given before it (`topics --json list`).
+    inner = argparse.ArgumentParser(add_help=False)
+    inner.add_argument("--broker", default=argparse.SUPPRESS, help="coordinator URL (env ZBROKER_URL)")
+    inner.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
     def client_cmd(name: str, help_text: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_text, parents=[common])
@@ -264,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a single-node broker in the foreground")
     up.add_argument("--data", default="./data", help="data directory (default ./data)")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=7400, help="coordinator port; partition actors use the next ones")
-    up.add_argument("--partition-actors", type=int, default=1)
+    up.add_argument("--port", type=_positive, default=7400, help="coordinator port; partition actors use the next ones")
+    up.add_argument("--partition-actors", type=_non_negative, default=1)
     up.add_argument("--fsync", default="interval:1000", help="always | never | interval:MS (default interval:1000)")
     up.add_argument("--offsets", default=None, help="sqlite:///path (default <data>/offsets.sqlite3) or postgresql://…")
     up.add_argument("--log-level", default="info")
@@ -289,45 +316,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     topics = client_cmd("topics", "create, list and describe topics")
     tsub = topics.add_subparsers(dest="topics_cmd", required=True)
-    create = tsub.add_parser("create", parents=[common])
+    create = tsub.add_parser("create", parents=[inner])
     create.add_argument("name")
-    create.add_argument("--partitions", type=int, default=1)
+    create.add_argument("--partitions", type=_positive, default=1)
     create.add_argument("--segment-bytes", type=int)
     create.add_argument("--retention-bytes", type=int)
     create.add_argument("--retention-ms", type=int)
-    tsub.add_parser("list", parents=[common])
-    describe = tsub.add_parser("describe", parents=[common])
+    tsub.add_parser("list", parents=[inner])
+    describe = tsub.add_parser("describe", parents=[inner])
     describe.add_argument("name")
     topics.set_defaults(func=cmd_topics)
 
     produce = client_cmd("produce", "produce lines from stdin, or synthetic records")
     produce.add_argument("topic")
-    produce.add_argument("--count", type=int, help="produce N synthetic records instead of reading stdin")
-    produce.add_argument("--size", type=int, default=100, help="bytes per synthetic record")
+    produce.add_argument("--count", type=_positive, help="produce N synthetic records instead of reading stdin")
+    produce.add_argument("--size", type=_non_negative, default=100, help="bytes per synthetic record")
     produce.add_argument("--key", default=None)
-    produce.add_argument("--partition", type=int, default=None)
+    produce.add_argument("--partition", type=_non_negative, default=None)
     produce.add_argument("--linger-ms", type=float, default=5.0)
-    produce.add_argument("--batch-size", type=int, default=1000)
+    produce.add_argument("--batch-size", type=_positive, default=1000)
     produce.set_defaults(func=cmd_produce)
 
     fetch = client_cmd("fetch", "read records of one partition from an offset")
     fetch.add_argument("topic")
-    fetch.add_argument("--partition", type=int, required=True)
-    fetch.add_argument("--offset", type=int, default=0)
-    fetch.add_argument("--max", type=int, default=None)
+    fetch.add_argument("--partition", type=_non_negative, required=True)
+    fetch.add_argument("--offset", type=_non_negative, default=0)
+    fetch.add_argument("--max", type=_positive, default=None)
     fetch.set_defaults(func=cmd_fetch)
 
     consume = client_cmd("consume", "consume as a group member, acking each record once printed")
     consume.add_argument("topic")
     consume.add_argument("--group", required=True)
-    consume.add_argument("--max", type=int, default=None)
+    consume.add_argument("--max", type=_positive, default=None)
     consume.add_argument("--timeout", type=float, default=None, help="stop after this many idle seconds")
     consume.set_defaults(func=cmd_consume)
 
     groups = client_cmd("groups", "list, configure, describe and reset consumer groups")
     gsub = groups.add_subparsers(dest="groups_cmd", required=True)
-    gsub.add_parser("list", parents=[common])
-    conf = gsub.add_parser("configure", parents=[common])
+    gsub.add_parser("list", parents=[inner])
+    conf = gsub.add_parser("configure", parents=[inner])
     conf.add_argument("group")
     conf.add_argument("--mode", choices=["exclusive", "shared"])
     conf.add_argument("--ack-timeout", type=float, help="seconds")
@@ -335,12 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--max-in-flight", type=int)
     conf.add_argument("--dlq")
     conf.add_argument("--start", choices=["earliest", "latest"])
-    gdesc = gsub.add_parser("describe", parents=[common])
+    gdesc = gsub.add_parser("describe", parents=[inner])
     gdesc.add_argument("group")
-    reset = gsub.add_parser("reset", parents=[common])
+    reset = gsub.add_parser("reset", parents=[inner])
     reset.add_argument("group")
     reset.add_argument("--topic", required=True)
-    reset.add_argument("--to", required=True, help="earliest | latest | OFFSET")
+    reset.add_argument("--to", required=True, type=_reset_target, help="earliest | latest | OFFSET")
     groups.set_defaults(func=cmd_groups)
 
     status = client_cmd("status", "list the actors with their pids, endpoints, partitions and health")
@@ -356,10 +383,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err.code.value}: {err.message}" + (f" {json.dumps(err.data, default=str)}" if err.data else ""),
               file=sys.stderr)
         code = 1
-    except KeyboardInterrupt:
-        code = 130
     except BrokenPipeError:
         code = 0
+    except (OSError, ValueError) as err:  # a key file that is missing or not a key, say
+        print(f"error: CONFIG: {err}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
     sys.exit(code)
 
 

@@ -6,7 +6,16 @@ sentinels; when an actor dies it logs the exit code and restarts it after an
 exponential backoff (100 ms doubling to 5 s, reset after 30 s of uptime).
 On SIGINT or SIGTERM it stops the coordinator first (no new work), then the
 commit writer (flushes pending offsets), then the partition actors (fsync),
-each with SIGTERM and a bounded wait before SIGKILL.
+each with SIGTERM and a bounded wait before SIGKILL. That order is why each
+actor runs in a process group of its own: a Ctrl-C in the terminal reaches
+the supervisor alone, not every actor at once (the commit writer would exit
+before the coordinator's last advances reached it). An actor whose
+supervisor dies gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops;
+and one data directory has one supervisor at a time (``<data>/run/supervisor.lock``).
+
+An actor that dies within its first seconds, again and again, has a setting
+it cannot start with (a port in use, a bad key): after a few such deaths the
+supervisor stops the broker and exits 1 instead of restarting it for ever.
 
 The current pid of every actor is written to ``<data>/run/actors.json`` so
 that operators, tests and the benchmark can find (and kill) them.
@@ -15,6 +24,7 @@ that operators, tests and the benchmark can find (and kill) them.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -35,6 +45,9 @@ BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 5.0
 STABLE_AFTER_S = 30.0
 STOP_TIMEOUT_S = 10.0
+# An actor that never stayed up this long, and died this many times, cannot start.
+STARTED_AFTER_S = 2.0
+START_ATTEMPTS = 5
 
 
 @dataclasses.dataclass
@@ -75,9 +88,29 @@ class _Child:
     started_at: float = 0.0
     failures: int = 0
     restart_at: float | None = None
+    ever_started: bool = False  # stayed up STARTED_AFTER_S at least once
+    start_failures: int = 0     # exits with an error before that
 
 
-def _spawn_target(target: str, kwargs: dict) -> None:
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_parent(parent_pid: int) -> None:
+    """SIGTERM this process when the supervisor dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the supervisor's own stop is all there is
+        return
+    if os.getppid() != parent_pid:  # it died before the line above: nobody would send it
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _spawn_target(target: str, kwargs: dict, parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        os.setpgrp()  # the terminal's Ctrl-C goes to the supervisor, which stops actors in order
+        _stop_with_parent(parent_pid)
     module_name, func_name = target.rsplit(":", 1)
     module = __import__(module_name, fromlist=[func_name])
     getattr(module, func_name)(**kwargs)
@@ -89,6 +122,8 @@ class Supervisor:
         self.ctx = multiprocessing.get_context("spawn")
         self.log = structlog.get_logger("zbroker.supervisor")
         self.stopping = False
+        self.failed: str | None = None  # the actor that could not start, if one could not
+        self._lock_fd: int | None = None
         data = Path(config.data_dir).resolve()
         self.pid_file = data / "run" / "actors.json"
         coordinator = config.internal_endpoint
@@ -109,7 +144,7 @@ class Supervisor:
                  "curve_dir": config.curve_dir}))
 
     def _start(self, child: _Child) -> None:
-        child.process = self.ctx.Process(target=_spawn_target, args=(child.target, child.kwargs),
+        child.process = self.ctx.Process(target=_spawn_target, args=(child.target, child.kwargs, os.getpid()),
                                          name=f"zbroker-{child.name}", daemon=False)
         child.process.start()
         child.started_at = time.monotonic()
@@ -125,18 +160,76 @@ class Supervisor:
         tmp.write_text(json.dumps(pids))
         os.replace(tmp, self.pid_file)
 
+    def _lock_data_dir(self) -> bool:
+        """One supervisor per data directory: a second would run a second coordinator
+        writing the same metadata files (the partition logs have locks of their own)."""
+        path = self.pid_file.parent / "supervisor.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            self.log.error("broker.data_dir_in_use", data_dir=self.config.data_dir, supervisor_pid=holder)
+            print(f"error: CONFIG: the data directory {self.config.data_dir} is in use by another broker "
+                  f"(supervisor pid {holder or 'unknown'})", file=sys.stderr)
+            return False
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd  # held until this process exits
+        return True
+
+    def _config_error(self) -> str | None:
+        """What would make an actor fail at start, found before any starts."""
+        from actors.partition_log.core import FsyncPolicy
+        from actors.security import KeyRing
+        try:
+            FsyncPolicy.parse(self.config.fsync)
+        except ValueError as err:
+            return str(err)
+        if self.config.curve_dir:
+            try:
+                KeyRing(self.config.curve_dir)
+            except (OSError, ValueError) as err:
+                return f"cannot load the CurveZMQ keys in {self.config.curve_dir}: {err}"
+        ports = [self.config.port, self.config.port + 1] + [self.config.port + 2 + i
+                                                           for i in range(self.config.partition_actors)]
+        if not 0 < ports[0] and ports[-1] <= 65535:
+            return f"the broker needs ports {ports[0]}-{ports[-1]}, outside 1-65535: choose another --port"
+        for port in ports:
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+                try:
+                    probe.bind((self.config.host, port))
+                except OSError as err:
+                    return (f"cannot bind {self.config.host}:{port} ({err.strerror}); the broker uses ports "
+                            f"{ports[0]}-{ports[-1]}: choose another --port")
+        return None
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
+        if not self._lock_data_dir():
+            return 1
+        problem = self._config_error()
+        if problem is not None:
+            self.log.error("broker.bad_config", reason=problem)
+            print(f"error: CONFIG: {problem}", file=sys.stderr)
+            return 1
         self.log.info("broker.starting", url=self.config.coordinator_endpoint, data_dir=self.config.data_dir,
                       partition_actors=self.config.partition_actors, fsync=self.config.fsync,
                       offsets=_redact(self.config.resolved_offsets_url()))
         for child in self.children:
             self._start(child)
-        while not self.stopping:
+        while not self.stopping and self.failed is None:
             self._watch_once()
         self._stop_all()
+        if self.failed is not None:
+            print(f"error: CONFIG: the {self.failed} actor cannot start (it died {START_ATTEMPTS} times within "
+                  f"{STARTED_AFTER_S:g} s of starting; its errors are above)", file=sys.stderr)
+            return 1
         self.log.info("broker.stopped")
         return 0
 
@@ -161,6 +254,7 @@ class Supervisor:
                 uptime = now - child.started_at
                 if uptime > STABLE_AFTER_S:
                     child.failures = 0
+                child.ever_started = child.ever_started or uptime >= STARTED_AFTER_S
                 delay = min(BACKOFF_MAX_S, BACKOFF_START_S * (2 ** child.failures))
                 child.failures += 1
                 child.restart_at = now + delay
@@ -169,6 +263,13 @@ class Supervisor:
                 self.log.warning("actor.died", actor=child.name, exit_code=code, uptime_s=round(uptime, 3),
                                  restart_in_s=delay, failures=child.failures)
                 self._write_pids()
+                if not child.ever_started and code is not None and code > 0:  # it failed; nobody killed it
+                    child.start_failures += 1
+                    if child.start_failures >= START_ATTEMPTS:
+                        self.log.error("actor.cannot_start", actor=child.name, exit_code=code,
+                                       failures=child.start_failures)
+                        self.failed = child.name
+                        return
             elif child.restart_at is not None and now >= child.restart_at:
                 self._start(child)
 
@@ -257,8 +358,14 @@ class BrokerHandle:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                actors = self.actor_pids()
+                self.process.kill()  # the actors get SIGTERM from the kernel (PR_SET_PDEATHSIG)...
                 self.process.wait(5)
+                for pid in actors:  # ...and SIGKILL here if that is not enough
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         return self.process.returncode
 
     def __enter__(self) -> "BrokerHandle":

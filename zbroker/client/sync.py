@@ -25,7 +25,8 @@ from actors.wire import recv_frames, send_frames
 from protocol import codec
 from protocol import messages as m
 from protocol.batch import decode_fetched
-from protocol.errors import (ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError)
+from protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, Unavailable, UnknownMember,
+                             ZBrokerError)
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
                                  MetadataCache, PendingBatch, ReadAhead, group_by_lease,
                                  record_size_estimate)
@@ -50,9 +51,15 @@ def client_dealer(ctx: zmq.Context, endpoint: str, request_timeout: float, curve
     sock.setsockopt(zmq.SNDTIMEO, int(request_timeout * 1000))
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
-    if curve is not None:
-        curve.apply(sock)
-    sock.connect(endpoint)
+    try:
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(endpoint)
+    except zmq.ZMQError as err:
+        # An unclosed socket would make the context's term() wait for ever.
+        sock.close(linger=0)
+        raise ProtocolError(f"cannot connect to {endpoint!r}: {err} (a URL looks like tcp://HOST:PORT)",
+                            endpoint=endpoint) from None
     return sock
 
 
@@ -486,8 +493,11 @@ def fetch(conn: Connection, topic: str, partition: int, offset: int, *, max_byte
     """One fetch. Returns (records at or after ``offset``, log_start, log_end).
 
     A partition that moved (NOT_OWNER) or whose actor is restarting is retried
-    after a metadata refresh, with a short backoff.
+    after a metadata refresh, with a short backoff, for at most ``retries``
+    attempts and twice the request timeout (a broker that is down is reported
+    in seconds, not after every retry has timed out).
     """
+    give_up_at = time.monotonic() + 2 * conn.request_timeout + max_wait_ms / 1000.0
     for attempt in range(retries + 1):
         try:
             env = conn.call(conn.endpoint(topic, partition),
@@ -496,7 +506,7 @@ def fetch(conn: Connection, topic: str, partition: int, offset: int, *, max_byte
                             timeout=conn.request_timeout + max_wait_ms / 1000.0)
             break
         except ZBrokerError as err:
-            if not err.retriable or attempt == retries:
+            if not err.retriable or attempt == retries or time.monotonic() >= give_up_at:
                 raise
             time.sleep(min(0.05 * (attempt + 1), 1.0))
             conn.metadata.forget(topic)

@@ -1,0 +1,130 @@
+"""`zbroker up` as an operator meets it: Ctrl-C, a supervisor that dies, a second broker on
+the same data directory, settings an actor cannot start with, and the CLI's own checks."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zbroker.cli import build_parser
+from zbroker.client import Admin, Consumer, Producer
+from zbroker.supervisor import free_port_block
+
+
+def _gone(pids, timeout=15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _up(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "zbroker", "up", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_ctrl_c_stops_the_actors_in_order_and_keeps_the_last_commits(start, tmp_path):
+    # Ctrl-C reaches the terminal's whole process group. The actors used to be in it, so
+    # the commit writer could exit before the coordinator sent it its last advances: a
+    # consumer's flushed acks were then lost, and everything was delivered again.
+    data = tmp_path / "data"
+    broker = start(data)
+    with Admin(broker.url) as admin:
+        admin.create_topic("ctl")
+    with Producer(broker.url, linger_ms=1) as producer:
+        for i in range(100):
+            producer.send("ctl", b"%d" % i, partition=0)
+        producer.flush()
+    with Consumer(broker.url, group="g", topics=["ctl"]) as consumer:
+        got = 0
+        while got < 100:
+            for record in consumer.poll(max_records=100, timeout=1.0):
+                consumer.ack(record)
+                got += 1
+        consumer.flush_acks()
+        os.killpg(broker.process.pid, signal.SIGINT)  # the supervisor leads its own group here
+    assert broker.process.wait(30) == 0
+    again = start(data, port=broker.config.port)
+    with Admin(again.url) as admin:
+        [partition] = admin.describe_group("g")["partitions"]
+    assert partition["committed"] == 100
+
+
+def test_actors_stop_when_their_supervisor_is_killed(start):
+    broker = start()
+    actors = broker.actor_pids()
+    assert len(actors) == 3
+    broker.process.kill()
+    broker.process.wait(10)
+    assert _gone(actors), "actors outlived a SIGKILLed supervisor"
+
+
+def test_a_second_broker_on_the_same_data_directory_is_refused(start, tmp_path):
+    data = tmp_path / "data"
+    broker = start(data)
+    port = free_port_block(4)
+    result = _up("--data", str(data), "--port", str(port))
+    assert result.returncode == 1
+    assert "in use by another broker" in result.stderr and str(broker.process.pid) in result.stderr
+    with Admin(broker.url) as admin:
+        assert admin.status()  # the first one is untouched
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--fsync", "bogus"], "--fsync must be"),
+    (["--curve", "/nonexistent/keys"], "cannot load the CurveZMQ keys"),
+])
+def test_a_setting_an_actor_cannot_start_with_fails_at_once(tmp_path, args, expected):
+    result = _up("--data", str(tmp_path / "data"), "--port", str(free_port_block(4)), *args)
+    assert result.returncode == 1 and "error: CONFIG:" in result.stderr and expected in result.stderr
+
+
+def test_a_port_in_use_fails_at_once(broker, tmp_path):
+    result = _up("--data", str(tmp_path / "other"), "--port", str(broker.config.port))
+    assert result.returncode == 1 and "choose another --port" in result.stderr
+
+
+def test_an_actor_that_keeps_failing_at_start_stops_the_broker(tmp_path):
+    # Past the checks made up front: an offsets store the commit writer cannot open.
+    result = _up("--data", str(tmp_path / "data"), "--port", str(free_port_block(4)),
+                 "--offsets", "nosuchdb://nowhere", "--log-level", "warning")
+    assert result.returncode == 1
+    assert "the commit-writer actor cannot start" in result.stderr
+
+
+def test_options_before_a_sub_subcommand_are_kept():
+    args = build_parser().parse_args(["topics", "--broker", "tcp://10.0.0.1:1", "--json", "list"])
+    assert (args.broker, args.json) == ("tcp://10.0.0.1:1", True)
+    args = build_parser().parse_args(["groups", "describe", "g", "--broker", "tcp://10.0.0.2:2"])
+    assert (args.broker, args.json) == ("tcp://10.0.0.2:2", False)
+
+
+@pytest.mark.parametrize("argv", [
+    ["produce", "t", "--count", "5", "--batch-size", "0"],
+    ["produce", "t", "--size", "-1"],
+    ["groups", "reset", "g", "--topic", "t", "--to", "abc"],
+    ["topics", "create", "t", "--partitions", "0"],
+])
+def test_bad_numbers_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and ("must be" in err or "invalid" in err)
+
+
+def test_a_malformed_broker_url_is_a_clear_error_not_a_hang():
+    result = subprocess.run([sys.executable, "-m", "zbroker", "status", "--broker", "localhost:7400"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and "error: BAD_REQUEST" in result.stderr and "tcp://HOST:PORT" in result.stderr
