@@ -14,10 +14,13 @@ out). So the rule is:
 
 * a remembered sequence is a duplicate: answer with its original offsets;
 * a sequence above the highest one is new;
-* a sequence between the lowest remembered and the highest one that is not
-  remembered was never appended: it is a gap being filled, and is new;
-* a sequence below the lowest remembered one cannot be vouched for and is
-  refused with `DuplicateSequence`.
+* a sequence at or above the producer's ``complete_from`` that is not
+  remembered was never appended: it is a gap being filled, and is new. The
+  log knows every batch of the producer from ``complete_from`` on: 0 while
+  nothing was forgotten (so a pipelining producer whose batch 0 lands after
+  its batch 1 is served), else just above the last batch it forgot;
+* a sequence below ``complete_from`` cannot be vouched for and is refused
+  with `DuplicateSequence`.
 
 The state is not persisted on its own: recovery rebuilds it from the batch
 headers of the last `producer_window_segments` segments, and the live log
@@ -35,11 +38,14 @@ REMEMBERED_BATCHES = 4096
 
 
 class _Producer:
-    __slots__ = ("batches", "highest", "order")
+    __slots__ = ("batches", "highest", "order", "complete_from")
 
     def __init__(self) -> None:
         self.batches: dict[int, tuple[int, int]] = {}  # sequence -> (base_offset, record_count)
         self.highest = -1
+        # Every batch of this producer at or above this sequence is in `batches`
+        # (a producer numbers its batches from 0, and nothing was forgotten yet).
+        self.complete_from = 0
         # Min-heap of remembered sequences, so the lowest is found and evicted in
         # O(log n) per append; entries already forgotten are skipped lazily.
         self.order: list[int] = []
@@ -66,7 +72,9 @@ class ProducerStates:
         heapq.heappush(state.order, sequence)
         state.highest = max(state.highest, sequence)
         if len(state.batches) > REMEMBERED_BATCHES:
-            del state.batches[state.lowest()]
+            evicted = state.lowest()
+            del state.batches[evicted]
+            state.complete_from = max(state.complete_from, evicted + 1)
         if len(state.order) > 2 * REMEMBERED_BATCHES:  # forgotten entries piled up: rebuild
             state.order = sorted(state.batches)
 
@@ -80,15 +88,19 @@ class ProducerStates:
         remembered = state.batches.get(sequence)
         if remembered is not None:
             return remembered
-        if sequence > state.highest:
-            return None
-        oldest = state.lowest()
-        if sequence > oldest:
-            return None  # a gap being filled: never appended
+        if sequence > state.highest or sequence >= state.complete_from:
+            return None  # new, or a gap being filled: never appended
         raise DuplicateSequence(
             "sequence is below every batch this log remembers for the producer",
             producer_id=producer_id, sequence=sequence, last_sequence=state.highest,
-            oldest_remembered_sequence=oldest)
+            oldest_remembered_sequence=state.lowest())
+
+    def only_remembered_is_known(self) -> None:
+        """For state rebuilt from part of a log (older segments not scanned, or deleted):
+        below each producer's lowest remembered batch, nothing can be vouched for."""
+        for state in self._producers.values():
+            if state.batches:
+                state.complete_from = max(state.complete_from, state.lowest())
 
     def forget_before(self, offset: int) -> None:
         """Drop batches that start below `offset` (they left the rebuild window)."""
@@ -96,6 +108,7 @@ class ProducerStates:
             state = self._producers[producer_id]
             for seq in [q for q, (base, _count) in state.batches.items() if base < offset]:
                 del state.batches[seq]
+                state.complete_from = max(state.complete_from, seq + 1)
             if not state.batches:
                 del self._producers[producer_id]
 

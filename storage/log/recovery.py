@@ -106,6 +106,9 @@ def recover(directory: Path, config: LogConfig, *, now_ms: int) -> RecoveredLog:
         else:
             _recover_closed(segment, window_producers, report)
         segments.append(segment)
+    if window_start > 0 or bases[0] != 0:
+        # Batches in segments not scanned (or deleted by retention) are not remembered.
+        producers.only_remembered_is_known()
     report.segments = len(segments)
     report.producers = len(producers)
     return RecoveredLog(segments, producers, report, directory_changed)

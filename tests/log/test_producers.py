@@ -109,3 +109,41 @@ def test_a_torn_last_batch_is_not_remembered(tmp_path):
         assert plog.check_sequence(PRODUCER, 1) is None
         assert produce(plog, 1) == (3, 3)
         assert len(read_all(plog)) == 6
+
+
+def test_a_pipelining_producers_first_batch_may_land_after_its_second(tmp_path):
+    # Batches 0 and 1 in flight; 0 is lost (its actor restarted), 1 lands, 0 is retried.
+    # Refusing it (DUPLICATE_SEQUENCE, "do not resend") would drop records never appended.
+    with open_log(tmp_path) as plog:
+        assert produce(plog, 1) == (0, 3)
+        assert plog.check_sequence(PRODUCER, 0) is None
+        assert produce(plog, 0) == (3, 3)
+        assert produce(plog, 0) == (3, 3)  # and from then on a duplicate like any other
+    with open_log(tmp_path) as plog:  # the whole log is scanned again: nothing forgotten
+        assert produce(plog, 1) == (0, 3)
+        assert plog.check_sequence(PRODUCER, 2) is None
+
+
+def test_below_batches_that_left_the_window_nothing_is_vouched_for(tmp_path):
+    # segment_bytes small enough that every batch rolls a segment; the window is 2 of them
+    with open_log(tmp_path, segment_bytes=60) as plog:
+        for sequence in (2, 3, 4, 5):
+            produce(plog, sequence)
+        with pytest.raises(DuplicateSequence):  # 2 and 3 were forgotten: 1 may be older than them
+            plog.check_sequence(PRODUCER, 1)
+    with open_log(tmp_path, segment_bytes=60) as plog:
+        assert len(plog._segments) > 2
+        with pytest.raises(DuplicateSequence):  # rebuilt from the last segments only
+            plog.check_sequence(PRODUCER, 3)
+        assert plog.check_sequence(PRODUCER, 5) is not None
+
+
+def test_a_forgotten_batch_is_not_vouched_for_even_above_an_older_gap(tmp_path):
+    with open_log(tmp_path) as plog:
+        for sequence in range(1, REMEMBERED_BATCHES + 3):  # 0 never sent; 1 and 2 then evicted
+            produce(plog, sequence)
+        with pytest.raises(DuplicateSequence):
+            plog.check_sequence(PRODUCER, 0)
+        with pytest.raises(DuplicateSequence):
+            plog.check_sequence(PRODUCER, 2)
+        assert plog.check_sequence(PRODUCER, 3) is not None
