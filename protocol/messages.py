@@ -16,7 +16,7 @@ import re
 import types
 from typing import Any, ClassVar, get_type_hints
 
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, UnsupportedVersion
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -197,6 +197,9 @@ class Hello(Message):
     def check(self) -> None:
         if not self.versions or not all(isinstance(v, int) and not isinstance(v, bool) for v in self.versions):
             raise ProtocolError("'versions' must be a non-empty list of integers", op="hello")
+        if not set(self.versions) & set(SUPPORTED_VERSIONS):
+            raise UnsupportedVersion("no protocol version in common", op="hello",
+                                     supported=list(SUPPORTED_VERSIONS))
 
 
 @reply("hello")

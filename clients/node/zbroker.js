@@ -810,7 +810,9 @@ export class Consumer {
         }
         throw err;
       }
-      d.records.push(...res.records);
+      // Not push(...records): spreading ~125k arguments overflows the stack, and one
+      // stored batch may hold that many records.
+      for (const record of res.records) d.records.push(record);
       if (res.batches.length === 0) {
         if (Date.now() >= deadline) {
           throw new ZBrokerError("TIMEOUT", `leased ${d.topic}/${d.partition} [${offset}, ${d.end}) not fetchable`,

@@ -480,3 +480,11 @@ def test_the_longest_group_name_the_writer_stores_is_accepted():
     env = codec.decode_request(codec.encode_request(m.Join(group="g" * MAX_NAME_CHARS, topics=["t"]), 1))
     assert env.msg.group == "g" * MAX_NAME_CHARS
     assert codec.decode_request(codec.encode_request(m.ConfigureGroup(group="g", dlq=""), 1)).msg.dlq == ""
+
+
+def test_hello_sharing_no_version_is_unsupported_version_with_the_supported_list():
+    with pytest.raises(ProtocolError) as caught:
+        codec.decode_request(codec.encode_request(m.Hello(versions=[2, 3]), 1))
+    assert caught.value.code is ErrorCode.UNSUPPORTED_VERSION
+    assert caught.value.data["supported"] == list(m.SUPPORTED_VERSIONS)
+    assert codec.decode_request(codec.encode_request(m.Hello(versions=[1, 2]), 1)).msg.versions == [1, 2]
