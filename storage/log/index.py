@@ -115,12 +115,14 @@ def read_index_file(path: Path, interval_bytes: int, data_size: int) -> OffsetIn
     return OffsetIndex.from_bytes(data, interval_bytes, data_size)
 
 
-def write_index_file(path: Path, index: OffsetIndex) -> None:
-    """Replace the file's content; no fsync (the owner decides when durability is due)."""
+def write_index_file(path: Path, index: OffsetIndex | bytes, *, fsync: bool = False) -> None:
+    """Replace the file's content; fsync only when asked (the owner decides when durability is due)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        data = memoryview(index.to_bytes())
+        data = memoryview(index if isinstance(index, bytes) else index.to_bytes())
         while data:
             data = data[os.write(fd, data):]
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)

@@ -22,9 +22,10 @@ which is what moves `log_start`.
 
 Durability bookkeeping: `flush` fsyncs the active segment, every segment
 rolled since the previous flush (its last batches may not be on disk yet)
-together with its `.index`, and the directory when files were created or
-deleted. The active segment's `.index` is not written until it is rolled,
-because recovery rebuilds the last segment's index from the data anyway.
+and then writes and fsyncs that segment's `.index`, and the directory when
+files were created or deleted. An index file is thus the segment's proof of
+durability, which recovery relies on. The active segment has no `.index`:
+recovery rebuilds the last segment's index from the data anyway.
 
 Recovery on open lives in `recovery.py`; idempotent-producer state in
 `producers.py`. Nothing here reads a clock: times are arguments.
@@ -46,7 +47,7 @@ from storage.log.config import LogConfig
 from storage.log.index import OffsetIndex, write_index_file
 from storage.log.producers import ProducerStates
 from storage.log.recovery import RecoveryReport, recover
-from storage.log.segment import Segment
+from storage.log.segment import DATA_SUFFIX, Segment
 
 __all__ = ["LogConfig", "PartitionLog", "RecoveryReport"]
 
@@ -159,9 +160,10 @@ class PartitionLog:
 
     def _roll(self) -> Segment:
         old = self._active
-        # The index goes to disk before the next segment exists: once a segment is
-        # not the last one, recovery uses its index file if it is well formed.
-        write_index_file(old.index_path, old.index)
+        # The rolled segment's index is written by the next flush, after its data is
+        # fsynced: recovery trusts an older segment that has an index file, and
+        # CRC-checks one that has none (it may have been rolled just before a
+        # power loss, with its last batches never on disk).
         new = Segment(self.directory, old.next_offset, OffsetIndex(self.config.index_interval_bytes))
         new.fd = os.open(new.data_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
         self._keep_read_fd(old)
@@ -188,7 +190,8 @@ class PartitionLog:
         jobs: list[tuple] = []
         for segment in self._rolled_since_flush:
             jobs.append(("fd", os.dup(self._read_fd(segment))))
-            jobs.append(("path", segment.index_path, os.O_RDONLY))
+            jobs.append(("index", segment.index_path, segment.index.to_bytes()))
+            self._directory_dirty = True  # the index file is new
         self._rolled_since_flush.clear()
         jobs.append(("fd", os.dup(self._active.fd)))
         if self._directory_dirty:
@@ -210,7 +213,10 @@ class PartitionLog:
         jobs: list[tuple] = []
         for segment in self._segments[:-1]:
             jobs.append(("path", segment.data_path, os.O_RDONLY))
-            jobs.append(("path", segment.index_path, os.O_RDONLY))
+            if segment in self._rolled_since_flush:
+                jobs.append(("index", segment.index_path, segment.index.to_bytes()))
+            else:
+                jobs.append(("path", segment.index_path, os.O_RDONLY))
         jobs.append(("fd", os.dup(self._active.fd)))
         jobs.append(("path", self.directory, os.O_RDONLY | os.O_DIRECTORY))
         self._rolled_since_flush.clear()
@@ -422,13 +428,20 @@ def _read_one_batch(fd: int, position: int) -> bytes:
 
 
 def run_sync_jobs(jobs: list[tuple]) -> None:
-    """fsync what `PartitionLog.sync_jobs` listed; safe on any thread."""
+    """fsync what `PartitionLog.sync_jobs` listed, in order; safe on any thread.
+
+    An ("index", path, bytes) job follows the fsync of its segment's data, so
+    an index file on disk means the data it describes is on disk too.
+    """
     for job in jobs:
         if job[0] == "fd":
             try:
                 os.fsync(job[1])
             finally:
                 os.close(job[1])
+        elif job[0] == "index":
+            if job[1].with_suffix(DATA_SUFFIX).exists():  # not deleted by retention meanwhile
+                write_index_file(job[1], job[2], fsync=True)
         else:
             try:
                 _fsync_path(job[1], job[2])

@@ -13,12 +13,17 @@ last segment. Recovery therefore:
   next append continues right after the last intact batch. Its index is
   rebuilt from that walk; the `.index` file of the active segment is never
   trusted (it is only written when the segment is rolled).
-- trusts the data of OLDER segments (they were complete when rolled) but not
-  their indexes: an `.index` of the wrong shape is rebuilt by a header walk.
-  A good one is extended by a short header walk from its last entry, which is
-  also how the segment's end offset and newest append time are found. Should
-  that walk hit a broken batch, the segment is reported damaged and served up
-  to that point; its files are left untouched for inspection.
+- trusts the data of an OLDER segment that has an `.index` file: the log
+  writes a rolled segment's index only after fsyncing its data, so the file's
+  presence says the data is on disk. A well-formed index is extended by a
+  short header walk from its last entry, which is also how the segment's end
+  offset and newest append time are found; a malformed one is rebuilt by a
+  header walk. An older segment with NO index was rolled shortly before a
+  crash: after a power loss its tail may be garbage that still parses, so it
+  is walked with CRCs, fsynced, and only then given its index. Should a walk
+  hit a broken batch, the segment is reported damaged and served up to that
+  point; its files are left untouched for inspection (and a CRC-walked one
+  gets no index, so the next open checks it again).
 - rebuilds idempotent-producer state from the headers of the last
   `producer_window_segments` segments (a header walk seeks over payloads).
 - deletes an `.index` that has no `.log`, and starts an empty directory with
@@ -177,10 +182,15 @@ def _recover_closed(segment: Segment, producers: ProducerStates | None, report: 
         else:
             # Inside the producer window every header is read anyway, so the index comes free.
             index = OffsetIndex(segment.index.interval_bytes)
+            unvouched = stored is None and not segment.index_path.exists()
             result = scan_batches(fd, data_size=file_size, start_position=0, start_offset=segment.base_offset,
-                                  verify_crc=False, on_batch=_batch_visitor(segment, index, producers))
-            if stored is None:
-                reason = "index file missing or malformed"
+                                  verify_crc=unvouched, on_batch=_batch_visitor(segment, index, producers))
+            if unvouched:
+                reason = None if result.stop_reason else "index file missing"
+                if reason:
+                    os.fsync(fd)  # the index about to be written vouches for this data
+            elif stored is None:
+                reason = "index file malformed"
             elif producers is None:
                 reason = "last index entry does not match the batch it points at"
             elif stored.to_bytes() != index.to_bytes():
