@@ -94,3 +94,30 @@ def test_the_acks_of_a_fenced_poll_are_sent_again_after_the_rejoin(broker):
             a.close()
             if b is not None:
                 b.close()
+
+
+def test_more_ranges_than_one_header_holds_go_in_several_requests(broker):
+    """Every other record acked, then the rest nacked: 5,000 ranges each way. One request
+    with all of them would pass the 1 MiB header limit, whose TOO_LARGE reply has no id
+    to match: the call would time out instead of being applied."""
+    topic = "many-ranges-" + "t" * 188  # 200 characters, the longest name: about 235 bytes per range
+    with Admin(broker.url) as admin:
+        admin.create_topic(topic, partitions=1)
+    values = [f"m-{i}".encode() for i in range(10_000)]
+    produce_values(broker.url, topic, values)
+    consumer = Consumer(broker.url, group="many-ranges", topics=[topic], ack_batch=1_000_000,
+                        ack_interval_ms=60_000, max_in_flight=20_000, request_timeout=5.0)
+    try:
+        got = []
+        while len(got) < len(values):
+            got.extend(consumer.poll(max_records=10_000, timeout=1.0))
+        sent = count_sends(consumer)
+        for record in got[::2]:
+            consumer.ack(record)
+        consumer.flush_acks(wait=True)
+        assert consumer.stats["acked"] == 5_000
+        assert sent["Ack"] >= 2
+        assert consumer.nack(got[1::2]) == 5_000
+        assert sent["Nack"] >= 2
+    finally:
+        consumer.close()

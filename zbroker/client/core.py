@@ -425,6 +425,16 @@ class ReadAhead:
         return sum(len(c[2]) for slot in self._slots.values() for c in slot.chunks)
 
 
+# Ranges per ack/nack/extend/reject request. A range naming a 200-character topic
+# takes about 235 bytes, so 4000 of them stay under the 1 MiB header limit, whose
+# TOO_LARGE reply has no id to match (PROTOCOL.md s.6): larger sets go in several requests.
+RANGES_PER_REQUEST = 4000
+
+
+def in_request_sized_chunks(ranges: list) -> list[list]:
+    return [ranges[i:i + RANGES_PER_REQUEST] for i in range(0, len(ranges), RANGES_PER_REQUEST)] or [[]]
+
+
 def group_by_lease(records: Iterable[ConsumedRecord]) -> list[list]:
     acc = AckAccumulator()
     for r in sorted(records, key=lambda r: (r.topic, r.partition, r.lease_id, r.offset)):

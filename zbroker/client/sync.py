@@ -29,7 +29,7 @@ from protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, U
                              ZBrokerError)
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
                                  MetadataCache, PendingBatch, ReadAhead, group_by_lease,
-                                 record_size_estimate)
+                                 RANGES_PER_REQUEST, in_request_sized_chunks, record_size_estimate)
 
 log = structlog.get_logger("zbroker.client")
 
@@ -783,7 +783,11 @@ class Consumer:
         if not self.acks:
             return []
         self._acks_since = None
-        return self.acks.take()
+        ranges = self.acks.take()
+        if len(ranges) > RANGES_PER_REQUEST:  # more than a header holds: the rest go on their own
+            self._send_acks(ranges[RANGES_PER_REQUEST:], [])
+            ranges = ranges[:RANGES_PER_REQUEST]
+        return ranges
 
     def _hold_again(self, ranges: list) -> None:
         """Acks a poll carried that may not have been applied (fenced, lost): send them again."""
@@ -1270,14 +1274,18 @@ class Consumer:
         self._collect_ack_replies(block=wait)
 
     def _send_acks(self, ranges: list, ranges_before: list) -> None:
-        """One Ack request; ranges it could not send are held again (and the error raised)."""
-        try:
-            corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
-                                                       generation=self.generation, ranges=ranges))
-        except ZBrokerError:
-            self._hold_again(ranges)
-            raise
-        self._ack_requests[corr] = (ranges, ranges_before, time.monotonic())
+        """Ack requests (one per RANGES_PER_REQUEST ranges, the last one also standing for
+        `ranges_before`); ranges that could not be sent are held again (and the error raised)."""
+        chunks = in_request_sized_chunks(ranges)
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            try:
+                corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
+                                                           generation=self.generation, ranges=chunk))
+            except ZBrokerError:
+                self._hold_again([r for rest in chunks[i:] for r in rest])
+                raise
+            self._ack_requests[corr] = (chunk, ranges_before if last else [], time.monotonic())
 
     def _collect_ack_replies(self, block: bool) -> None:
         """Take the replies of the ack requests out, each as it comes (one that never
@@ -1350,21 +1358,24 @@ class Consumer:
         self.stale.extend(stale)
         log.warning("ack.stale", group=self.group, ranges=len(stale))
 
-    def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> m.Message:
+    def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
+        """Records applied, over as many requests as the ranges need."""
         self.flush_acks(wait=True)
-        ranges = group_by_lease(records)
-        env = self._group_call(lambda: op(group=self.group, member_id=self.member_id, generation=self.generation,
-                                          ranges=ranges, **fields))
-        return env.msg
+        applied = 0
+        for chunk in in_request_sized_chunks(group_by_lease(records)):
+            env = self._group_call(lambda chunk=chunk: op(group=self.group, member_id=self.member_id,
+                                                          generation=self.generation, ranges=chunk, **fields))
+            applied += env.msg.applied
+        return applied
 
     def nack(self, records: Iterable[ConsumedRecord], *, delay_ms: int = 0, reason: str = "") -> int:
-        return self._lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason).applied
+        return self._lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason)
 
     def extend(self, records: Iterable[ConsumedRecord], *, extend_ms: int = 0) -> int:
-        return self._lease_call(m.Extend, records, extend_ms=extend_ms).applied
+        return self._lease_call(m.Extend, records, extend_ms=extend_ms)
 
     def reject(self, records: Iterable[ConsumedRecord], *, reason: str = "") -> int:
-        return self._lease_call(m.Reject, records, reason=reason).applied
+        return self._lease_call(m.Reject, records, reason=reason)
 
     def close(self, leave: bool = True) -> None:
         try:
