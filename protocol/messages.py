@@ -668,6 +668,36 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# What one advance row can take on the wire besides its names: the array and string
+# headers, four integers of up to 9 bytes, the holes array header; each hole is at
+# most 19 bytes ([start, end] as two uint64).
+_ADVANCE_ROW_FIXED_BYTES = 64
+_ADVANCE_HOLE_BYTES = 19
+
+
+def split_advances(rows: list, max_bytes: int) -> list[list]:
+    """The rows in consecutive groups, each of whose `Advance` header stays under `max_bytes`.
+
+    A header over the limit is not even read by the receiver (TOO_LARGE with no id
+    to match), so the sender splits. The sizes are upper bounds; a row larger than
+    `max_bytes` on its own still travels alone.
+    """
+    groups: list[list] = []
+    current: list = []
+    used = 0
+    for row in rows:
+        size = (_ADVANCE_ROW_FIXED_BYTES + len(row[0].encode()) + len(row[1].encode())
+                + _ADVANCE_HOLE_BYTES * len(row[4]))
+        if current and used + size > max_bytes:
+            groups.append(current)
+            current, used = [], 0
+        current.append(row)
+        used += size
+    if current:
+        groups.append(current)
+    return groups
+
+
 @reply("advance")
 class AdvanceReply(Message):
     """durable: [[group, topic, partition, committed_offset, reset_epoch], ...] now on disk."""

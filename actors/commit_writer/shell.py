@@ -282,7 +282,8 @@ class CommitWriterShell:
         op, corr_id, after, limit = token
         try:
             await self._ensure_store()
-            rows = sorted(await self.store.load_all(), key=lambda r: r.key)
+            # One row more than asked for tells whether another page follows.
+            rows = await self.store.load_page(None if after is None else tuple(after), limit + 1)
         except OffsetStoreError as exc:
             self._store_failed("load_offsets failed", exc)
             self._send(codec.encode_error(op, corr_id, exc))
@@ -290,8 +291,6 @@ class CommitWriterShell:
         except asyncio.CancelledError:
             self._send(codec.encode_error(op, corr_id, ShuttingDown("commit writer is stopping")))
             raise
-        if after is not None:
-            rows = [r for r in rows if r.key > tuple(after)]
         page, more = rows[:limit], len(rows) > limit
         frames = codec.encode_reply(m.LoadOffsetsReply(rows=[r.to_wire() for r in page], more=more), corr_id)
         if len(frames[0]) > codec.MAX_HEADER_BYTES:

@@ -348,7 +348,9 @@ class CoordinatorShell:
     def pump_writer(self, now: int) -> None:
         if not self.offsets_loaded:
             if self.writer["last_seen_ms"] is not None and not self.load_in_flight and now >= self.next_load_ms:
-                self.loaded_rows, self.load_after, self.load_page_rows = [], None, LOAD_PAGE_ROWS
+                # After a failure the load goes on from the page that failed: the pages are
+                # keyset queries, still valid with a new writer, and starting over could
+                # time out on the same page again and again.
                 self._request_offsets_page(now)
             return
         if self.unconfirmed and now - self.last_resend_ms > ADVANCE_RESEND_MS:
@@ -361,7 +363,10 @@ class CoordinatorShell:
             return
         batch, self.to_send = list(self.to_send.values()), {}
         self.last_advance_sent_ms = now
-        self.request(WRITER_IDENTITY, m.Advance(advances=batch), now, self.on_advance_reply)
+        # Half the header limit per request leaves room for the envelope and any misjudged row.
+        for rows in m.split_advances(batch, codec.MAX_HEADER_BYTES // 2):
+            self.request(WRITER_IDENTITY, m.Advance(advances=rows), now,
+                         lambda env, rows=rows: self.on_advance_reply(env, rows))
 
     def _request_offsets_page(self, now: int) -> None:
         self.load_in_flight = True
@@ -396,15 +401,21 @@ class CoordinatorShell:
             if part.owner is not None and part.log_end:
                 self.apply(self.core.on_log_range(topic, partition, part.log_start, part.log_end, now), now)
 
-    def on_advance_reply(self, env: codec.Envelope | None) -> None:
+    def on_advance_reply(self, env: codec.Envelope | None, sent_rows: list) -> None:
         if env is None or env.error is not None or env.msg is None:
             return  # resent after ADVANCE_RESEND_MS
         now = runtime.now_ms()
         durable = [tuple(d) for d in env.msg.durable]
+        sent = {(row[0], row[1], row[2]): row for row in sent_rows}
         for group, topic, partition, committed, reset_epoch in durable:
             key = (group, topic, partition)
             row = self.unconfirmed.get(key)
-            if row is not None and (reset_epoch, committed) >= (row[6], row[3]):
+            if row is None:
+                continue
+            # The reply names the offset, not the holes: a newer row with the same offset
+            # but more acked ranges above it is confirmed only by the reply to its own request.
+            if (reset_epoch, committed) > (row[6], row[3]) or (
+                    row is sent.get(key) and (reset_epoch, committed) >= (row[6], row[3])):
                 del self.unconfirmed[key]
         self.apply(self.core.on_durable(durable, now), now)
         self.release_resets(now)

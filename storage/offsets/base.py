@@ -130,8 +130,24 @@ class OffsetStore(abc.ABC):
         """Write `rows` through the monotonic guard in ONE statement; return rows changed."""
 
     @abc.abstractmethod
-    async def load_all(self) -> list[OffsetRow]:
-        """Every row, ordered by (group_id, topic, partition)."""
+    async def load_page(self, after: tuple[str, str, int] | None, limit: int) -> list[OffsetRow]:
+        """Up to `limit` rows whose key comes after `after` (from the first when None), in key order.
+
+        A keyset query on the primary key: each page costs its own rows, so loading N
+        rows in pages reads N rows, not N^2/limit. The order is the database's own
+        (its collation); callers only pass back the last key of the previous page.
+        """
+
+    async def load_all(self, page_rows: int = 10_000) -> list[OffsetRow]:
+        """Every row, in key order."""
+        rows: list[OffsetRow] = []
+        after = None
+        while True:
+            page = await self.load_page(after, page_rows)
+            rows += page
+            if len(page) < page_rows:
+                return rows
+            after = page[-1].key
 
     @abc.abstractmethod
     async def ping(self) -> None:

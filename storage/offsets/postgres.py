@@ -56,9 +56,16 @@ WHERE excluded.reset_epoch > cur.reset_epoch
    OR (excluded.reset_epoch = cur.reset_epoch AND excluded.committed_offset >= cur.committed_offset)
 """
 
-_SELECT = """
+_SELECT_FIRST = """
 SELECT group_id, topic, partition, committed_offset, holes::text AS holes, generation, reset_epoch
-FROM {s}.{table} ORDER BY group_id, topic, partition
+FROM {s}.{table} ORDER BY group_id, topic, partition LIMIT $1
+"""
+# The row comparison and the ORDER BY use the same (column) collation, so pages neither
+# overlap nor skip; both walk the primary key's index.
+_SELECT_AFTER = """
+SELECT group_id, topic, partition, committed_offset, holes::text AS holes, generation, reset_epoch
+FROM {s}.{table} WHERE (group_id, topic, partition) > ($1, $2, $3)
+ORDER BY group_id, topic, partition LIMIT $4
 """
 
 
@@ -77,7 +84,8 @@ class PostgresOffsetStore(OffsetStore):
         self._lock = asyncio.Lock()
         self._stats = {"statements": 0, "connects": 0, "failures": 0}
         self._upsert_sql = _UPSERT.format(s=self._qualifier, table=TABLE)
-        self._select_sql = _SELECT.format(s=self._qualifier, table=TABLE)
+        self._select_first_sql = _SELECT_FIRST.format(s=self._qualifier, table=TABLE)
+        self._select_after_sql = _SELECT_AFTER.format(s=self._qualifier, table=TABLE)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -169,13 +177,16 @@ class PostgresOffsetStore(OffsetStore):
 
         return await self._with_conn("upsert", run)
 
-    async def load_all(self) -> list[OffsetRow]:
+    async def load_page(self, after: tuple[str, str, int] | None, limit: int) -> list[OffsetRow]:
         async def run(conn: asyncpg.Connection) -> list[OffsetRow]:
-            records = await conn.fetch(self._select_sql)
+            if after is None:
+                records = await conn.fetch(self._select_first_sql, limit)
+            else:
+                records = await conn.fetch(self._select_after_sql, *after, limit)
             return [OffsetRow(r[0], r[1], r[2], r[3], [(s, x) for s, x in json.loads(r[4])], r[5], r[6])
                     for r in records]
 
-        return await self._with_conn("load_all", run)
+        return await self._with_conn("load_page", run)
 
     async def ping(self) -> None:
         async def run(conn: asyncpg.Connection) -> None:

@@ -52,9 +52,14 @@ WHERE excluded.reset_epoch > cur.reset_epoch
 # "WHERE true" is required: without it SQLite parses "ON CONFLICT" as a join constraint.
 # value ->> 4 yields the holes array as JSON text, which is what the column stores.
 
-_SELECT = """
+_SELECT_FIRST = """
 SELECT group_id, topic, partition, committed_offset, holes, generation, reset_epoch
-FROM {s}.{table} ORDER BY group_id, topic, partition
+FROM {s}.{table} ORDER BY group_id, topic, partition LIMIT ?
+"""
+_SELECT_AFTER = """
+SELECT group_id, topic, partition, committed_offset, holes, generation, reset_epoch
+FROM {s}.{table} WHERE (group_id, topic, partition) > (?, ?, ?)
+ORDER BY group_id, topic, partition LIMIT ?
 """
 
 
@@ -73,7 +78,8 @@ class SQLiteOffsetStore(OffsetStore):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._stats = {"statements": 0, "connects": 0}
         self._upsert_sql = _UPSERT.format(s=self._qualifier, table=TABLE)
-        self._select_sql = _SELECT.format(s=self._qualifier, table=TABLE)
+        self._select_first_sql = _SELECT_FIRST.format(s=self._qualifier, table=TABLE)
+        self._select_after_sql = _SELECT_AFTER.format(s=self._qualifier, table=TABLE)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -175,12 +181,14 @@ class SQLiteOffsetStore(OffsetStore):
 
         return await self._call("upsert", run)
 
-    async def load_all(self) -> list[OffsetRow]:
+    async def load_page(self, after: tuple[str, str, int] | None, limit: int) -> list[OffsetRow]:
         def run(conn: sqlite3.Connection) -> list[OffsetRow]:
+            cursor = (conn.execute(self._select_first_sql, (limit,)) if after is None
+                      else conn.execute(self._select_after_sql, (*after, limit)))
             return [OffsetRow(g, t, p, c, [(s, e) for s, e in json.loads(h)], gen, ep)
-                    for g, t, p, c, h, gen, ep in conn.execute(self._select_sql)]
+                    for g, t, p, c, h, gen, ep in cursor]
 
-        return await self._call("load_all", run)
+        return await self._call("load_page", run)
 
     async def ping(self) -> None:
         await self._call("ping", lambda conn: conn.execute("SELECT 1").fetchall())

@@ -1,0 +1,160 @@
+"""The coordinator's channel to the commit writer, through the shell with its sends captured.
+
+Advances must reach the writer in headers it can read (over 1 MiB it cannot even
+match its TOO_LARGE reply to the request, so one huge advance stalled every group's
+commits for good), and a row counts as durable only once the writer confirmed that
+row, not an older one of the same key.
+"""
+import structlog
+
+from actors.group_coordinator import effects as fx
+from actors.group_coordinator.shell import ADVANCE_COALESCE_MS, ADVANCE_RESEND_MS, CoordinatorShell
+from protocol import codec
+from protocol import messages as m
+
+
+def _shell(tmp_path):
+    shell = CoordinatorShell(None, None, tmp_path, structlog.get_logger())
+    sent = []
+    shell.request = lambda identity, msg, now, on_reply, frames=(): sent.append(msg)
+    shell.writer["last_seen_ms"] = 0
+    shell.offsets_loaded = True
+    return shell, sent
+
+
+def test_many_partitions_with_holes_fit_in_advances_the_writer_can_read(tmp_path):
+    shell, sent = _shell(tmp_path)
+    base = 1 << 20  # offsets past 65535: 5-byte msgpack ints
+    # 120 partitions of a shared group, each with the coordinator's maximum of 1000 holes.
+    for p in range(120):
+        holes = [[base + 2 * i + 1, base + 2 * i + 2] for i in range(1000)]
+        shell.apply([fx.PersistOffsets("billing", "orders", p, base, holes, 3, 0)], 0)
+    shell.pump_writer(1000)
+    advances = [msg for msg in sent if isinstance(msg, m.Advance)]
+    assert advances
+    for msg in advances:
+        frames = codec.encode_request(msg, 7)
+        # what the writer does with it (actors/commit_writer/shell.py _on_frames)
+        _is_reply, env = codec.decode_any(frames)  # TOO_LARGE, with id=None, if over the limit
+        assert isinstance(env.msg, m.Advance)
+
+
+def test_the_resend_after_a_lost_reply_is_readable_too(tmp_path):
+    shell, sent = _shell(tmp_path)
+    base = 1 << 20
+    for p in range(120):
+        holes = [[base + 2 * i + 1, base + 2 * i + 2] for i in range(1000)]
+        shell.apply([fx.PersistOffsets("billing", "orders", p, base, holes, 3, 0)], 0)
+    shell.pump_writer(1000)
+    shell.on_advance_reply(None, [])  # the request timed out: the writer answered id=None
+    sent.clear()
+    shell.pump_writer(1000 + ADVANCE_RESEND_MS + 100)
+    sizes = [len(codec.encode_request(msg, 8)[0]) for msg in sent if isinstance(msg, m.Advance)]
+    assert sizes and max(sizes) <= codec.MAX_HEADER_BYTES, sizes
+
+
+def test_a_reset_of_a_10000_partition_topic_reaches_the_writer_in_readable_advances(tmp_path):
+    """No holes needed: create_topic allows 10,000 partitions, names up to 255/200 chars,
+    and one reset_group dirties every partition."""
+    shell, sent = _shell(tmp_path)
+    core = shell.core
+    group, topic = "settlement-" + "x" * 60, "payments.eu-west." + "y" * 40
+    core.set_topic(topic, 10_000)
+    for p in range(10_000):
+        core.on_log_range(topic, p, 0, 100, 0)
+    shell.apply(core.load_offsets([], 0), 0)
+    core.configure_group("c", m.ConfigureGroup(group=group), 1)
+    effects = core.reset_group("r", m.ResetGroup(group=group, topic=topic, to="earliest"), 2)
+    assert any(type(e).__name__ == "Reply" for e in effects), effects
+    shell.apply([e for e in effects if isinstance(e, fx.PersistOffsets)], 2)
+    sent.clear()
+    shell.pump_writer(1000)
+    advances = [msg for msg in sent if isinstance(msg, m.Advance)]
+    assert sum(len(a.advances) for a in advances) == 10_000
+    sizes = [len(codec.encode_request(a, 9)[0]) for a in advances]
+    assert max(sizes) <= codec.MAX_HEADER_BYTES, f"{len(advances)} advance(s), sizes {sizes}"
+
+
+def test_newer_holes_survive_a_reply_for_an_older_advance_and_a_writer_restart(tmp_path):
+    """The writer's reply names (committed, reset_epoch), not the holes: the reply to an
+    older advance with the same offset must not confirm the newer row with more holes."""
+    shell = CoordinatorShell(None, None, tmp_path, structlog.get_logger())
+    sent = []
+    shell.request = lambda identity, msg, now, on_reply, frames=(): sent.append((msg, on_reply))
+    shell.writer.update(pid=100, last_seen_ms=0)
+    shell.offsets_loaded = True
+    shell.apply([fx.PersistOffsets("g", "t", 0, 10, [], 1, 0)], 0)
+    shell.pump_writer(100)
+    (_r1, r1_reply), = sent
+    shell.apply([fx.PersistOffsets("g", "t", 0, 10, [[12, 13]], 1, 0)], 120)  # record 12 acked
+    shell.pump_writer(100 + ADVANCE_COALESCE_MS)
+    assert len(sent) == 2, "the second advance carries the hole"
+    # The writer flushed the first advance and answers it; then it is SIGKILLed before the second is durable.
+    r1_reply(codec.Envelope("advance", 1, msg=m.AdvanceReply(durable=[["g", "t", 0, 10, 0]])))
+    shell.on_writer_status(m.WriterStatus(pid=200, healthy=True, metrics={}), 400)  # a new writer
+    sent.clear()
+    shell.pump_writer(400 + ADVANCE_RESEND_MS + 100)
+    resent = [row for msg, _ in sent for row in msg.advances]
+    assert ["g", "t", 0, 10, [[12, 13]], 1, 0] in resent, resent
+    # Its own reply confirms it.
+    (_r2, r2_reply), = sent
+    r2_reply(codec.Envelope("advance", 2, msg=m.AdvanceReply(durable=[["g", "t", 0, 10, 0]])))
+    assert not shell.unconfirmed
+
+
+class KeysetStore:
+    """A store that counts the rows its pages read; one page can be made to go unanswered."""
+
+    backend, schema = "fake", None
+
+    def __init__(self, rows):
+        self.rows = sorted(rows, key=lambda r: r.key)
+        self.rows_read = 0
+
+    async def load_page(self, after, limit):
+        page = [r for r in self.rows if after is None or r.key > tuple(after)][:limit]
+        self.rows_read += len(page)
+        return page
+
+    def statistics(self):
+        return {}
+
+
+def test_offsets_load_reads_each_row_once_and_goes_on_from_a_page_that_failed(tmp_path):
+    import asyncio
+
+    from actors import runtime
+    from actors.commit_writer.core import WriterConfig
+    from actors.commit_writer.shell import CommitWriterShell
+    from storage.offsets import OffsetRow
+
+    rows = [OffsetRow(f"g{i // 100:04d}", "orders", i % 100, 5, [], 1, 0) for i in range(20_000)]
+    store = KeysetStore(rows)
+    writer = CommitWriterShell("tcp://127.0.0.1:1", f"sqlite:///{tmp_path}/x.db", WriterConfig())
+    writer.store, writer._store_ready = store, True
+    shell = CoordinatorShell(None, None, tmp_path, structlog.get_logger())
+    shell.writer["last_seen_ms"] = 0
+    outbox = []
+    shell.request = lambda identity, msg, now, on_reply, frames=(): outbox.append((msg, on_reply))
+    asked_after = []
+
+    async def drive():
+        shell.pump_writer(0)
+        while outbox:
+            msg, on_reply = outbox.pop(0)
+            asked_after.append(msg.after)
+            if len(asked_after) == 4:
+                on_reply(None)  # this page's reply never came (the request timed out)
+                shell.pump_writer(runtime.now_ms() + 10_000)  # past the retry pause (the shell's clock)
+                continue
+            sent = []
+            writer._send = sent.append
+            await writer._load(("load_offsets", 1, msg.after, msg.limit))
+            _is_reply, env = codec.decode_any(sent[0])
+            on_reply(env)
+
+    asyncio.run(drive())
+    assert shell.offsets_loaded
+    assert asked_after[4] == asked_after[3] is not None, "the load went on from the page that failed"
+    pages = len(asked_after) - 1
+    assert store.rows_read <= len(rows) + pages, "every page re-read rows before it"
