@@ -131,12 +131,22 @@ def decode_request(frames: Sequence[bytes]) -> Envelope:
 # -- replies ----------------------------------------------------------------------------
 
 def encode_reply(msg: m.Message, corr_id: Any, frames: Sequence[bytes] = ()) -> list:
+    """The reply's frames; a header over MAX_HEADER_BYTES becomes a TOO_LARGE error.
+
+    The receiver would drop such a header unread, and then could not even tell which
+    request it answered: the error names the request and says how large the reply was.
+    """
     header = msg.to_fields()
     header["v"] = m.PROTOCOL_VERSION
     header["op"] = msg.op
     header["id"] = corr_id
     header["ok"] = True
-    return [_packer.pack(header), *frames]
+    packed = _packer.pack(header)
+    if len(packed) > MAX_HEADER_BYTES:
+        return encode_error(msg.op, corr_id, TooLarge(
+            f"the {msg.op} reply would be {len(packed)} bytes, over the {MAX_HEADER_BYTES}-byte header limit",
+            limit=MAX_HEADER_BYTES, got=len(packed)))
+    return [packed, *frames]
 
 
 def encode_error(op: str | None, corr_id: Any, error: ZBrokerError) -> list:

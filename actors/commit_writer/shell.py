@@ -46,7 +46,7 @@ from actors.commit_writer.core import (
 )
 from protocol import codec
 from protocol import messages as m
-from protocol.errors import ProtocolError, ShuttingDown, TooLarge, UnknownOp, ZBrokerError
+from protocol.errors import ProtocolError, ShuttingDown, UnknownOp, ZBrokerError
 from storage.offsets import OffsetStoreError, open_offset_store
 
 IDENTITY = b"writer"
@@ -292,13 +292,9 @@ class CommitWriterShell:
             self._send(codec.encode_error(op, corr_id, ShuttingDown("commit writer is stopping")))
             raise
         page, more = rows[:limit], len(rows) > limit
-        frames = codec.encode_reply(m.LoadOffsetsReply(rows=[r.to_wire() for r in page], more=more), corr_id)
-        if len(frames[0]) > codec.MAX_HEADER_BYTES:
-            # Rows carry up to 1000 hole ranges each; a smaller limit always fits.
-            frames = codec.encode_error(op, corr_id, TooLarge(
-                "load_offsets page too large; ask with a smaller limit", rows=len(page),
-                bytes=len(frames[0]), limit=codec.MAX_HEADER_BYTES))
-        self._send(frames)
+        # A page over the header limit is answered TOO_LARGE (by encode_reply); rows carry up
+        # to 1000 hole ranges each, and the coordinator asks again with a smaller limit.
+        self._send(codec.encode_reply(m.LoadOffsetsReply(rows=[r.to_wire() for r in page], more=more), corr_id))
 
     def _store_failed(self, event: str, exc: ZBrokerError, **extra: Any) -> None:
         stats = self.core.statistics(_now_ms())

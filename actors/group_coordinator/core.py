@@ -100,6 +100,19 @@ DEAD_LETTER_RETRY_MS = 1000
 MAX_PARKED_PER_MEMBER = 16
 # The timer heap is compacted when it holds this many entries beyond the live ones.
 TIMER_SLACK = 512
+# At most this many stale ranges are listed in a reply. The ranges of one request are
+# merged per lease first, but a lease fragmented by nacks still yields a stale piece per
+# gap; listed in full, a 40 KB ack could ask for a reply of many megabytes (more than a
+# client may read) and as much memory here. The rest are counted (`stale_omitted`).
+STALE_REPORT_LIMIT = 1000
+# A poll reply must fit the 1 MiB header a client reads (PROTOCOL.md s.6): ranges made
+# ready one by one (every other record acked, the rest expired) can be many thousands.
+# Deliveries are counted at their largest (a 200-byte topic and reason, 64 bytes of
+# numbers and framing) against half of it; the rest wait for the next poll.
+POLL_REPLY_BUDGET_BYTES = 512 * 1024
+DELIVERY_FIXED_BYTES = 64
+# nack and reject reasons are kept, and sent with each redelivery, at most this long.
+MAX_REASON_BYTES = 200
 
 # Timer kinds; heap entries are (when_ms, seq, kind, payload).
 _LEASE, _SESSION, _DELAYED, _PARKED, _DEAD_LETTER_RETRY = range(5)
@@ -467,7 +480,8 @@ class GroupCoordinatorCore:
             return
         group, member = found
         # Acks first: what they finish frees capacity this poll may lease at once.
-        acked, stale = self._settle_ranges("ack", msg, group, member, msg.acks, now, out) if msg.acks else (0, [])
+        acked, stale, _omitted = (self._settle_ranges("ack", msg, group, member, msg.acks, now, out)
+                                  if msg.acks else (0, [], 0))
         deliveries = self._lease_records(group, member, msg.max_records, now)
         if not deliveries and msg.ahead and group.config.mode == "exclusive":
             deliveries = self._lease_ahead(group, member, min(msg.ahead, msg.max_records))
@@ -521,21 +535,30 @@ class GroupCoordinatorCore:
                     still.append(key)
             hungry = still
         deliveries: list = []
+        room_bytes = POLL_REPLY_BUDGET_BYTES
         for key, n in share.items():
             if n:
-                self._lease_from(group, member, key, n, now, deliveries)
+                room_bytes = self._lease_from(group, member, key, n, now, deliveries, room_bytes)
         return deliveries
 
     def _lease_from(self, group: Group, member: Member, key: Key, limit: int, now: int,
-                    deliveries: list) -> None:
+                    deliveries: list, room_bytes: int) -> int:
+        """Lease up to `limit` records of one partition in as many deliveries as
+        `room_bytes` of the reply allow; returns the room left."""
         state, log = group.partitions[key], self._logs.get(key)
+        delivery_bytes = _delivery_bytes(key[0])
+        max_pieces = room_bytes // delivery_bytes
+        if max_pieces <= 0:
+            return room_bytes
         for start, end, lease in state.take(member.member_id, limit, log.end if log else 0, now,
-                                            self._new_lease_id, group.config.ack_timeout_ms):
+                                            self._new_lease_id, group.config.ack_timeout_ms, max_pieces):
             self._leases[lease.lease_id] = LeaseRecord(lease.lease_id, group.name, key, member.member_id,
                                                        start, end, lease.deadline_ms)
             self._push(lease.deadline_ms, _LEASE, lease.lease_id)
             deliveries.append([key[0], key[1], lease.lease_id, start, end, lease.attempt, lease.reason])
             member.in_flight += end - start
+            room_bytes -= delivery_bytes
+        return room_bytes
 
     def _lease_ahead(self, group: Group, member: Member, count: int) -> list:
         """Ahead leases over the member's partitions that have nothing to lease now."""
@@ -547,11 +570,13 @@ class GroupCoordinatorCore:
                     and state.available(log.end) == 0):
                 keys.append(key)
         deliveries: list = []
+        room_bytes = POLL_REPLY_BUDGET_BYTES
         for i, key in enumerate(keys):
             state = group.partitions[key]
             n = min(budget // (len(keys) - i), group.config.max_in_flight - state.leased.count())
-            if n <= 0:
+            if n <= 0 or room_bytes < _delivery_bytes(key[0]):
                 continue
+            room_bytes -= _delivery_bytes(key[0])
             lease_id = self._new_lease_id()
             start, end = state.lease_ahead(member.member_id, lease_id, n)
             # No timer yet: each record's deadline starts when it exists (_fill_ahead).
@@ -624,13 +649,15 @@ class GroupCoordinatorCore:
         if not found:
             return
         group, member = found
-        applied, stale = self._settle_ranges(msg.op, msg, group, member, msg.ranges, now, out)
+        applied, stale, omitted = self._settle_ranges(msg.op, msg, group, member, msg.ranges, now, out)
         deadline_in_ms = (msg.extend_ms or group.config.ack_timeout_ms) if msg.op == "extend" else None
         if stale:
             data = {"deadline_in_ms": deadline_in_ms} if deadline_in_ms is not None else {}
+            if omitted:
+                data["stale_omitted"] = omitted
             out.append(ReplyError(token, StaleLease(
-                f"{len(stale)} range(s) are not leased under the given lease id; nothing was applied to them",
-                group=group.name, member_id=member.member_id, stale=stale, applied=applied, **data)))
+                f"{len(stale) + omitted} range(s) are not leased under the given lease id; nothing was applied "
+                f"to them", group=group.name, member_id=member.member_id, stale=stale, applied=applied, **data)))
         elif msg.op == "ack":
             out.append(Reply(token, m.AckReply(applied=applied)))
         elif msg.op == "nack":
@@ -644,31 +671,50 @@ class GroupCoordinatorCore:
                        out: list) -> tuple[int, list]:
         """Apply `op` ("ack", "nack", "extend", "reject") to `ranges` of this member's leases.
 
-        Returns (offsets applied, stale ranges): the parts not leased to this member under
-        the given lease id, never applied.
+        Returns (offsets applied, stale ranges, stale ranges not listed): the parts not
+        leased to this member under the given lease id, never applied. The request's
+        ranges are merged per lease first, so each offset is settled once however often
+        the request names it, and the work is bounded by the leases, not the request.
         """
-        applied, stale = 0, []
+        merged: dict[tuple, RangeSet] = {}
         for topic, partition, lease_id, start, end in ranges:
+            spans = merged.get((topic, partition, lease_id))
+            if spans is None:
+                spans = merged[(topic, partition, lease_id)] = RangeSet()
+            spans.add(start, end)
+        applied, stale, omitted = 0, [], 0
+
+        def note_stale(topic: str, partition: int, lease_id: int, start: int, end: int) -> None:
+            nonlocal omitted
+            if len(stale) < STALE_REPORT_LIMIT:
+                stale.append([topic, partition, lease_id, start, end])
+            else:
+                omitted += 1
+
+        for (topic, partition, lease_id), spans in merged.items():
             key = (topic, partition)
             record = self._leases.get(lease_id)
             state = group.partitions.get(key)
             if (record is None or state is None or record.group != group.name or record.key != key
                     or record.member_id != member.member_id):
-                stale.append([topic, partition, lease_id, start, end])
+                for start, end in spans:
+                    note_stale(topic, partition, lease_id, start, end)
                 continue
-            pieces = state.leased_under(lease_id, start, end)
-            valid = RangeSet([(s, e) for s, e, _ in pieces])
-            if op == "ack":  # acking again what this lease already acked is harmless
-                for s, e in record.acked.intersection(start, end):
-                    valid.add(s, e)
-                early = state.ack_early(lease_id, start, end)  # ahead of the log end we know
-                if early is not None:
-                    valid.add(*early)
-            stale.extend([topic, partition, lease_id, s, e] for s, e in valid.gaps(start, end))
-            applied += valid.count()
-            if pieces:
-                self._apply(op, msg, group, member, state, record, pieces, now, out)
-        return applied, stale
+            for start, end in spans:
+                pieces = state.leased_under(lease_id, start, end)
+                valid = RangeSet([(s, e) for s, e, _ in pieces])
+                if op == "ack":  # acking again what this lease already acked is harmless
+                    for s, e in record.acked.intersection(start, end):
+                        valid.add(s, e)
+                    early = state.ack_early(lease_id, start, end)  # ahead of the log end we know
+                    if early is not None:
+                        valid.add(*early)
+                for s, e in valid.gaps(start, end):
+                    note_stale(topic, partition, lease_id, s, e)
+                applied += valid.count()
+                if pieces:
+                    self._apply(op, msg, group, member, state, record, pieces, now, out)
+        return applied, stale, omitted
 
     def _apply(self, op: str, msg, group: Group, member: Member, state: PartitionState, record: LeaseRecord,
                pieces: list[Piece], now: int, out: list) -> None:
@@ -688,14 +734,13 @@ class GroupCoordinatorCore:
             self._dirty[(group.name, state.key)] = state
         elif op == "nack":
             ready_at = now + msg.delay_ms
-            doomed = state.requeue(pieces, f"nack:{msg.reason}" if msg.reason else "nack", ready_at, now,
+            doomed = state.requeue(pieces, _reason("nack", msg.reason), ready_at, now,
                                    group.config.max_deliveries)
             if ready_at > now:
                 self._push(ready_at, _DELAYED, (group.name, state.key))
             self._dead_letter(group, state, doomed, out)
         else:
-            self._dead_letter(group, state, state.reject(pieces, f"reject:{msg.reason}" if msg.reason
-                                                         else "reject", now), out)
+            self._dead_letter(group, state, state.reject(pieces, _reason("reject", msg.reason), now), out)
 
     # ==================================================================================
     # Timers
@@ -948,3 +993,15 @@ class GroupCoordinatorCore:
     def _new_member_id(self) -> str:
         self._member_seq += 1
         return f"m-{self._lease_id_base}-{self._member_seq}"
+
+
+def _delivery_bytes(topic: str) -> int:
+    """The most one delivery of `topic` can take in a poll reply."""
+    return DELIVERY_FIXED_BYTES + len(topic.encode()) + MAX_REASON_BYTES
+
+
+def _reason(kind: str, text: str) -> str:
+    """The reason "nack" or "nack:<text>" (or "reject..."), cut to MAX_REASON_BYTES (whole characters)."""
+    if not text:
+        return kind
+    return f"{kind}:{text}".encode()[:MAX_REASON_BYTES].decode(errors="ignore")

@@ -175,11 +175,14 @@ class PartitionState:
     # -- handing out ----------------------------------------------------------------
 
     def take(self, member_id: str, limit: int, log_end: int, now_ms: int,
-             new_lease_id: Callable[[], int], ack_timeout_ms: int) -> list[Piece]:
-        """Lease up to `limit` records: redeliveries first, in offset order, then new ones."""
+             new_lease_id: Callable[[], int], ack_timeout_ms: int, max_pieces: int | None = None) -> list[Piece]:
+        """Lease up to `limit` records in at most `max_pieces` leases: redeliveries first,
+        in offset order, then new ones."""
         grants: list[Piece] = []
         deadline = now_ms + ack_timeout_ms
-        while limit > 0 and self.ready:
+        if max_pieces is None:
+            max_pieces = limit
+        while limit > 0 and self.ready and len(grants) < max_pieces:
             start, end, ready = self.ready.first()
             end = min(end, start + limit)
             self.ready.remove(start, end)
@@ -188,7 +191,8 @@ class PartitionState:
             grants.append((start, end, lease))
             self.redeliveries += end - start
             limit -= end - start
-        if limit > 0 and log_end > self.next_new and self.ahead is None:  # an ahead lease owns the new ones
+        if (limit > 0 and log_end > self.next_new and self.ahead is None  # an ahead lease owns the new ones
+                and len(grants) < max_pieces):
             start, end = self.next_new, min(log_end, self.next_new + limit)
             lease = Lease(new_lease_id(), member_id, 1, NEW, deadline, now_ms)
             self.leased.set(start, end, lease)

@@ -259,9 +259,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
             return set()
         op = "ack" if msg.op == "poll" else msg.op
         applied, stale, dead = 0, Counter(), set()
+        # The ranges of one request are merged per lease: an offset named twice is settled once.
+        named: dict[tuple, set] = {}
         for _t, p, lease_id, start, end in (msg.acks if msg.op == "poll" else msg.ranges):
+            named.setdefault((p, lease_id), set()).update(range(start, end))
+        for (p, lease_id), offsets in named.items():
             info = self.leases.get(lease_id)
-            for o in range(start, end):
+            for o in sorted(offsets):
                 key = (p, o)
                 held = self.active.get(key)
                 mine = info is not None and info["member"] == msg.member_id and info["p"] == p
