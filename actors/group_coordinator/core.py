@@ -134,6 +134,10 @@ class GroupCoordinatorCore:
         self._leases: dict[int, LeaseRecord] = {}
         self._parked: dict[Any, ParkedPoll] = {}
         self._timers: list[tuple] = []
+        # The heap size past which it is compacted: twice what survived the last compaction.
+        # Measured against the live entries alone, many members' session timers (or many
+        # delayed nacks) kept the heap above the bar, and every push compacted it.
+        self._compact_above = TIMER_SLACK
         self._timer_seq = 0
         self._grown_topics: set[str] = set()  # set_topic grew them; rebalanced at the next call
         # Per-call scratch, emptied by _end().
@@ -359,14 +363,18 @@ class GroupCoordinatorCore:
             return
         group = self._group(msg.group)
         member = group.members.get(msg.member_id) if msg.member_id else None
-        if member is not None and member.topics == topics:
-            # Re-sync: how a fenced member learns the current generation, without a rebalance.
+        if member is not None:
+            if msg.session_timeout_ms < member.session_timeout_ms:
+                # The timer armed for the longer timeout would come too late.
+                self._push(now + msg.session_timeout_ms, _SESSION, (group.name, member))
             member.session_timeout_ms, member.last_seen_ms = msg.session_timeout_ms, now
+        if member is not None and member.topics == topics:
+            pass  # re-sync: how a fenced member learns the current generation, without a rebalance
         elif member is not None:
-            member.topics, member.session_timeout_ms, member.last_seen_ms = topics, msg.session_timeout_ms, now
+            member.topics = topics
             self._rebalance(group, now, out, "subscription_changed", member.member_id)
         else:
-            member = Member(msg.member_id or self._new_member_id(), topics, msg.session_timeout_ms, now)
+            member = Member(msg.member_id or self._new_member_id(group), topics, msg.session_timeout_ms, now)
             group.members[member.member_id] = member
             self._push(now + member.session_timeout_ms, _SESSION, (group.name, member))
             self._rebalance(group, now, out, "member_joined", member.member_id)
@@ -454,7 +462,7 @@ class GroupCoordinatorCore:
         self._metrics["rebalances"] += 1
         for state in group.partitions.values():
             self._end_ahead(group, state, now)  # an ahead lease lives within one generation
-        self._fence_parked(group, out)
+        self._fence_parked(group, out, now)
         self._wake.add(group.name)
         out.append(Log("rebalance", {"group": group.name, "generation": group.generation, "cause": cause,
                                      "member_id": member_id, "members": len(group.members),
@@ -631,9 +639,12 @@ class GroupCoordinatorCore:
         if member is not None:
             member.parked -= 1
 
-    def _fence_parked(self, group: Group, out: list) -> None:
+    def _fence_parked(self, group: Group, out: list, now: int) -> None:
         for parked in list(group.parked):
             self._unpark(group, parked)
+            member = group.members.get(parked.member_id)
+            if member is not None:  # alive while it waited: its session restarts with the answer
+                member.last_seen_ms = now
             # Its acks were applied when it arrived: say so, so that the member does not send them again.
             out.append(ReplyError(parked.token, Fenced(
                 f"group {group.name!r} moved to generation {group.generation} while the poll waited",
@@ -749,7 +760,7 @@ class GroupCoordinatorCore:
     def _push(self, when_ms: int, kind: int, payload) -> None:
         self._timer_seq += 1
         heapq.heappush(self._timers, (when_ms, self._timer_seq, kind, payload))
-        if len(self._timers) > 2 * (len(self._leases) + len(self._parked)) + TIMER_SLACK:
+        if len(self._timers) > self._compact_above:
             self._compact_timers()
 
     def _compact_timers(self) -> None:
@@ -760,7 +771,8 @@ class GroupCoordinatorCore:
         their times come. A lease entry is live while some piece of the lease still
         has exactly that deadline, or while it is the lease's own deadline: that
         entry is what forgets the lease record once every record under it is
-        finished; a parked-poll entry while that poll waits.
+        finished; a parked-poll entry while that poll waits; a session entry while
+        its member is in the group.
         """
         live_deadlines: dict[int, set[int]] = {}
         for lease_id, record in self._leases.items():
@@ -775,9 +787,14 @@ class GroupCoordinatorCore:
                 return record is not None and (when == record.deadline_ms or when in live_deadlines[payload])
             if kind == _PARKED:
                 return self._parked.get(payload.token) is payload
+            if kind == _SESSION:  # a member that left or expired needs no session timer
+                group_name, member = payload
+                group = self._groups.get(group_name)
+                return group is not None and group.members.get(member.member_id) is member
             return True
         self._timers = [e for e in self._timers if live(e)]
         heapq.heapify(self._timers)
+        self._compact_above = 2 * len(self._timers) + TIMER_SLACK
 
     def _run_timers(self, now: int, out: list) -> None:
         while self._timers and self._timers[0][0] <= now:
@@ -921,6 +938,11 @@ class GroupCoordinatorCore:
                 self._uncount(group, lease, end - start)
             self._dirty[(group.name, key)] = state
             result.append([key[1], target])
+        # Every lease of the topic is revoked: acks under them are stale now, also the repeat
+        # of one applied before the reset (its records are unfinished again).
+        reset_keys = set(keys)
+        for lease_id in [i for i, r in self._leases.items() if r.group == group.name and r.key in reset_keys]:
+            del self._leases[lease_id]
         self._wake.add(group.name)
         out.append(Log("group_reset", {"group": group.name, "topic": msg.topic, "to": msg.to,
                                        "reset_epoch": group.reset_epoch, "partitions": result}))
@@ -990,9 +1012,13 @@ class GroupCoordinatorCore:
         self._next_lease_id += 1
         return self._next_lease_id
 
-    def _new_member_id(self) -> str:
-        self._member_seq += 1
-        return f"m-{self._lease_id_base}-{self._member_seq}"
+    def _new_member_id(self, group: Group) -> str:
+        # A client may join under an id it chose, and it could be one of this form.
+        while True:
+            self._member_seq += 1
+            member_id = f"m-{self._lease_id_base}-{self._member_seq}"
+            if member_id not in group.members:
+                return member_id
 
 
 def _delivery_bytes(topic: str) -> int:

@@ -25,6 +25,7 @@ of the group (who may lease, member counters, effects) are made by
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
@@ -137,6 +138,10 @@ class PartitionState:
         self.leased: RangeMap[Lease] = RangeMap()
         self.ready: RangeMap[Ready] = RangeMap()
         self.delayed: RangeMap[Ready] = RangeMap()
+        # (ready_at_ms, start, end) of every delayed nack, so that each release visits only
+        # what is due (a scan of all delayed ranges per timer was quadratic in the nacks).
+        # Entries may be stale (the range since reset, revoked or merged): checked when popped.
+        self._delayed_due: list[tuple[int, int, int]] = []
         self.dead_lettering: RangeMap[DeadLettering] = RangeMap()
         self.ahead: Ahead | None = None
         self.durable_committed: int | None = None  # last value the writer reported on disk
@@ -276,6 +281,8 @@ class PartitionState:
             else:
                 region = self.ready if ready_at_ms <= now_ms else self.delayed
                 region.set(start, end, Ready(lease.attempt, reason, ready_at_ms, now_ms))
+                if region is self.delayed:
+                    heapq.heappush(self._delayed_due, (ready_at_ms, start, end))
         return doomed
 
     def reject(self, pieces: list[Piece], reason: str, now_ms: int) -> list[tuple[int, int, DeadLettering]]:
@@ -303,11 +310,17 @@ class PartitionState:
     def release_delayed(self, now_ms: int) -> bool:
         """Move nacked-with-delay records whose time has come to `ready`."""
         moved = False
-        for start, end, ready in self.delayed:
-            if ready.ready_at_ms <= now_ms:
-                self.delayed.remove(start, end)
-                self.ready.set(start, end, ready)
-                moved = True
+        due = self._delayed_due
+        while due and due[0][0] <= now_ms:
+            _when, start, end = heapq.heappop(due)
+            for s, e, ready in self.delayed.pieces(start, end):
+                if ready.ready_at_ms <= now_ms:
+                    self.delayed.remove(s, e)
+                    self.ready.set(s, e, ready)
+                    moved = True
+        if len(due) > 2 * len(self.delayed) + 64:  # mostly stale entries: start again from the map
+            self._delayed_due = [(ready.ready_at_ms, s, e) for s, e, ready in self.delayed]
+            heapq.heapify(self._delayed_due)
         return moved
 
     def dead_letter_failed(self, offset: int) -> bool:

@@ -301,3 +301,17 @@ def test_compacting_the_timers_keeps_what_forgets_a_lease_acked_early():
     stats = d.core.statistics()
     assert stats["lease_records"] == 0
     assert d.committed() == 3000
+
+
+def test_an_ack_repeated_under_a_lease_that_a_reset_revoked_is_stale():
+    """PROTOCOL.md reset_group: the leases are revoked and their acks become stale, also a
+    client's resend of an ack applied before the reset (those records are unfinished again)."""
+    d = Driver()
+    d.log_range("t", 0, 0, 10)
+    a = d.join()
+    lease = d.poll(a, max_records=10).deliveries[0][2]
+    assert d.settle("ack", a, [["t", 0, lease, 0, 5]]).applied == 5
+    d.ok("reset_group", m.ResetGroup(group="g", topic="t", to="earliest"))
+    assert d.committed() == 0
+    assert isinstance(d.settle("ack", a, [["t", 0, lease, 0, 5]]), StaleLease)
+    assert d.committed() == 0

@@ -181,3 +181,39 @@ def test_switching_mode_rebalances():
     assert isinstance(d.settle("ack", loser, [lose[:5]]), StaleLease)  # revoked by the switch
     got = deliveries_of(d.poll(keeper, max_records=3))
     assert [(s, e, r) for *_x, s, e, _a, r in got] == [(lose[3], lose[4], "rebalance")]
+
+
+def test_a_shorter_session_timeout_on_re_sync_is_honoured():
+    d = Driver()
+    a = d.join(session_timeout_ms=3_600_000)
+    d.join(member_id=a.member_id, session_timeout_ms=1_000)  # re-sync, now with one second
+    d.advance(5_000)
+    assert d.logs("member_expired"), "silent five times its session timeout, and not expired"
+    assert d.describe()["members"] == []
+
+
+def test_a_waiting_poll_answered_fenced_restarts_the_session_clock():
+    """SEMANTICS.md: a member with a waiting poll is alive; its session clock restarts when
+    the poll is answered, FENCED by a rebalance included."""
+    d = Driver()
+    d.log_range("t", 0, 0, 0)
+    a = d.join(session_timeout_ms=10_000)
+    d.advance(1)
+    assert d.poll(a, max_wait_ms=60_000) is PARKED
+    d.advance(9_999)
+    d.advance(9_999)
+    d.join()  # a second member: the waiting poll is answered FENCED
+    assert any(isinstance(e, Fenced) for e in d.answers.values())
+    d.advance(1)
+    assert not d.logs("member_expired"), "expired 1 ms after its waiting poll was answered"
+
+
+def test_a_generated_member_id_never_takes_over_an_id_a_client_chose():
+    d = Driver()  # generated ids are m-1000-1, m-1000-2, ...
+    d.log_range("t", 0, 0, 100)
+    chosen = d.join(member_id="m-1000-1")
+    assert d.poll(chosen, max_records=10).deliveries
+    fresh = d.join()
+    members = {mem["member_id"]: mem for mem in d.describe()["members"]}
+    assert fresh.member_id != chosen.member_id and len(members) == 2
+    assert members[chosen.member_id]["in_flight"] == 10
