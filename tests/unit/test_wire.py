@@ -99,7 +99,7 @@ def test_a_full_queue_raises_again_at_once_without_block():
         started = time.monotonic()
         with pytest.raises(zmq.Again):
             send_frames(dealer, [b"a", b"b"])
-        assert time.monotonic() - started < 0.1
+        assert time.monotonic() - started < 1.0  # not the 2 s a blocking send would wait
     finally:
         dealer.close(linger=0)
         ctx.term()
