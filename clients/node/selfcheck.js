@@ -5,9 +5,10 @@
 //
 //   node selfcheck.js <command> [url]
 //
-// Pure commands: partition, crc, produce-frames, decode-batches, decode-reply, retriable,
-// doc-example.
-// Socket commands (need a peer at url): scenarios.
+// Pure commands: partition, crc, produce-frames, decode-batches, decode-each, decode-reply,
+// retriable, doc-example.
+// Socket commands (need a peer at url): scenarios (the fake broker of
+// test_cross_language.py), live, proto-headers (a real broker).
 
 import {
   Client, Connection, crc32, decodeHeader, decodeStoredBatches, encodeRecords, partitionForKey,
@@ -34,18 +35,39 @@ function errorJson(err) {
   return { code: "JS_ERROR", message: String(err?.stack ?? err) };
 }
 
-function inputRecords(records) {
-  return records.map((r) => ({
-    key: unhex(r.key),
-    value: unhex(r.value),
-    headers: r.headers === null ? null : Object.fromEntries(Object.entries(r.headers).map(([k, v]) => [k, unhex(v)])),
-    timestampMs: r.timestampMs,
-  }));
+/**
+ * Run a socket scenario: body(client, results) with a fresh Client, then the results as
+ * JSON, with an exception that escaped as results.failure.
+ */
+async function scenario(url, clientOptions, body) {
+  const results = {};
+  const client = new Client(url, clientOptions);
+  try {
+    await body(client, results);
+  } catch (err) {
+    results.failure = errorJson(err);
+  } finally {
+    client.close();
+  }
+  return jsonSafe(results);
+}
+
+/** Records from JSON; headers as an object with own properties (as JSON.parse makes), or a Map. */
+function inputRecords(records, { headersAsMap = false } = {}) {
+  return records.map((r) => {
+    const headers = r.headers === null ? null : Object.entries(r.headers).map(([k, v]) => [k, unhex(v)]);
+    return {
+      key: unhex(r.key),
+      value: unhex(r.value),
+      headers: headers === null ? null : headersAsMap ? new Map(headers) : Object.fromEntries(headers),
+      timestampMs: r.timestampMs,
+    };
+  });
 }
 
 function recordJson(r) {
   return {
-    offset: r.offset, timestampMs: r.timestampMs, key: hex(r.key), value: hex(r.value),
+    offset: r.offset, timestampMs: jsonSafe(r.timestampMs), key: hex(r.key), value: hex(r.value),
     headers: r.headers === null ? null : Object.fromEntries(Object.entries(r.headers).map(([k, v]) => [k, hex(v)])),
   };
 }
@@ -59,8 +81,8 @@ const commands = {
     return { crc: data.map((d) => crc32(unhex(d))) };
   },
 
-  "produce-frames"({ topic, partition, producerId, sequence, id, records }) {
-    const payload = encodeRecords(inputRecords(records));
+  "produce-frames"({ topic, partition, producerId, sequence, id, records, headersAsMap }) {
+    const payload = encodeRecords(inputRecords(records, { headersAsMap }));
     const frames = produceFrames({ topic, partition, producerId: BigInt(producerId), sequence, id, payload });
     return { frames: frames.map(hex) };
   },
@@ -72,6 +94,23 @@ const commands = {
     } catch (err) {
       return { error: errorJson(err) };
     }
+  },
+
+  // decode-batches for many blobs in one process; also says whether headers have no prototype.
+  "decode-each"({ blobs }) {
+    return {
+      results: blobs.map((blob) => {
+        try {
+          const { records } = decodeStoredBatches(unhex(blob));
+          return {
+            records: records.map(recordJson),
+            nullPrototypeHeaders: records.every((r) => r.headers === null || Object.getPrototypeOf(r.headers) === null),
+          };
+        } catch (err) {
+          return { error: errorJson(err) };
+        }
+      }),
+    };
   },
 
   "decode-reply"({ frames }) {
@@ -152,6 +191,26 @@ const commands = {
       client.close();
     }
     return jsonSafe(results);
+  },
+
+  // Headers named "__proto__" on a real broker: fetch and consume a record the Python
+  // producer wrote with one, and produce two (headers as an object and as a Map).
+  "proto-headers"({ topic }, url) {
+    const headersJson = (r) => Object.fromEntries(Object.entries(r.headers ?? {}).map(([k, v]) => [k, v.toString()]));
+    return scenario(url, { requestTimeoutMs: 5_000, retryTimeoutMs: 10_000 }, async (client, results) => {
+      const consumer = client.consumer("proto-g", [topic], { sessionTimeoutMs: 600_000 });
+      const { records } = await client.fetch(topic, 0, 0);
+      results.fetched = records.map(headersJson);
+      const deliveries = await consumer.poll({ maxRecords: 10, maxWaitMs: 1_000 });
+      results.consumed = deliveries.flatMap((d) => d.records.map(headersJson));
+      results.ack = await consumer.ack(deliveries);
+      const fromJson = await client.produce(topic, [{ value: "object", headers: JSON.parse('{"__proto__": "node", "a": "1"}') }],
+        { partition: 0 });
+      const fromMap = await client.produce(topic, [{ value: "map", headers: new Map([["__proto__", "map"]]) }],
+        { partition: 0 });
+      results.produced = [fromJson.baseOffset, fromMap.baseOffset];
+      consumer.close();
+    });
   },
 
   // Claims of PROTOCOL.md checked against a real broker (tests/node/test_node_client.py).

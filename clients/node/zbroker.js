@@ -17,6 +17,10 @@
 // for leases, fetch the leased ranges from the owning partition actor, ack
 // ranges with their lease ids; FENCED -> re-join with the same member_id,
 // UNKNOWN_MEMBER -> join fresh; STALE_LEASE -> those ranges are dropped.
+//
+// Record payloads are read by a strict hand-written reader (PayloadReader):
+// headers are null-prototype objects, so any name, "__proto__" included, is
+// an ordinary header.
 
 import crypto from "node:crypto";
 import zlib from "node:zlib";
@@ -129,7 +133,8 @@ export function wireValue(value) {
   }
   if (Array.isArray(value)) return value.map(wireValue);
   if (value !== null && typeof value === "object" && !(value instanceof Uint8Array)) {
-    const out = {};
+    // Null prototype: a key such as "__proto__" (a record header name) stays a key.
+    const out = Object.create(null);
     for (const [k, v] of Object.entries(value)) out[k] = wireValue(v);
     return out;
   }
@@ -188,7 +193,9 @@ export function decodeHeader(frame) {
 
 /**
  * Normalise one record for a payload. Accepts a value (Buffer/Uint8Array/string) or
- * {key, value, headers, timestampMs}. Returns [timestamp_ms, key, value, headers] (s.9).
+ * {key, value, headers, timestampMs}; headers is an object or a Map of name -> bytes or
+ * string, and every own name is a header, "__proto__" included.
+ * Returns [timestamp_ms, key, value, headers] (s.9).
  */
 export function normaliseRecord(rec, defaults = {}) {
   const r = rec instanceof Uint8Array || typeof rec === "string" ? { value: rec } : rec;
@@ -200,8 +207,13 @@ export function normaliseRecord(rec, defaults = {}) {
   if (!Number.isSafeInteger(ts)) throw new TypeError("timestampMs must be an integer");
   let headers = null;
   if (r.headers !== undefined && r.headers !== null) {
-    headers = {};
-    for (const [name, v] of Object.entries(r.headers)) headers[name] = toBytes(v) ?? new Uint8Array(0);
+    // Null prototype, or a header named "__proto__" would set the prototype and vanish.
+    headers = Object.create(null);
+    const entries = r.headers instanceof Map ? r.headers : Object.entries(r.headers);
+    for (const [name, v] of entries) {
+      if (typeof name !== "string") throw new TypeError(`header names are strings, got ${typeof name}`);
+      headers[name] = toBytes(v) ?? new Uint8Array(0);
+    }
   }
   return [ts, key, value, headers];
 }
@@ -251,34 +263,149 @@ export function decodeStoredBatches(blob, { fromOffset = 0, untilOffset = Infini
     batches.push({ baseOffset: base, recordCount: count, appendTimeMs, producerId, producerSeq, crc });
     nextOffset = base + count;
     if (base + count > fromOffset && base < untilOffset) {
-      let items;
-      try {
-        items = fromWire(decoder.decode(buf.subarray(pos + BATCH_HEADER_SIZE, end)));
-      } catch (err) {
-        throw corrupt(`stored payload is not valid msgpack: ${err.message}`, { base_offset: base });
-      }
-      if (!Array.isArray(items) || items.length !== count) {
-        throw corrupt("record count does not match header", { base_offset: base });
-      }
-      items.forEach((item, i) => {
-        const offset = base + i;
-        if (offset < fromOffset || offset >= untilOffset) return;  // first batch may start below
-        if (!Array.isArray(item) || item.length !== 4) throw corrupt("record is not a 4-array", { base_offset: base, index: i });
-        const [ts, key, value, headers] = item;
-        let hdrs = null;
-        if (headers !== null) {
-          hdrs = {};
-          for (const [name, v] of Object.entries(headers)) hdrs[name] = toBuffer(v);
-        }
-        records.push({
-          topic, partition, offset, timestampMs: ts,
-          key: key === null ? null : toBuffer(key), value: toBuffer(value), headers: hdrs,
-        });
-      });
+      readRecordPayload(buf, pos + BATCH_HEADER_SIZE, end, count,
+        { baseOffset: base, fromOffset, untilOffset, topic, partition, into: records });
     }
     pos = end;
   }
   return { records, batches, nextOffset };
+}
+
+// ---------------------------------------------------------------------------------------
+// The record payload reader (PROTOCOL.md s.9)
+// ---------------------------------------------------------------------------------------
+//
+// Why not @msgpack/msgpack: a header name is application data, and that decoder refuses
+// the map key "__proto__" (which the broker accepts), so one such record would fail every
+// fetch of its batch. A payload can only be a msgpack array of
+// [timestamp_ms int, key bin|nil, value bin, headers nil|map str->bin] (the partition
+// actor refuses anything else on produce), so this reader accepts exactly that: headers
+// become null-prototype objects (any name is an ordinary key), keys and values are views
+// into the fetched frame (no copy), and anything else is CORRUPT_BATCH. It is the consume
+// path, so it reads bytes directly and allocates only what it returns.
+
+const strictUtf8 = new TextDecoder("utf-8", { fatal: true });
+
+class PayloadReader {
+  constructor(buf, start, end, baseOffset) {
+    this.buf = buf;
+    this.pos = start;
+    this.end = end;
+    this.baseOffset = baseOffset;
+  }
+
+  fail(what) {
+    throw corrupt(`stored payload: ${what}`, { base_offset: this.baseOffset, position: this.pos });
+  }
+
+  /** Advance over `n` bytes and return where they start. */
+  take(n) {
+    const at = this.pos;
+    if (this.end - at < n) this.fail("truncated");
+    this.pos = at + n;
+    return at;
+  }
+
+  arrayLength(what) {
+    const b = this.buf[this.take(1)];
+    if (b >= 0x90 && b <= 0x9f) return b & 0x0f;
+    if (b === 0xdc) return this.buf.readUInt16BE(this.take(2));
+    if (b === 0xdd) return this.buf.readUInt32BE(this.take(4));
+    return this.fail(`${what} is not an array`);
+  }
+
+  /** A msgpack int of any width, as a number when exact, else a BigInt (as fromWire). */
+  int() {
+    const buf = this.buf;
+    const b = buf[this.take(1)];
+    if (b <= 0x7f) return b;
+    if (b >= 0xe0) return b - 0x100;
+    switch (b) {
+      case 0xcc: return buf[this.take(1)];
+      case 0xcd: return buf.readUInt16BE(this.take(2));
+      case 0xce: return buf.readUInt32BE(this.take(4));
+      case 0xcf: return fromWire(buf.readBigUInt64BE(this.take(8)));
+      case 0xd0: return buf.readInt8(this.take(1));
+      case 0xd1: return buf.readInt16BE(this.take(2));
+      case 0xd2: return buf.readInt32BE(this.take(4));
+      case 0xd3: return fromWire(buf.readBigInt64BE(this.take(8)));
+      default: return this.fail("timestamp is not an int");
+    }
+  }
+
+  /** A bin as a Buffer view; null for nil when `nilAllowed`. */
+  bin(what, nilAllowed = false) {
+    const buf = this.buf;
+    const b = buf[this.take(1)];
+    let length;
+    if (b === 0xc4) length = buf[this.take(1)];
+    else if (b === 0xc5) length = buf.readUInt16BE(this.take(2));
+    else if (b === 0xc6) length = buf.readUInt32BE(this.take(4));
+    else if (b === 0xc0 && nilAllowed) return null;
+    else return this.fail(`${what} is not bin`);
+    const at = this.take(length);
+    return buf.subarray(at, at + length);
+  }
+
+  str(what) {
+    const buf = this.buf;
+    const b = buf[this.take(1)];
+    let length;
+    if (b >= 0xa0 && b <= 0xbf) length = b & 0x1f;
+    else if (b === 0xd9) length = buf[this.take(1)];
+    else if (b === 0xda) length = buf.readUInt16BE(this.take(2));
+    else if (b === 0xdb) length = buf.readUInt32BE(this.take(4));
+    else return this.fail(`${what} is not str`);
+    const at = this.take(length);
+    const stop = at + length;
+    let ascii = true;
+    for (let i = at; i < stop; i++) {
+      if (buf[i] > 0x7f) { ascii = false; break; }
+    }
+    if (ascii) return buf.toString("latin1", at, stop);
+    try {
+      return strictUtf8.decode(buf.subarray(at, stop));
+    } catch {
+      return this.fail(`${what} is not valid UTF-8`);
+    }
+  }
+
+  headers() {
+    const buf = this.buf;
+    const b = buf[this.pos];
+    let entries;
+    if (b === 0xc0) { this.pos += 1; return null; }
+    if (b >= 0x80 && b <= 0x8f) { this.pos += 1; entries = b & 0x0f; }
+    else if (b === 0xde) { this.take(1); entries = buf.readUInt16BE(this.take(2)); }
+    else if (b === 0xdf) { this.take(1); entries = buf.readUInt32BE(this.take(4)); }
+    else return this.fail("headers are neither a map nor nil");
+    const headers = Object.create(null);
+    for (let i = 0; i < entries; i++) {
+      const name = this.str("header name");
+      headers[name] = this.bin("header value");
+    }
+    return headers;
+  }
+}
+
+/**
+ * Read the `count` records of the payload buf[start, end) of the batch at baseOffset and
+ * push those with offsets in [fromOffset, untilOffset) onto `into` as record objects.
+ */
+function readRecordPayload(buf, start, end, count, { baseOffset, fromOffset, untilOffset, topic, partition, into }) {
+  const reader = new PayloadReader(buf, start, end, baseOffset);
+  if (reader.arrayLength("payload") !== count) reader.fail("record count does not match header");
+  for (let i = 0; i < count; i++) {
+    if (reader.arrayLength("record") !== 4) reader.fail("record is not a 4-array");
+    const timestampMs = reader.int();
+    const key = reader.bin("key", true);
+    const value = reader.bin("value");
+    const headers = reader.headers();
+    const offset = baseOffset + i;
+    if (offset < fromOffset || offset >= untilOffset) continue;  // first batch may start below
+    into.push({ topic, partition, offset, timestampMs, key, value, headers });
+  }
+  if (reader.pos !== end) reader.fail("bytes after the last record");
 }
 
 // ---------------------------------------------------------------------------------------

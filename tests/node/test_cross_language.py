@@ -173,6 +173,111 @@ def test_node_rejects_damaged_batches_like_python(run_node, damage):
     assert out["error"]["code"] == "CORRUPT_BATCH", out
 
 
+# Header names are application data: "__proto__" is as good as any (the broker accepts it).
+PROTO_RECORDS = [
+    [1, b"k", b"v", {"__proto__": b"x", "constructor": b"y", "toString": b"", "a": b"1"}],
+    [2, None, b"w", {"__proto__": b""}],
+]
+
+
+def test_node_decodes_a_header_named_proto(run_node):
+    blob = _stored_blob([(7, PROTO_RECORDS, 0, -1)])
+    out = selfcheck(run_node, "decode-each", {"blobs": [blob.hex()]})
+    assert out["results"] == [{"records": _python_records(blob, 0, None), "nullPrototypeHeaders": True}]
+
+
+@pytest.mark.parametrize("headers_as_map", [False, True])
+def test_node_encodes_a_header_named_proto(run_node, headers_as_map):
+    out = selfcheck(run_node, "produce-frames", {
+        "topic": "t", "partition": 0, "producerId": "0", "sequence": -1, "id": 1,
+        "records": _records_json(PROTO_RECORDS), "headersAsMap": headers_as_map})
+    payload = bytes.fromhex(out["frames"][1])
+    assert msgpack.unpackb(payload, raw=False) == PROTO_RECORDS
+    assert payload == encode_records(PROTO_RECORDS)
+
+
+def _record(ts: bytes = b"\x01", key: bytes = b"\xc0", value: bytes = b"\xc4\x01v", headers: bytes = b"\xc0",
+            head: bytes = b"\x94") -> bytes:
+    """One record's bytes, written by hand: any msgpack width, or anything else."""
+    return head + ts + key + value + headers
+
+
+# Payloads (of one record unless they say otherwise) that msgpack decodes to a valid batch,
+# in the widths a packer may choose besides the shortest.
+VALID_PAYLOADS = {
+    "array16 payload": b"\xdc\x00\x01" + _record(),
+    "array32 payload": b"\xdd\x00\x00\x00\x01" + _record(),
+    "array16 record": b"\x91" + _record(head=b"\xdc\x00\x04"),
+    "array32 record": b"\x91" + _record(head=b"\xdd\x00\x00\x00\x04"),
+    "timestamps of every width": b"\xdc\x00\x0b" + b"".join(_record(ts=ts) for ts in (
+        b"\x7f", b"\xe0", b"\xff", b"\xcc\xff", b"\xcd\x01\x00", b"\xce\xff\xff\xff\xff",
+        b"\xcf" + (2**63 + 5).to_bytes(8, "big"), b"\xd0\x80", b"\xd1\x80\x00", b"\xd2\x80\x00\x00\x00",
+        b"\xd3" + (-2**63).to_bytes(8, "big", signed=True))),
+    "bin16 and bin32": b"\x91" + _record(key=b"\xc5\x00\x03abc", value=b"\xc6\x00\x00\x00\x02ab"),
+    "empty value": b"\x91" + _record(value=b"\xc4\x00"),
+    "large value": b"\x91" + _record(value=b"\xc5\x01\x00" + bytes(range(256))),
+    "empty headers": b"\x91" + _record(headers=b"\x80"),
+    "map16 and name widths": b"\x91" + _record(headers=b"\xde\x00\x03" + b"\xd9\x01a\xc4\x01A"
+                                               + b"\xda\x00\x02bb\xc4\x00" + b"\xdb\x00\x00\x00\x01c\xc4\x01C"),
+    "map32": b"\x91" + _record(headers=b"\xdf\x00\x00\x00\x01\xa1a\xc4\x01A"),
+    "unicode names": b"\x91" + _record(headers=b"\x82" + msgpack.packb("h\u00e9") + b"\xc4\x00"
+                                       + msgpack.packb("\u043a\u043b\u044e\u0447") + b"\xc4\x01x"),
+    "repeated name, last wins": b"\x91" + _record(headers=b"\x82\xa1a\xc4\x011\xa1a\xc4\x012"),
+    "proto name": b"\x91" + _record(headers=b"\x81\xa9__proto__\xc4\x01p"),
+}
+
+# Payloads the partition actor refuses (validate_payload): a reader must refuse them too.
+INVALID_PAYLOADS = {
+    "not an array": b"\x81\xa1a\xc0",
+    "trailing byte": b"\x91" + _record() + b"\xc0",
+    "record not an array": b"\x91\xc0",
+    "3-array record": b"\x91\x93\x01\xc0\xc4\x01v",
+    "5-array record": b"\x91" + _record(head=b"\x95") + b"\xc0",
+    "float timestamp": b"\x91" + _record(ts=b"\xcb" + bytes(8)),
+    "bool timestamp": b"\x91" + _record(ts=b"\xc3"),
+    "nil timestamp": b"\x91" + _record(ts=b"\xc0"),
+    "str key": b"\x91" + _record(key=b"\xa1k"),
+    "str value": b"\x91" + _record(value=b"\xa1v"),
+    "nil value": b"\x91" + _record(value=b"\xc0"),
+    "headers an array": b"\x91" + _record(headers=b"\x90"),
+    "header value str": b"\x91" + _record(headers=b"\x81\xa1a\xa1b"),
+    "header value nil": b"\x91" + _record(headers=b"\x81\xa1a\xc0"),
+    "header name bin": b"\x91" + _record(headers=b"\x81\xc4\x01a\xc4\x01b"),
+    "header name int": b"\x91" + _record(headers=b"\x81\x01\xc4\x01b"),
+    "header name not UTF-8": b"\x91" + _record(headers=b"\x81\xa1\xff\xc4\x01b"),
+    "ext timestamp": b"\x91" + _record(ts=b"\xd4\x01\x00"),
+    "ext header value": b"\x91" + _record(headers=b"\x81\xa1a\xd4\x01\x00"),
+}
+
+
+def _one_batch(payload: bytes, count: int) -> bytes:
+    return build_batch_header(payload, base_offset=0, record_count=count, append_time_ms=1) + payload
+
+
+def test_node_payload_reader_agrees_with_python(run_node):
+    """The hand-written payload reader: what msgpack decodes to a valid batch decodes alike,
+    and what the partition actor would refuse (every prefix of a valid payload too) is
+    CORRUPT_BATCH, never a JavaScript error."""
+    valid = {name: _one_batch(p, validate_payload(p)) for name, p in VALID_PAYLOADS.items()}
+    for payload in INVALID_PAYLOADS.values():
+        with pytest.raises(CorruptBatch):
+            validate_payload(payload)
+    full = encode_records(SAMPLE_RECORDS + PROTO_RECORDS)
+    count = len(SAMPLE_RECORDS + PROTO_RECORDS)
+    invalid = {name: _one_batch(p, 1) for name, p in INVALID_PAYLOADS.items()}
+    invalid["more records than the header says"] = _one_batch(full, count - 1)
+    invalid["fewer records than the header says"] = _one_batch(full, count + 1)
+    invalid.update({f"cut at {n}": _one_batch(full[:n], count) for n in range(0, len(full), 97)})
+    invalid.update({f"cut at {n}": _one_batch(full[:n], count) for n in range(len(full) - 64, len(full))})
+    blobs = {**valid, **invalid}
+    out = selfcheck(run_node, "decode-each", {"blobs": [b.hex() for b in blobs.values()]})
+    results = dict(zip(blobs, out["results"]))
+    for name, blob in valid.items():
+        assert results[name] == {"records": _python_records(blob, 0, None), "nullPrototypeHeaders": True}, name
+    for name in invalid:
+        assert results[name].get("error", {}).get("code") == "CORRUPT_BATCH", (name, results[name])
+
+
 def _reply_cases() -> list[tuple[str, list]]:
     cases = [
         ("produce", codec.encode_reply(m.ProduceReply(base_offset=2**40, count=3, duplicate=True), 5)),

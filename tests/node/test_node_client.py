@@ -123,3 +123,35 @@ def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
     assert {"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint"} == set(
         ok("describeTopic")["partitions"][0])
     assert {"kind", "actor_id"} <= set(ok("status")["actors"][0])
+
+
+def test_header_named_proto_crosses_languages_on_a_real_broker(run_node, tmp_path):
+    """A record header named "__proto__" (the broker accepts it) is an ordinary header to the
+    Node client: fetched and consumed when Python wrote it, produced from an object or a Map."""
+    from zbroker.client import Admin, Connection, Producer, fetch
+    from zbroker.supervisor import start_broker
+
+    log_file = tmp_path / "broker.log"
+    handle = start_broker(tmp_path / "data", port=0, log_file=log_file)
+    try:
+        with Admin(handle.url) as admin:
+            admin.create_topic("proto", 1)
+        with Producer(handle.url) as producer:
+            producer.send("proto", b"python", headers={"__proto__": b"py", "a": b"1"}, partition=0)
+            producer.flush()
+        proc = run_node("selfcheck.js", "proto-headers", handle.url, input={"topic": "proto"}, timeout=60)
+        conn = Connection(handle.url)
+        try:
+            written_by_node, _start, _end = fetch(conn, "proto", 0, 1)
+        finally:
+            conn.close()
+    finally:
+        handle.stop()
+    assert proc.returncode == 0, f"{proc.stderr}\nbroker log (tail):\n{_tail(log_file)}"
+    r = json.loads(proc.stdout)
+    assert "failure" not in r, r["failure"]
+    assert r["fetched"] == r["consumed"] == [{"__proto__": "py", "a": "1"}]
+    assert (r["ack"]["applied"], r["ack"]["stale"]) == (1, [])
+    assert r["produced"] == [1, 2]
+    assert [(rec.value, rec.headers) for rec in written_by_node] == [
+        (b"object", {"__proto__": b"node", "a": b"1"}), (b"map", {"__proto__": b"map"})]
