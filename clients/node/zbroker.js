@@ -20,7 +20,10 @@
 //
 // Record payloads are read by a strict hand-written reader (PayloadReader):
 // headers are null-prototype objects, so any name, "__proto__" included, is
-// an ordinary header.
+// an ordinary header. Offsets are JS numbers: a fetched batch reaching past
+// Number.MAX_SAFE_INTEGER (2^53 - 1) fails with a local TOO_LARGE rather
+// than yielding rounded offsets. Lease and producer ids, which do exceed
+// 2^53, are BigInts.
 
 import crypto from "node:crypto";
 import zlib from "node:zlib";
@@ -232,10 +235,17 @@ export function produceFrames({ topic, partition, producerId = 0n, sequence = -1
   return [header, payload];
 }
 
+// The largest offset a JS number holds exactly. Offsets are u64 on the wire (s.10); this
+// client keeps them as numbers, so a batch reaching past this fails loudly instead of
+// being rounded to wrong offsets.
+const MAX_EXACT_OFFSET = BigInt(Number.MAX_SAFE_INTEGER);
+
 /**
  * Walk the stored batches of a fetch reply's frame 1 (s.10, s.11) and return the records
  * with offsets in [fromOffset, untilOffset). Also returns the batches' headers and the
  * offset after the last batch (nextOffset, or fromOffset when there was none).
+ * A batch whose base_offset + record_count exceeds Number.MAX_SAFE_INTEGER is a local
+ * TOO_LARGE (data.limit, data.got): its offsets cannot be represented exactly.
  */
 export function decodeStoredBatches(blob, { fromOffset = 0, untilOffset = Infinity, verifyCrc = true,
   topic = null, partition = null } = {}) {
@@ -249,7 +259,7 @@ export function decodeStoredBatches(blob, { fromOffset = 0, untilOffset = Infini
     if (!buf.subarray(pos, pos + 4).equals(BATCH_MAGIC)) throw corrupt("bad batch magic", { position: pos });
     const crc = buf.readUInt32BE(pos + 4);
     const length = buf.readUInt32BE(pos + 8);
-    const base = Number(buf.readBigUInt64BE(pos + 12));
+    const exactBase = buf.readBigUInt64BE(pos + 12);
     const count = buf.readUInt32BE(pos + 20);
     const appendTimeMs = Number(buf.readBigInt64BE(pos + 24));
     const producerId = buf.readBigInt64BE(pos + 32);
@@ -258,8 +268,14 @@ export function decodeStoredBatches(blob, { fromOffset = 0, untilOffset = Infini
     const end = pos + BATCH_HEADER_SIZE + length;
     if (end > buf.length) throw corrupt("batch runs past the end of the frame", { position: pos });
     if (verifyCrc && crc32(buf.subarray(pos + 8, end)) !== crc) {
-      throw corrupt("batch CRC mismatch", { position: pos, base_offset: base });
+      throw corrupt("batch CRC mismatch", { position: pos, base_offset: exactBase });
     }
+    if (exactBase + BigInt(count) > MAX_EXACT_OFFSET) {
+      throw new ZBrokerError("TOO_LARGE",
+        `batch at offset ${exactBase} (${count} records) reaches past 2^53 - 1, the largest offset this client represents exactly`,
+        { local: true, data: { limit: Number.MAX_SAFE_INTEGER, got: exactBase + BigInt(count), base_offset: exactBase, topic, partition } });
+    }
+    const base = Number(exactBase);
     batches.push({ baseOffset: base, recordCount: count, appendTimeMs, producerId, producerSeq, crc });
     nextOffset = base + count;
     if (base + count > fromOffset && base < untilOffset) {

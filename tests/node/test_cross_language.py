@@ -278,6 +278,19 @@ def test_node_payload_reader_agrees_with_python(run_node):
         assert results[name].get("error", {}).get("code") == "CORRUPT_BATCH", (name, results[name])
 
 
+def test_node_refuses_offsets_it_cannot_represent(run_node):
+    """Offsets are JS numbers: up to 2^53 - 1 they are exact; a batch reaching past that is a
+    local TOO_LARGE, never silently rounded offsets."""
+    records = SAMPLE_RECORDS[:2]
+    fits = _stored_blob([(2**53 - 3, records, 0, -1)])
+    out = selfcheck(run_node, "decode-batches", {"blob": fits.hex()})
+    assert [r["offset"] for r in out["records"]] == [2**53 - 3, 2**53 - 2] and out["nextOffset"] == 2**53 - 1
+    beyond = _stored_blob([(0, records, 0, -1), (2**53 - 2, records, 0, -1)])
+    err = selfcheck(run_node, "decode-batches", {"blob": beyond.hex()})["error"]
+    assert (err["code"], err["local"], err["retriable"]) == ("TOO_LARGE", True, False), err
+    assert err["data"]["limit"] == 2**53 - 1 and err["data"]["got"] == 2**53 and err["data"]["base_offset"] == 2**53 - 2
+
+
 def _reply_cases() -> list[tuple[str, list]]:
     cases = [
         ("produce", codec.encode_reply(m.ProduceReply(base_offset=2**40, count=3, duplicate=True), 5)),
