@@ -7,7 +7,7 @@
 //
 // Pure commands: partition, crc, produce-frames, decode-batches, decode-each, decode-reply,
 // retriable, doc-example.
-// Socket commands (need a peer at url): scenarios (the fake broker of
+// Socket commands (need a peer at url): scenarios, group-retry (the fake broker of
 // test_cross_language.py), live, proto-headers (a real broker).
 
 import {
@@ -191,6 +191,34 @@ const commands = {
       client.close();
     }
     return jsonSafe(results);
+  },
+
+  // The consumer against injected retriable errors (the fake broker answers the first join,
+  // poll, ack and heartbeat with one) and a poll whose reply is lost after its acks applied.
+  "group-retry"(_input, url) {
+    return scenario(url, { requestTimeoutMs: 500, retryTimeoutMs: 10_000 }, async (client, results) => {
+      // Long session: no background heartbeat takes the injected heartbeat error first.
+      const consumer = client.consumer("gr-g", ["gr"], { sessionTimeoutMs: 600_000 });
+      await client.hello();
+      await client.createTopic("gr", 1);
+      await client.produce("gr", ["a", "b", "c"], { partition: 0 });
+      const joined = await consumer.join();
+      results.join = { generation: joined.generation, memberId: joined.member_id };
+      const first = await consumer.poll({ maxRecords: 10 });
+      results.firstPoll = first.map((d) => d.records.map((r) => r.value.toString()));
+      results.ack = await consumer.ack(first);
+      try {
+        results.heartbeat = { ok: jsonSafe(await consumer.heartbeat()) };
+      } catch (err) {
+        results.heartbeat = { error: errorJson(err) };
+      }
+      await client.produce("gr", ["d", "e"], { partition: 0 });
+      const second = await consumer.poll({ maxRecords: 10 });
+      results.secondPoll = second.map((d) => d.records.map((r) => r.value.toString()));
+      await consumer.poll({ maxRecords: 10, acks: second });
+      results.pollAcks = consumer.lastPollAcks;
+      consumer.close();
+    });
   },
 
   // Headers named "__proto__" on a real broker: fetch and consume a record the Python

@@ -16,7 +16,10 @@
 // A Consumer (client.consumer(...)) runs the group flow of s.14: join, poll
 // for leases, fetch the leased ranges from the owning partition actor, ack
 // ranges with their lease ids; FENCED -> re-join with the same member_id,
-// UNKNOWN_MEMBER -> join fresh; STALE_LEASE -> those ranges are dropped.
+// UNKNOWN_MEMBER -> join fresh; STALE_LEASE -> those ranges are dropped;
+// UNAVAILABLE, SHUTTING_DOWN, TIMEOUT -> back off and retry until
+// retryTimeoutMs (the coordinator answers UNAVAILABLE while it reloads
+// offsets after a restart).
 //
 // Record payloads are read by a strict hand-written reader (PayloadReader):
 // headers are null-prototype objects, so any name, "__proto__" included, is
@@ -530,6 +533,11 @@ export class Connection {
 // ---------------------------------------------------------------------------------------
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+/** Capped exponential backoff before retry number `attempt` (from 0), never past `deadline`. */
+function backoffMs(attempt, deadline) {
+  return Math.max(0, Math.min(25 * 2 ** attempt, 1000, deadline - Date.now()));
+}
 // Errors after which a partition request is retried once metadata has been refreshed (s.7).
 const REFRESH_CODES = new Set(["NOT_OWNER", "UNAVAILABLE", "SHUTTING_DOWN", "TIMEOUT"]);
 
@@ -548,7 +556,8 @@ export async function connect(url = DEFAULT_URL, options = {}) {
 export class Client {
   /**
    * requestTimeoutMs: local timeout of one request attempt.
-   * retryTimeoutMs: how long a produce/fetch keeps retrying retriable errors.
+   * retryTimeoutMs: how long a produce, fetch or consumer group request keeps retrying
+   * retriable errors.
    */
   constructor(url = DEFAULT_URL, { requestTimeoutMs = 10_000, retryTimeoutMs = 30_000, clientName = CLIENT_NAME } = {}) {
     this.url = url;
@@ -691,7 +700,7 @@ export class Client {
       } catch (err) {
         if (!(err instanceof ZBrokerError) || !REFRESH_CODES.has(err.code) || Date.now() >= deadline || this.closed) throw err;
         refresh = true;
-        await sleep(Math.min(25 * 2 ** attempt, 1000));
+        await sleep(backoffMs(attempt, deadline));
       }
     }
   }
@@ -823,14 +832,27 @@ export class Consumer {
     this.stats = { joins: 0, fenced: 0, unknownMember: 0, staleRanges: 0 };
   }
 
-  /** join (fresh when memberId is "", else re-join as the same member). */
+  /**
+   * join (fresh when memberId is "", else re-join as the same member). Retriable errors
+   * (UNAVAILABLE while the coordinator reloads offsets after a restart, SHUTTING_DOWN,
+   * TIMEOUT) are retried with backoff until client.retryTimeoutMs.
+   */
   async join() {
     if (this.joining) return this.joining;
     this.joining = (async () => {
-      const reply = await this.client.call("join", {
-        group: this.group, topics: this.topics, member_id: this.memberId,
-        session_timeout_ms: this.sessionTimeoutMs,
-      });
+      const deadline = Date.now() + this.client.retryTimeoutMs;
+      let reply;
+      for (let attempt = 0; reply === undefined; attempt++) {
+        try {
+          reply = await this.client.call("join", {
+            group: this.group, topics: this.topics, member_id: this.memberId,
+            session_timeout_ms: this.sessionTimeoutMs,
+          });
+        } catch (err) {
+          if (!this.#mayRetry(err, deadline)) throw err;
+          await sleep(backoffMs(attempt, deadline));
+        }
+      }
       this.memberId = reply.member_id;
       this.generation = reply.generation;
       this.mode = reply.mode;
@@ -873,15 +895,27 @@ export class Consumer {
     return this.#groupCall("heartbeat", {}, { retry: false });
   }
 
+  /** A retriable error with time left to retry it, on a client still open. */
+  #mayRetry(err, deadline) {
+    return err instanceof ZBrokerError && err.retriable && Date.now() < deadline && !this.client.closed;
+  }
+
   /**
    * A group request with member_id and generation filled in (s.14):
    * FENCED -> re-join as the same member, then retry with the new generation;
    * UNKNOWN_MEMBER -> join fresh, then retry (poll) or report every range as stale
-   * (ack, nack, extend, reject: a fresh member holds none of the old leases).
-   * With retry=false the call returns null after re-joining instead of retrying.
+   * (ack, nack, extend, reject: a fresh member holds none of the old leases);
+   * other retriable errors (UNAVAILABLE, SHUTTING_DOWN, TIMEOUT) -> back off and resend
+   * the same fields until client.retryTimeoutMs (s.7, 8.4). A request that timed out may
+   * have been applied; resending it is harmless (a repeated ack is counted again, a
+   * repeated nack or reject of a settled lease reports it stale).
+   * With retry=false (heartbeats) the call returns null after re-joining instead of
+   * retrying, and reports every other error.
    */
   async #groupCall(op, fields, { retry = true, timeoutMs } = {}) {
-    for (let attempt = 0; ; attempt++) {
+    const deadline = Date.now() + this.client.retryTimeoutMs;
+    let rejoins = 0;
+    for (let backoffs = 0; ;) {
       if (this.generation < 0) await this.join();
       const sentGeneration = this.generation;
       const sentMember = this.memberId;
@@ -890,7 +924,8 @@ export class Consumer {
           group: this.group, member_id: sentMember, generation: sentGeneration, ...fields,
         }, { timeoutMs });
       } catch (err) {
-        if (!(err instanceof ZBrokerError) || attempt >= 5) throw err;
+        if (!(err instanceof ZBrokerError)) throw err;
+        if ((err.code === "FENCED" || err.code === "UNKNOWN_MEMBER") && rejoins++ >= 5) throw err;
         if (err.code === "FENCED") {
           this.stats.fenced += 1;
           // Someone else (heartbeat, a concurrent poll) may have re-joined already.
@@ -905,6 +940,9 @@ export class Consumer {
             err.staleRanges = fields.ranges;
             throw err;
           }
+        } else if (retry && this.#mayRetry(err, deadline)) {
+          await sleep(backoffMs(backoffs++, deadline));
+          continue;
         } else {
           throw err;
         }

@@ -379,7 +379,11 @@ class FakeBroker:
     Faults, each used once when enabled: ``drop_produce_reply`` appends the next
     produce but sends no reply; ``fence_first_poll`` answers the first poll after the
     first join with FENCED (and bumps the generation); ``expire_first_lease`` lets
-    the first lease expire at once, so its ack is STALE_LEASE and it is redelivered.
+    the first lease expire at once, so its ack is STALE_LEASE and it is redelivered;
+    ``drop_acking_poll_reply`` applies the acks of the next poll carrying some but
+    sends no reply. ``fail_once`` maps an op to an error code its next request is
+    answered with, before anything is applied (as the coordinator answers UNAVAILABLE
+    while it reloads offsets).
     """
 
     ACK_TIMEOUT_MS = 30_000
@@ -398,7 +402,10 @@ class FakeBroker:
         self.groups: dict[str, dict] = {}
         # Like the coordinator: clock-derived lease ids, far above 2^53.
         self.next_lease = (int(time.time() * 1000) << 20) + 1
-        self.faults = {"drop_produce_reply": False, "fence_first_poll": False, "expire_first_lease": False}
+        self.faults = {"drop_produce_reply": False, "fence_first_poll": False, "expire_first_lease": False,
+                       "drop_acking_poll_reply": False}
+        self.fail_once: dict[str, str] = {}  # op -> error code for its next request
+        self.ranges_per_request: dict[str, list[int]] = {}  # "ack" or "poll" -> ranges (acks) per request
         self.seen: dict[str, int] = {}  # op or error code -> count
         self.rejected: list[str] = []   # requests protocol.codec refused
         self._stop = threading.Event()
@@ -457,6 +464,8 @@ class FakeBroker:
         self.count(env.op)
         handler = getattr(self, f"{'c' if sock is self.coord else 'p'}_{env.op}", None)
         try:
+            if env.op in self.fail_once:
+                raise ZBrokerError("injected", code=ErrorCode(self.fail_once.pop(env.op)))
             if handler is None:
                 raise UnknownOp(f"op {env.op!r} is not served here", op=env.op)
             result = handler(identity, env)
@@ -590,7 +599,7 @@ class FakeBroker:
     def _group(self, name: str) -> dict:
         return self.groups.setdefault(name, {
             "generation": 0, "members": {}, "topics": set(), "next_new": {}, "acked": {}, "leases": {},
-            "ready": [], "fenced": False, "expired_one": False})
+            "settled": {}, "ready": [], "fenced": False, "expired_one": False})
 
     def _member(self, env) -> dict:
         """The coordinator's order: a wrong generation is FENCED, then an unknown member."""
@@ -636,6 +645,10 @@ class FakeBroker:
             g["fenced"] = True
             g["generation"] += 1
             raise Fenced("rebalanced", generation=g["generation"])
+        acked, stale = 0, []
+        if env.msg.acks:
+            self.ranges_per_request.setdefault("poll", []).append(len(env.msg.acks))
+            acked, stale = self._apply_acks(g, env.msg.member_id, env.msg.acks)
         budget = env.msg.max_records
         deliveries = []
         while g["ready"] and budget > 0:
@@ -649,7 +662,12 @@ class FakeBroker:
                 deliveries.append(self._lease(g, env.msg.member_id, topic, partition, nxt, end, 1, "new"))
                 g["next_new"][(topic, partition)] = end
                 budget -= end - nxt
-        return m.PollReply(generation=g["generation"], deliveries=deliveries, ack_timeout_ms=self.ACK_TIMEOUT_MS)
+        if env.msg.acks and self.faults["drop_acking_poll_reply"]:
+            self.faults["drop_acking_poll_reply"] = False
+            self.count("dropped_poll_reply")
+            return None
+        return m.PollReply(generation=g["generation"], deliveries=deliveries, ack_timeout_ms=self.ACK_TIMEOUT_MS,
+                           acked=acked, stale=stale)
 
     def _lease(self, g, member, topic, partition, start, end, attempt, reason) -> list:
         lease_id = self.next_lease
@@ -663,20 +681,29 @@ class FakeBroker:
             g["leases"][lease_id] = lease
         return [topic, partition, lease_id, start, end, attempt, reason]
 
-    def c_ack(self, identity, env):
-        g = self._member(env)
-        applied, stale = 0, []
-        for topic, partition, lease_id, start, end in env.msg.ranges:
-            lease = g["leases"].get(lease_id)
-            if (lease is None or lease["member"] != env.msg.member_id or (lease["topic"], lease["partition"])
+    def _apply_acks(self, g: dict, member: str, ranges: list) -> tuple[int, list]:
+        """Like the coordinator: acking again under the same lease is counted again, also
+        once the lease is settled; a range of a lease this member does not hold is stale."""
+        applied, stale, touched = 0, [], set()
+        for topic, partition, lease_id, start, end in ranges:
+            lease = g["leases"].get(lease_id) or g["settled"].get(lease_id)
+            if (lease is None or lease["member"] != member or (lease["topic"], lease["partition"])
                     != (topic, partition) or start < lease["start"] or end > lease["end"]):
                 stale.append([topic, partition, lease_id, start, end])
                 continue
-            acked = g["acked"].setdefault((topic, partition), set())
-            applied += len(set(range(start, end)) - acked)
-            acked.update(range(start, end))
-            if acked.issuperset(range(lease["start"], lease["end"])):
-                del g["leases"][lease_id]
+            g["acked"].setdefault((topic, partition), set()).update(range(start, end))
+            applied += end - start
+            touched.add(lease_id)
+        for lease_id in touched & g["leases"].keys():  # settled once every offset is acked
+            lease = g["leases"][lease_id]
+            if g["acked"][(lease["topic"], lease["partition"])].issuperset(range(lease["start"], lease["end"])):
+                g["settled"][lease_id] = g["leases"].pop(lease_id)
+        return applied, stale
+
+    def c_ack(self, identity, env):
+        g = self._member(env)
+        self.ranges_per_request.setdefault("ack", []).append(len(env.msg.ranges))
+        applied, stale = self._apply_acks(g, env.msg.member_id, env.msg.ranges)
         if stale:
             raise StaleLease("lease expired or revoked", group=env.msg.group, member_id=env.msg.member_id,
                              stale=stale, applied=applied)
@@ -763,3 +790,22 @@ def test_e2e_script_against_fake_broker_with_faults(run_node, fake_broker):
     # The fault paths were taken: re-join after FENCED, STALE_LEASE on the expired lease.
     assert fake_broker.seen.get("FENCED") == 1 and fake_broker.seen.get("STALE_LEASE") == 1
     assert fake_broker.seen["join"] == 2
+
+
+def test_node_consumer_retries_retriable_coordinator_errors(run_node, fake_broker):
+    """UNAVAILABLE / SHUTTING_DOWN / TIMEOUT on join, poll and ack are retried with backoff
+    (PROTOCOL.md s.7, 8.4); a heartbeat only reports it."""
+    fake_broker.fail_once.update(join="UNAVAILABLE", poll="SHUTTING_DOWN", ack="UNAVAILABLE", heartbeat="UNAVAILABLE")
+    fake_broker.faults["drop_acking_poll_reply"] = True
+    out = selfcheck(run_node, "group-retry", None, fake_broker.url, timeout=60)
+    assert "failure" not in out, out["failure"]
+    assert fake_broker.fail_once == {}, "an injected error was never met"
+    assert fake_broker.seen["UNAVAILABLE"] == 3 and fake_broker.seen["SHUTTING_DOWN"] == 1
+    assert fake_broker.seen["join"] == 2  # the refused join, then one member: no rebalance
+    assert out["firstPoll"] == [["a", "b", "c"]] and (out["ack"]["applied"], out["ack"]["stale"]) == (3, [])
+    assert out["heartbeat"]["error"]["code"] == "UNAVAILABLE" and fake_broker.seen["heartbeat"] == 1
+    # The poll whose reply was lost timed out and went again with the same acks.
+    assert out["secondPoll"] == [["d", "e"]]
+    assert fake_broker.seen["dropped_poll_reply"] == 1 and fake_broker.ranges_per_request["poll"] == [1, 1]
+    assert out["pollAcks"] == {"applied": 2, "stale": []}
+    assert fake_broker.rejected == []
