@@ -7,8 +7,8 @@
 //
 // Pure commands: partition, crc, produce-frames, decode-batches, decode-each, decode-reply,
 // retriable, doc-example.
-// Socket commands (need a peer at url): scenarios, group-retry (the fake broker of
-// test_cross_language.py), live, proto-headers (a real broker).
+// Socket commands (need a peer at url): scenarios, group-retry, range-limits (the fake
+// broker of test_cross_language.py), live, proto-headers (a real broker).
 
 import {
   Client, Connection, crc32, decodeHeader, decodeStoredBatches, encodeRecords, partitionForKey,
@@ -217,6 +217,39 @@ const commands = {
       results.secondPoll = second.map((d) => d.records.map((r) => r.value.toString()));
       await consumer.poll({ maxRecords: 10, acks: second });
       results.pollAcks = consumer.lastPollAcks;
+      consumer.close();
+    });
+  },
+
+  // More ranges than one request may carry, as ack() and as a poll's acks, and one request
+  // whose header is over the 1 MiB limit.
+  "range-limits"(_input, url) {
+    const n = 9000;
+    const values = Array.from({ length: n }, (_, i) => `v${i}`);
+    // One range per offset of a delivery, so no two ranges overlap.
+    const perOffset = (d) => Array.from({ length: d.end - d.start }, (_, i) =>
+      [d.topic, d.partition, d.leaseId, d.start + i, d.start + i + 1]);
+    return scenario(url, { requestTimeoutMs: 2_000, retryTimeoutMs: 10_000 }, async (client, results) => {
+      const consumer = client.consumer("rl-g", ["rl"], { sessionTimeoutMs: 600_000 });
+      await client.hello();
+      await client.createTopic("rl", 1);
+      await client.produce("rl", values, { partition: 0 });
+      const [first] = await consumer.poll({ maxRecords: n });
+      const bogus = (start) => ["rl", 0, 1n, start, start + 1];  // lease 1 was never granted: stale
+      results.ack = await consumer.ack([...perOffset(first), bogus(0)]);
+      await client.produce("rl", values, { partition: 0 });
+      const [second] = await consumer.poll({ maxRecords: n });
+      // The first ranges ride on the poll, the rest go ahead as acks of their own.
+      await consumer.poll({ maxRecords: 1, acks: [bogus(1), ...perOffset(second), bogus(2)] });
+      results.pollAcks = consumer.lastPollAcks;
+      const oversized = Array.from({ length: 80_000 }, (_, i) => ["rl", 0, second.leaseId, n + i % n, n + i % n + 1]);
+      try {
+        await client.call("ack", { group: "rl-g", member_id: consumer.memberId, generation: consumer.generation,
+          ranges: oversized });
+        results.oversized = { error: null };
+      } catch (err) {
+        results.oversized = { error: errorJson(err) };
+      }
       consumer.close();
     });
   },

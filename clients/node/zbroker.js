@@ -19,7 +19,9 @@
 // UNKNOWN_MEMBER -> join fresh; STALE_LEASE -> those ranges are dropped;
 // UNAVAILABLE, SHUTTING_DOWN, TIMEOUT -> back off and retry until
 // retryTimeoutMs (the coordinator answers UNAVAILABLE while it reloads
-// offsets after a restart).
+// offsets after a restart). Range sets go RANGES_PER_REQUEST at a time, so a
+// header never exceeds the 1 MiB limit; a request whose header would is
+// refused locally with TOO_LARGE, since the actor's reply to it carries no id.
 //
 // Record payloads are read by a strict hand-written reader (PayloadReader):
 // headers are null-prototype objects, so any name, "__proto__" included, is
@@ -38,6 +40,9 @@ export const PROTOCOL_VERSION = 1;
 export const SUPPORTED_VERSIONS = [1];
 export const DEFAULT_URL = "tcp://127.0.0.1:7400";
 export const CLIENT_NAME = "zbroker-node/0.1.0";
+
+// The frame 0 limit of every actor until its hello says otherwise (s.6, limits.max_header_bytes).
+export const DEFAULT_MAX_HEADER_BYTES = 1_048_576;
 
 const BATCH_MAGIC = Buffer.from("ZBB1", "ascii");
 export const BATCH_HEADER_SIZE = 44;
@@ -482,11 +487,19 @@ export class Connection {
   /**
    * Send one request; resolve with {header, frames} of an ok reply, reject with ZBrokerError.
    * timeoutMs: local deadline for the reply (TIMEOUT, retriable, local=true).
+   * A header over the actor's max_header_bytes is a local TOO_LARGE (data.limit, data.got)
+   * and is not sent: the actor would answer it with id nil, which matches no request (s.6).
    */
   request(op, fields = {}, { frames = [], timeoutMs = this.requestTimeoutMs } = {}) {
     if (this.closed) return Promise.reject(new ZBrokerError("SHUTTING_DOWN", "connection closed", { op, local: true }));
     const id = this.nextId++;
     const header = encodeHeader(op, fields, id, this.version);
+    const limit = this.limits?.max_header_bytes ?? DEFAULT_MAX_HEADER_BYTES;
+    if (header.length > limit) {
+      return Promise.reject(new ZBrokerError("TOO_LARGE",
+        `${op} header is ${header.length} bytes, over the ${limit}-byte limit of ${this.url}`,
+        { op, local: true, data: { limit, got: header.length } }));
+    }
     return new Promise((resolve, reject) => {
       const timer = setTimeout(() => {
         if (this.pending.delete(id)) {
@@ -810,6 +823,11 @@ export class Client {
 
 const RANGE_OPS = new Set(["ack", "nack", "extend", "reject"]);
 
+// Ranges per ack/nack/extend/reject request (and per poll's acks), as the Python client's
+// RANGES_PER_REQUEST: a range naming a 200-character topic takes about 235 bytes, so 4000
+// stay under the 1 MiB header limit, whose TOO_LARGE reply has no id to match (s.6).
+export const RANGES_PER_REQUEST = 4000;
+
 function toRange(d) {
   if (Array.isArray(d)) return d.slice(0, 5);
   return [d.topic, d.partition, d.leaseId, d.start, d.end];
@@ -956,16 +974,27 @@ export class Consumer {
    * [{topic, partition, leaseId, start, end, attempt, reason, records}].
    * `acks` (deliveries or ranges, like ack()) ride on the poll and are applied before it
    * leases anything (s.8.4, "Acks on a poll"); what they came to is in `this.lastPollAcks`
-   * as {applied, stale}. A poll that fails applied none of them: ack them again.
+   * as {applied, stale}. The poll carries RANGES_PER_REQUEST of them; the rest go first as
+   * acks of their own. A poll that fails may have applied none of them: ack them again
+   * (a repeated ack is harmless).
    */
   async poll({ maxRecords = 1000, maxWaitMs = 0, fetchMaxBytes, acks } = {}) {
     const fields = { max_records: maxRecords, max_wait_ms: maxWaitMs };
-    if (acks && acks.length > 0) fields.acks = acks.map(toRange);
+    let ackedApart = { applied: 0, stale: [] };
+    if (acks && acks.length > 0) {
+      const ranges = acks.map(toRange);
+      // Sent before the poll, so the capacity they free counts for it like the rest.
+      if (ranges.length > RANGES_PER_REQUEST) ackedApart = await this.#rangeOp("ack", ranges.slice(RANGES_PER_REQUEST));
+      fields.acks = ranges.slice(0, RANGES_PER_REQUEST);
+    }
     const reply = await this.#groupCall("poll", fields, { timeoutMs: maxWaitMs + this.client.requestTimeoutMs });
     if (fields.acks) {
-      const stale = Array.isArray(reply.stale) ? reply.stale : [];
-      this.stats.staleRanges += stale.length;
-      this.lastPollAcks = { applied: Number.isInteger(reply.acked) ? reply.acked : 0, stale };
+      const stale = ackedApart.stale;
+      const staleOnPoll = Array.isArray(reply.stale) ? reply.stale : [];
+      this.stats.staleRanges += staleOnPoll.length;
+      for (const range of staleOnPoll) stale.push(range);
+      const appliedOnPoll = Number.isInteger(reply.acked) ? reply.acked : 0;
+      this.lastPollAcks = { applied: ackedApart.applied + appliedOnPoll, stale };
     }
     if (reply.generation !== undefined) this.generation = reply.generation;
     if (reply.ack_timeout_ms !== undefined) this.ackTimeoutMs = reply.ack_timeout_ms;
@@ -1008,7 +1037,9 @@ export class Consumer {
   /**
    * ack/nack/extend/reject: ranges are deliveries or [topic, partition, lease_id, start, end].
    * Returns {applied, stale}; stale lists ranges the coordinator refused as STALE_LEASE
-   * (their records are redelivered, s.14).
+   * (their records are redelivered, s.14). More than RANGES_PER_REQUEST ranges go in
+   * several requests, one after the other, whose results are summed; if one fails, those
+   * before it were applied (sending them all again is harmless).
    */
   ack(ranges) {
     return this.#rangeOp("ack", ranges, {});
@@ -1028,10 +1059,20 @@ export class Consumer {
 
   async #rangeOp(op, items, extra) {
     const ranges = items.map(toRange);
-    if (ranges.length === 0) return { applied: 0, stale: [] };
+    const total = { applied: 0, stale: [] };
+    for (let i = 0; i < ranges.length; i += RANGES_PER_REQUEST) {
+      const part = await this.#rangeRequest(op, ranges.slice(i, i + RANGES_PER_REQUEST), extra);
+      total.applied += part.applied;
+      for (const range of part.stale) total.stale.push(range);  // not push(...): may be thousands
+    }
+    return total;
+  }
+
+  /** One ack/nack/extend/reject request of at most RANGES_PER_REQUEST ranges. */
+  async #rangeRequest(op, ranges, extra) {
     try {
       const reply = await this.#groupCall(op, { ranges, ...extra });
-      return { ...reply, applied: reply.applied, stale: [] };
+      return { applied: reply.applied, stale: [] };
     } catch (err) {
       if (err.code === "STALE_LEASE") {
         const stale = Array.isArray(err.data.stale) ? err.data.stale : ranges;

@@ -809,3 +809,21 @@ def test_node_consumer_retries_retriable_coordinator_errors(run_node, fake_broke
     assert fake_broker.seen["dropped_poll_reply"] == 1 and fake_broker.ranges_per_request["poll"] == [1, 1]
     assert out["pollAcks"] == {"applied": 2, "stale": []}
     assert fake_broker.rejected == []
+
+
+def test_node_consumer_splits_ranges_and_refuses_oversized_headers(run_node, fake_broker):
+    """At most RANGES_PER_REQUEST ranges per request (the Python client's limit), results
+    summed; a header over 1 MiB is refused locally, as the actor's reply to it has no id."""
+    from zbroker.client.core import RANGES_PER_REQUEST as MOST
+    out = selfcheck(run_node, "range-limits", None, fake_broker.url, timeout=120)
+    assert "failure" not in out, out["failure"]
+    # 9001 ranges as ack(), then 9002 on a poll: MOST ride on it, the rest go ahead as acks.
+    assert fake_broker.ranges_per_request == {"ack": [MOST, MOST, 9001 - 2 * MOST, MOST, 9002 - 2 * MOST],
+                                              "poll": [MOST]}
+    assert out["ack"] == {"applied": 9000, "stale": [["rl", 0, 1, 0, 1]]}
+    assert out["pollAcks"]["applied"] == 9000
+    assert sorted(out["pollAcks"]["stale"]) == [["rl", 0, 1, 1, 2], ["rl", 0, 1, 2, 3]]
+    err = out["oversized"]["error"]
+    assert (err["code"], err["local"], err["retriable"]) == ("TOO_LARGE", True, False), err
+    assert err["data"]["limit"] == codec.MAX_HEADER_BYTES < err["data"]["got"]
+    assert fake_broker.rejected == []  # nothing over the limit was sent
