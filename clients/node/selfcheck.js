@@ -7,8 +7,8 @@
 //
 // Pure commands: partition, crc, produce-frames, decode-batches, decode-each, decode-reply,
 // retriable, doc-example.
-// Socket commands (need a peer at url): scenarios, group-retry, range-limits (the fake
-// broker of test_cross_language.py), live, proto-headers (a real broker).
+// Socket commands (need a peer at url): scenarios, group-retry, range-limits, keyless
+// (the fake broker of test_cross_language.py), live, proto-headers (a real broker).
 
 import {
   Client, Connection, crc32, decodeHeader, decodeStoredBatches, encodeRecords, partitionForKey,
@@ -251,6 +251,23 @@ const commands = {
         results.oversized = { error: errorJson(err) };
       }
       consumer.close();
+    });
+  },
+
+  // produceKeyed with records that have no key, then produce() continuing the rotation.
+  keyless(_input, url) {
+    return scenario(url, { requestTimeoutMs: 2_000, retryTimeoutMs: 10_000 }, async (client, results) => {
+      await client.hello();
+      await client.createTopic("kl", 3);
+      results.first = await client.produceKeyed("kl", [
+        { key: "user-1", value: "a" }, { value: "b" }, "c", { key: null, value: "d" }, { key: "user-2", value: "e" }]);
+      results.second = await client.produceKeyed("kl", [{ value: "f" }]);
+      results.third = await client.produce("kl", ["g"]);
+      results.logs = [];
+      for (let p = 0; p < 3; p++) {
+        const { records } = await client.fetch("kl", p, 0);
+        results.logs.push(records.map((r) => [r.key === null ? null : r.key.toString(), r.value.toString()]));
+      }
     });
   },
 

@@ -172,7 +172,9 @@ export function crc32(bytes, initial = 0) {
 /** partition = crc32(key) mod partitions (s.12). */
 export function partitionForKey(key, partitions) {
   if (!Number.isInteger(partitions) || partitions <= 0) throw new RangeError("partitions must be positive");
-  return crc32(toBytes(key)) % partitions;
+  const bytes = toBytes(key);
+  if (bytes === null) throw new TypeError("a key-less record has no key partition (it may go to any, s.12)");
+  return crc32(bytes) % partitions;
 }
 
 /** A random non-zero 63-bit producer id, as a BigInt (s.13). */
@@ -731,12 +733,7 @@ export class Client {
     const payload = encodeRecords(records, { key, timestampMs: timestampMs ?? Date.now() });
     const n = await this.partitionCount(topic);
     if (partition === undefined || partition === null) {
-      if (key !== undefined && key !== null) {
-        partition = partitionForKey(key, n);
-      } else {
-        partition = (this.roundRobin.get(topic) ?? 0) % n;
-        this.roundRobin.set(topic, partition + 1);
-      }
+      partition = key !== undefined && key !== null ? partitionForKey(key, n) : this.#nextRoundRobin(topic, n);
     }
     const stream = this.#producerStream(topic, partition);
     // One batch in flight per (producer, topic, partition): chain on the previous one.
@@ -748,16 +745,27 @@ export class Client {
   /**
    * Produce records that carry their own keys: group them by partition (one batch per
    * partition, in input order) and produce the batches concurrently. Returns the results.
+   * Records without a key (nor options.key) may go anywhere (s.12): together they join the
+   * batch of the next round-robin partition, as produce() rotates one batch at a time.
    */
   async produceKeyed(topic, records, options = {}) {
     const n = await this.partitionCount(topic);
     const byPartition = new Map();
+    let keylessPartition = null;
     for (const rec of records) {
-      const p = partitionForKey(rec.key, n);
+      const key = rec?.key ?? options.key ?? null;
+      const p = key !== null ? partitionForKey(key, n) : (keylessPartition ??= this.#nextRoundRobin(topic, n));
       if (!byPartition.has(p)) byPartition.set(p, []);
       byPartition.get(p).push(rec);
     }
     return Promise.all([...byPartition].map(([p, recs]) => this.produce(topic, recs, { ...options, partition: p })));
+  }
+
+  /** The partition for the next key-less batch of `topic`. */
+  #nextRoundRobin(topic, partitions) {
+    const partition = (this.roundRobin.get(topic) ?? 0) % partitions;
+    this.roundRobin.set(topic, partition + 1);
+    return partition;
   }
 
   #producerStream(topic, partition) {

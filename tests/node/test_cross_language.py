@@ -827,3 +827,18 @@ def test_node_consumer_splits_ranges_and_refuses_oversized_headers(run_node, fak
     assert (err["code"], err["local"], err["retriable"]) == ("TOO_LARGE", True, False), err
     assert err["data"]["limit"] == codec.MAX_HEADER_BYTES < err["data"]["got"]
     assert fake_broker.rejected == []  # nothing over the limit was sent
+
+
+def test_node_produce_keyed_sends_keyless_records_round_robin(run_node, fake_broker):
+    """Key-less records may go anywhere (PROTOCOL.md s.12): produceKeyed sends them as
+    produce() does, to the next partition of the rotation."""
+    out = selfcheck(run_node, "keyless", None, fake_broker.url, timeout=60)
+    assert "failure" not in out, out["failure"]
+    expected: list[list] = [[], [], []]
+    for key, value in [("user-1", "a"), (None, "b"), (None, "c"), (None, "d"), ("user-2", "e")]:
+        expected[0 if key is None else partition_for_key(key.encode(), 3)].append([key, value])
+    expected[1].append([None, "f"])  # the next produceKeyed: the next partition
+    expected[2].append([None, "g"])  # produce() continues the same rotation
+    assert out["logs"] == expected
+    assert sorted(r["partition"] for r in out["first"]) == sorted(
+        {0, partition_for_key(b"user-1", 3), partition_for_key(b"user-2", 3)})  # one batch per partition
