@@ -2,7 +2,7 @@
 
 Same decisions as the sync client (they share `zbroker.client.core`), with
 asyncio transport: one reader task per socket resolves the future of each
-request by correlation id, the producer lingers in a background task, and the
+request by correlation id, the producer lingers and dispatches in background tasks, and the
 consumer heartbeats in one.
 """
 
@@ -13,7 +13,7 @@ import collections
 import contextlib
 import itertools
 import time
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import zmq
 import zmq.asyncio
@@ -190,6 +190,16 @@ class RecordWindow:
 
 
 class AsyncProducer:
+    """Batching, pipelined, idempotent producer for asyncio.
+
+    Closed batches wait in one FIFO queue that the producer owns, and one
+    dispatcher task takes them in order, waits for their window permits and
+    starts a delivery task for each. `send` and `flush` only put batches in the
+    queue and then wait for progress, so cancelling them (`asyncio.wait_for`)
+    never drops a batch or a delivery: whatever was handed over is sent, its
+    handles resolve, and a failure is raised by the next `flush` or `close`.
+    """
+
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
                  batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000, request_timeout: float = 5.0,
                  retries: int = 20) -> None:
@@ -199,14 +209,17 @@ class AsyncProducer:
         self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes)
         self.window = RecordWindow(max_in_flight_records)
         self.max_in_flight_records = max_in_flight_records
-        self.tasks: set[asyncio.Task] = set()
+        self.waiting_for_window: collections.deque[PendingBatch] = collections.deque()
+        self.tasks: set[asyncio.Task] = set()  # deliveries in flight
         self.errors: list[ZBrokerError] = []
+        # Set when a batch leaves the queue or a delivery ends; whoever waits re-checks what it waits for.
+        self._progress = asyncio.Event()
         self._linger_task: asyncio.Task | None = None
+        self._dispatcher: asyncio.Task | None = None
 
     async def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
                    partition: int | None = None) -> DeliveryHandle:
-        if self._linger_task is None:
-            self._linger_task = asyncio.get_running_loop().create_task(self._linger())
+        self._start_background_tasks()
         if partition is None:
             if topic not in self.conn.metadata.topics:
                 await self.conn.refresh([topic])
@@ -216,20 +229,51 @@ class AsyncProducer:
                              record_size_estimate(value, key, headers),
                              time.monotonic(), handle)
         if batch is not None:
-            await self._dispatch(batch)
+            self._enqueue([batch])
+            # Backpressure: a caller that fills batches faster than the window frees waits here.
+            # Cancelled, it loses nothing: the batch is the dispatcher's now.
+            await self._wait_until(lambda: not self.waiting_for_window)
         return handle
+
+    def _start_background_tasks(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._linger_task is None:
+            self._linger_task = loop.create_task(self._linger())
+        if self._dispatcher is None:
+            self._dispatcher = loop.create_task(self._dispatch_in_order())
+            self._dispatcher.add_done_callback(lambda _task: self._progress.set())  # waiters must not hang
+
+    def _enqueue(self, batches: list[PendingBatch]) -> None:
+        if batches:
+            self.waiting_for_window.extend(batches)
+            self._progress.set()
+
+    async def _wait_until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            if self._dispatcher is not None and self._dispatcher.done():
+                raise ProduceError("the producer is closed", code=ErrorCode.SHUTTING_DOWN)
+            self._progress.clear()
+            await self._progress.wait()
 
     async def _linger(self) -> None:
         while True:
             await asyncio.sleep(max(self.linger_s, 0.001))
-            for batch in self.acc.due(time.monotonic(), self.linger_s):
-                await self._dispatch(batch)
+            self._enqueue(self.acc.due(time.monotonic(), self.linger_s))
 
-    async def _dispatch(self, batch: PendingBatch) -> None:
-        permits = await self.window.acquire(batch.count)
-        task = asyncio.get_running_loop().create_task(self._deliver(batch, permits))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+    async def _dispatch_in_order(self) -> None:
+        """The only taker of window permits: batches of one partition leave in the order they were closed."""
+        while True:
+            await self._wait_until(lambda: bool(self.waiting_for_window))
+            permits = await self.window.acquire(self.waiting_for_window[0].count)
+            batch = self.waiting_for_window.popleft()
+            task = asyncio.get_running_loop().create_task(self._deliver(batch, permits))
+            self.tasks.add(task)
+            task.add_done_callback(self._delivery_ended)
+            self._progress.set()
+
+    def _delivery_ended(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self._progress.set()
 
     async def _deliver(self, batch: PendingBatch, permits: int) -> None:
         try:
@@ -248,21 +292,33 @@ class AsyncProducer:
                         except ZBrokerError:
                             pass
                         continue
-                    self.errors.append(err)
-                    for handle in batch.handles or ():
-                        handle.error = err
+                    self._failed(batch, err)
                     return
                 for i, handle in enumerate(batch.handles or ()):
                     handle.offset = env.msg.base_offset + i
                 return
+        except asyncio.CancelledError:  # close() gave up on it
+            self._failed(batch, ProduceError("the producer closed before the batch was acknowledged",
+                                             code=ErrorCode.SHUTTING_DOWN))
+            raise
+        except Exception as exc:  # a bug or a broken socket: flush() must report it, not succeed
+            self._failed(batch, ProduceError(f"delivery failed: {exc!r}"))
         finally:
             self.window.release(permits)
 
+    def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
+        self.errors.append(err)
+        for handle in batch.handles or ():
+            handle.error = err
+
     async def flush(self) -> None:
-        for batch in self.acc.drain():
-            await self._dispatch(batch)
-        while self.tasks:
-            await asyncio.gather(*list(self.tasks))
+        """Wait until every batch, buffered or in flight, is acknowledged; raise what failed.
+
+        Cancelled, it leaves the batches it drained in the queue and the deliveries
+        running: the next flush() waits for them and reports their failures."""
+        self._start_background_tasks()
+        self._enqueue(self.acc.drain())
+        await self._wait_until(lambda: not self.waiting_for_window and not self.tasks)
         if self.errors:
             errors, self.errors = self.errors, []
             raise ProduceError(f"{len(errors)} batch(es) failed; first: {errors[0].message}", code=errors[0].code)
@@ -271,9 +327,18 @@ class AsyncProducer:
         try:
             await self.flush()
         finally:
-            if self._linger_task is not None:
-                self._linger_task.cancel()
-                await asyncio.gather(self._linger_task, return_exceptions=True)
+            background = [t for t in (self._linger_task, self._dispatcher) if t is not None]
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            # Left only if flush() failed or was cancelled: each resolves its handles with an error.
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            for batch in self.waiting_for_window:
+                self._failed(batch, ProduceError("the producer closed before the batch was sent",
+                                                 code=ErrorCode.SHUTTING_DOWN))
+            self.waiting_for_window.clear()
             await self.conn.close()
 
     async def __aenter__(self) -> "AsyncProducer":
