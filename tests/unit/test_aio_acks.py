@@ -7,15 +7,13 @@ import asyncio
 import pytest
 
 from protocol.errors import StaleLease, Unavailable
+from tests.support.aio_coordinator import offline_consumer
 from zbroker.client.aio import AsyncConsumer
-from zbroker.client.core import AckAccumulator
 
 
 def bare_consumer(outcomes: list) -> tuple[AsyncConsumer, list]:
     """A consumer whose group calls fail or succeed as `outcomes` says; returns what each call sent."""
-    consumer = AsyncConsumer.__new__(AsyncConsumer)
-    consumer.group, consumer.member_id, consumer.generation = "g", "m", 1
-    consumer.acks = AckAccumulator()
+    consumer = offline_consumer(None)
     sent: list = []
 
     async def group_call(make, timeout=None):
@@ -78,13 +76,7 @@ class _AwayConn:
 
 
 def _bare_member(conn) -> AsyncConsumer:
-    c = AsyncConsumer.__new__(AsyncConsumer)
-    c.group, c.member_id, c.generation = "g", "m", 1
-    c.topics, c.session_timeout_ms, c.assignment = ["t"], 300, []
-    c.acks = AckAccumulator()
-    c._heartbeat_task = None
-    c.conn = conn
-    return c
+    return offline_consumer(conn, session_timeout_ms=300)
 
 
 def test_close_raises_when_the_held_acks_could_not_be_sent():

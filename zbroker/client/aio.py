@@ -361,10 +361,14 @@ class AsyncConsumer:
         self.assignment: list = []
         self.acks = AckAccumulator()
         self._heartbeat_task: asyncio.Task | None = None
+        # One join at a time: the heartbeat task and a poll both refused as an unknown member
+        # would otherwise each join as a new one, and the orphan would hold partitions.
+        self._join_lock = asyncio.Lock()
 
     async def start(self) -> "AsyncConsumer":
         try:
-            await self._join()
+            async with self._join_lock:
+                await self._join()
         except BaseException:
             await self.conn.close()
             raise
@@ -395,17 +399,33 @@ class AsyncConsumer:
         except (ZBrokerError, zmq.ZMQError):
             pass  # the fetch finds the owner again when it needs it
 
+    async def _join_settled(self) -> None:
+        """Wait for a join in progress: a request sent meanwhile would carry the old generation."""
+        if self._join_lock.locked():
+            async with self._join_lock:
+                pass
+
+    async def _rejoin_unless_done(self, err: ZBrokerError, member_id: str, generation: int) -> None:
+        """Re-join after ``err`` (FENCED or UNKNOWN_MEMBER) refused a request sent as
+        ``member_id`` in ``generation``, unless another task re-joined since it was sent."""
+        async with self._join_lock:
+            if (self.member_id, self.generation) != (member_id, generation):
+                return  # re-joined already: the caller just sends again
+            if err.code is ErrorCode.UNKNOWN_MEMBER:
+                self.member_id = ""  # expired: join as a new member
+            await self._join()
+
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.session_timeout_ms / 3000.0)
+            await self._join_settled()
+            member_id, generation = self.member_id, self.generation
             try:
-                await self.conn.coordinator(m.Heartbeat(group=self.group, member_id=self.member_id,
-                                                        generation=self.generation))
+                await self.conn.coordinator(m.Heartbeat(group=self.group, member_id=member_id,
+                                                        generation=generation))
             except (Fenced, UnknownMember) as err:
-                if isinstance(err, UnknownMember):
-                    self.member_id = ""
                 try:
-                    await self._join()
+                    await self._rejoin_unless_done(err, member_id, generation)
                 except ZBrokerError:
                     pass  # the coordinator is away: the next beat (or poll) joins again
             except ZBrokerError:
@@ -413,14 +433,14 @@ class AsyncConsumer:
 
     async def _group_call(self, make: Any, timeout: float | None = None) -> codec.Envelope:
         for attempt in range(3):
+            await self._join_settled()
+            member_id, generation = self.member_id, self.generation  # what make() puts in the request
             try:
                 return await self.conn.call(self.conn.url, make(), timeout=timeout)
             except (Fenced, UnknownMember) as err:
                 if attempt == 2:
                     raise
-                if isinstance(err, UnknownMember):
-                    self.member_id = ""
-                await self._join()
+                await self._rejoin_unless_done(err, member_id, generation)
         raise AssertionError("unreachable")
 
     async def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
