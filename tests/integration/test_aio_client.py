@@ -1,7 +1,8 @@
 """The asyncio client against real processes: what cancellation (`asyncio.wait_for`) must not lose.
 
 A partition actor stopped with SIGSTOP holds the producer's requests without
-answering, so a flush or send is still waiting when the caller gives up on it.
+answering, so a flush or send is still waiting when the caller gives up on it;
+a poll with nothing to lease waits at the coordinator.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 
 import pytest
 
-from zbroker.client import Admin
-from zbroker.client.aio import AsyncProducer
+from zbroker.client import Admin, Producer
+from zbroker.client.aio import AsyncConsumer, AsyncProducer
 from zbroker.client.sync import Connection, fetch
 
 pytestmark = pytest.mark.processes
@@ -90,3 +92,26 @@ def test_a_send_cancelled_while_its_batch_waits_for_the_window_loses_no_record(b
     undone = asyncio.run(main())
     assert undone == []
     assert records_in_log(broker.url, "t", 2) == 10  # b4 included: its send was cancelled after it was taken
+
+
+def test_records_leased_to_a_cancelled_poll_go_to_the_next_poll(broker):
+    with Admin(broker.url) as admin:
+        admin.create_topic("t", partitions=1)
+        admin.configure_group("g", ack_timeout_ms=60_000)  # stranded records would come back only after this
+
+    async def main():
+        async with AsyncConsumer(broker.url, group="g", topics=["t"]) as consumer:
+            await give_up_after(consumer.poll(max_records=100, timeout=5.0), 0.3)  # nothing to lease yet
+            with Producer(broker.url) as producer:  # leased to the poll still waiting at the coordinator
+                for i in range(10):
+                    producer.send("t", b"%d" % i, partition=0)
+            got, deadline = [], time.monotonic() + 30
+            while len(got) < 10 and time.monotonic() < deadline:
+                for record in await consumer.poll(max_records=100, timeout=1.0):
+                    got.append(record)
+                    await consumer.ack(record)
+            return got
+
+    got = asyncio.run(main())
+    assert sorted(r.offset for r in got) == list(range(10))
+    assert {r.attempt for r in got} == {1}

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from protocol.errors import StaleLease, Unavailable
-from tests.support.aio_coordinator import offline_consumer
+from tests.support.aio_coordinator import ScriptedCoordinator, offline_consumer
 from zbroker.client.aio import AsyncConsumer
 
 
@@ -90,18 +90,16 @@ def test_close_raises_when_the_held_acks_could_not_be_sent():
 
 def test_a_long_poll_timeout_asks_for_at_most_the_longest_wait():
     from protocol import messages as m
-    c = _bare_member(_AwayConn())
-    sent = []
 
-    async def group_call(make, timeout=None):
-        msg = make()
-        msg.check()  # what the coordinator does on decode: a wait over 60 s was BAD_REQUEST
-        sent.append(msg)
-        raise Unavailable("away")
-    c._group_call = group_call
+    class AwayCoordinator(ScriptedCoordinator):
+        def answer(self, msg):
+            msg.check()  # what the coordinator does on decode: a wait over 60 s was BAD_REQUEST
+            return Unavailable("away")
+
+    c = _bare_member(AwayCoordinator())
     with pytest.raises(Unavailable):
         asyncio.run(c.poll(timeout=90))
-    assert sent[0].max_wait_ms == m.MAX_WAIT_MS
+    assert c.conn.sent[0].max_wait_ms == m.MAX_WAIT_MS
 
 
 def test_the_heartbeat_goes_on_when_a_re_join_fails():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from protocol import messages as m
 from protocol.errors import Fenced, UnknownMember
@@ -55,3 +56,65 @@ def test_the_heartbeat_and_a_poll_refused_together_re_join_as_one_member():
     asyncio.run(main())
     assert coordinator.members == ["member-1"]
     assert (consumer.member_id, consumer.generation) == ("member-1", 6)
+
+
+class ParksPolls(ScriptedCoordinator):
+    """Parks the first ``parked_polls`` polls (the test answers them); answers the others with nothing."""
+
+    def __init__(self, parked_polls: int, request_timeout: float = 5.0) -> None:
+        super().__init__()
+        self.to_park = parked_polls
+        self.request_timeout = request_timeout
+
+    def answer(self, msg):
+        if isinstance(msg, m.Poll) and self.to_park:
+            self.to_park -= 1
+            return None
+        return poll_reply(1)
+
+    def polls(self) -> list[m.Poll]:
+        return [msg for msg in self.sent if isinstance(msg, m.Poll)]
+
+
+async def offsets_fetched(deliveries: list) -> list:
+    """Stands in for the fetch from the partition actors: (topic, partition, offset) per record."""
+    return [(topic, partition, offset) for topic, partition, _lease, start, end, _attempt, _reason in deliveries
+            for offset in range(start, end)]
+
+
+async def cancelled_poll(consumer, timeout: float) -> None:
+    """A poll() whose caller gives up while its Poll waits at the coordinator."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(consumer.poll(timeout=timeout), 0.01)
+
+
+def test_the_lease_of_a_cancelled_poll_goes_to_the_next_poll():
+    coordinator = ParksPolls(1)
+    consumer = offline_consumer(coordinator)
+    consumer._fetch = offsets_fetched
+
+    async def main():
+        await cancelled_poll(consumer, timeout=5.0)
+        before_the_lease = await consumer.poll(timeout=0.0)  # still waiting: nothing, and no second Poll
+        coordinator.reply_to_parked(poll_reply(1, [["t", 0, 7, 0, 3, 1, "new"]]))
+        return before_the_lease, await consumer.poll(max_records=2, timeout=1.0), await consumer.poll(timeout=0.0)
+
+    before_the_lease, first, rest = asyncio.run(main())
+    assert (before_the_lease, first, rest) == ([], [("t", 0, 0), ("t", 0, 1)], [("t", 0, 2)])
+    assert len(coordinator.polls()) == 1
+
+
+def test_a_cancelled_poll_is_given_up_at_its_own_deadline_and_its_acks_go_again():
+    coordinator = ParksPolls(1, request_timeout=0.05)  # the parked poll's deadline: 50 + 50 ms after it left
+    consumer = offline_consumer(coordinator)
+    consumer.acks.add_range(["t", 0, 7, 0, 5])
+
+    async def main():
+        await cancelled_poll(consumer, timeout=0.05)
+        assert await consumer.poll(timeout=0.0) == []
+        assert len(coordinator.polls()) == 1  # kept: its deadline has not passed
+        return await consumer.poll(timeout=1.0)
+
+    assert asyncio.run(main()) == []
+    assert [poll.acks for poll in coordinator.polls()] == [[["t", 0, 7, 0, 5]]] * 2
+    assert not consumer.acks

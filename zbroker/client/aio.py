@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -76,8 +77,13 @@ class AsyncConnection:
         try:
             return await asyncio.wait_for(fut, self.request_timeout if timeout is None else timeout)
         except asyncio.TimeoutError:
-            self.waiting.pop(getattr(fut, "corr_id", None), None)
+            self.abandon(fut)
             raise RequestTimeout("no reply in time") from None
+
+    def abandon(self, fut: asyncio.Future) -> None:
+        """Stop waiting for the reply of ``fut``'s request: if it comes, the reader drops it."""
+        self.waiting.pop(getattr(fut, "corr_id", None), None)
+        fut.cancel()
 
     async def call(self, endpoint: str, msg: m.Message, frames: tuple = (), timeout: float | None = None
                    ) -> codec.Envelope:
@@ -348,6 +354,23 @@ class AsyncProducer:
         await self.close()
 
 
+@dataclasses.dataclass
+class PollInFlight:
+    """A Poll sent and not answered yet.
+
+    The coordinator may lease records to it at any time until it answers, so its
+    reply is kept even when the poll() that sent it is cancelled: thrown away, those
+    records would stay leased to this member, out of every poll's reach, until their
+    ack timeout (each such strand costs them a delivery attempt).
+    """
+
+    reply: asyncio.Future
+    acks: list  # riding on it: held again if it is refused on arrival or given up
+    member_id: str
+    generation: int
+    give_up_at: float  # loop time: its max wait and the request timeout after it was sent
+
+
 class AsyncConsumer:
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
                  ack_batch: int = 1000, request_timeout: float = 5.0) -> None:
@@ -364,6 +387,8 @@ class AsyncConsumer:
         # One join at a time: the heartbeat task and a poll both refused as an unknown member
         # would otherwise each join as a new one, and the orphan would hold partitions.
         self._join_lock = asyncio.Lock()
+        self._poll_in_flight: PollInFlight | None = None
+        self._leased: list[ConsumedRecord] = []  # fetched for a poll reply, beyond what its poll() asked for
 
     async def start(self) -> "AsyncConsumer":
         try:
@@ -383,7 +408,11 @@ class AsyncConsumer:
             self.member_id = ""
             reply = await self.conn.coordinator(m.Join(group=self.group, topics=self.topics,
                                                        session_timeout_ms=self.session_timeout_ms))
+        if reply.generation != self.generation:
+            self._leased = []  # leased in the old generation: the coordinator hands them out again
         self.member_id, self.generation, self.assignment = reply.member_id, reply.generation, reply.assignment
+        if self._poll_in_flight is not None and self._poll_in_flight.generation != self.generation:
+            self._abandon_poll_in_flight()  # it will be answered FENCED, leasing nothing
         await self._connect_to_assigned()
 
     async def _connect_to_assigned(self) -> None:
@@ -444,19 +473,84 @@ class AsyncConsumer:
         raise AssertionError("unreachable")
 
     async def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
-        # The held acks ride on the poll (Poll.acks): applied before it leases, no round trip of their own.
+        """Lease up to ``max_records`` and return their records (possibly none).
+
+        The held acks ride on the Poll (`Poll.acks`): applied before it leases, no
+        round trip of their own. A poll() cancelled while its Poll waits at the
+        coordinator leaves that Poll in flight (see `PollInFlight`): the next poll()
+        takes its reply first, waiting for it at most its own ``timeout``.
+        """
+        if self._leased:
+            return self._hand_out(max_records)
+        reply = await self._poll_reply(max_records, timeout)
+        if reply is None:
+            return []
+        self._leased = await self._fetch(reply.deliveries)
+        return self._hand_out(max_records)
+
+    def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
+        records, self._leased = self._leased[:max_records], self._leased[max_records:]
+        return records
+
+    async def _poll_reply(self, max_records: int, timeout: float) -> m.PollReply | None:
+        """The reply of the Poll in flight, or of a new one; None if the one in flight
+        is still waiting at the coordinator when ``timeout`` is up."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for attempt in range(3):
+            fresh = self._poll_in_flight is None
+            if fresh:
+                await self._send_poll(max_records, max(0.0, deadline - loop.time()))
+            sent = self._poll_in_flight
+            until = sent.give_up_at if fresh else min(deadline, sent.give_up_at)
+            # asyncio.wait, unlike wait_for, leaves the reply's future alone when this call is cancelled.
+            await asyncio.wait([sent.reply], timeout=max(0.0, until - loop.time()))
+            if self._poll_in_flight is not sent:
+                return None  # another poll() call took the reply
+            if not sent.reply.done():
+                if loop.time() < sent.give_up_at:
+                    return None  # still waiting at the coordinator: the next poll() takes it
+                self._abandon_poll_in_flight()
+                if fresh:
+                    raise RequestTimeout("no reply to the poll in time")
+                continue  # an old one given up: a new poll, with what is left of this call's timeout
+            self._poll_in_flight = None
+            env = sent.reply.result()
+            err = env.error
+            if err is None:
+                return env.msg
+            if "acked" not in err.data:  # refused on arrival: none of its acks were applied
+                self._hold_again(sent.acks)
+            if err.code not in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER) or attempt == 2:
+                raise err
+            await self._rejoin_unless_done(err, sent.member_id, sent.generation)
+        raise AssertionError("unreachable")
+
+    async def _send_poll(self, max_records: int, timeout: float) -> None:
+        await self._join_settled()
+        member_id, generation = self.member_id, self.generation
+        max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
         acks = self.acks.take() if self.acks else []
         try:
-            reply = (await self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
-                                                           generation=self.generation, max_records=max_records,
-                                                           max_wait_ms=max(0, min(int(timeout * 1000), m.MAX_WAIT_MS)),
-                                                           acks=acks),
-                                            timeout=self.conn.request_timeout + timeout)).msg
+            reply = await self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=member_id,
+                                                               generation=generation, max_records=max_records,
+                                                               max_wait_ms=max_wait_ms, acks=acks))
         except BaseException:
-            self._hold_again(acks)  # not known to be applied: they go again (a repeated ack is harmless)
+            self._hold_again(acks)  # not known to be sent: they go again (a repeated ack is harmless)
             raise
+        give_up_at = asyncio.get_running_loop().time() + max_wait_ms / 1000.0 + self.conn.request_timeout
+        self._poll_in_flight = PollInFlight(reply, acks, member_id, generation, give_up_at)
+
+    def _abandon_poll_in_flight(self) -> None:
+        """Stop waiting for the Poll in flight; the acks riding on it are held again."""
+        sent, self._poll_in_flight = self._poll_in_flight, None
+        if sent is not None:
+            self.conn.abandon(sent.reply)
+            self._hold_again(sent.acks)
+
+    async def _fetch(self, deliveries: list) -> list[ConsumedRecord]:
         out: list[ConsumedRecord] = []
-        for topic, partition, lease, start, end, attempt, reason in reply.deliveries:
+        for topic, partition, lease, start, end, attempt, reason in deliveries:
             offset = start
             while offset < end:
                 try:
@@ -527,6 +621,7 @@ class AsyncConsumer:
         """Flush the held acks (their failure is raised, as by the sync consumer: the
         application must know they were not applied), then leave the group."""
         try:
+            self._abandon_poll_in_flight()  # applied or not, its acks go again now (a repeat is harmless)
             await self.flush_acks()
             try:
                 await self.conn.call(self.conn.url, m.Leave(group=self.group, member_id=self.member_id,
