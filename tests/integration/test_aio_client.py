@@ -16,7 +16,7 @@ import time
 import pytest
 
 from zbroker.client import Admin, Producer
-from zbroker.client.aio import AsyncConsumer, AsyncProducer
+from zbroker.client.aio import AsyncAdmin, AsyncConsumer, AsyncProducer
 from zbroker.client.sync import Connection, fetch
 
 pytestmark = pytest.mark.processes
@@ -115,3 +115,31 @@ def test_records_leased_to_a_cancelled_poll_go_to_the_next_poll(broker):
     got = asyncio.run(main())
     assert sorted(r.offset for r in got) == list(range(10))
     assert {r.attempt for r in got} == {1}
+
+
+def test_acks_leave_after_the_ack_interval_without_waiting_for_a_poll(broker):
+    """A batch handled slowly: the acks of its first records must reach the coordinator
+    while the rest is still handled, or the ack timeout redelivers the whole batch."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("t", partitions=1)
+    with Producer(broker.url) as producer:
+        for i in range(10):
+            producer.send("t", b"%d" % i, partition=0)
+
+    async def in_flight(admin: AsyncAdmin) -> int:  # leased and neither acked nor expired
+        return (await admin.describe_group("g"))["partitions"][0]["in_flight"]
+
+    async def main():
+        async with AsyncAdmin(broker.url) as admin, \
+                AsyncConsumer(broker.url, group="g", topics=["t"], ack_interval_ms=5) as consumer:
+            records = []
+            while len(records) < 10:
+                records += await consumer.poll(max_records=10, timeout=1.0)
+            for record in records[:5]:
+                await consumer.ack(record)
+            deadline = time.monotonic() + 10  # liveness only: the interval is 5 ms
+            while await in_flight(admin) > 5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # the handler at work on the sixth record; no poll meanwhile
+            return await in_flight(admin)
+
+    assert asyncio.run(main()) == 5

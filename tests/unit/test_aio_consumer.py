@@ -8,6 +8,7 @@ import contextlib
 from protocol import messages as m
 from protocol.errors import Fenced, UnknownMember
 from tests.support.aio_coordinator import ScriptedCoordinator, offline_consumer
+from zbroker.client.core import ConsumedRecord
 
 
 def poll_reply(generation: int, deliveries: list | None = None) -> m.PollReply:
@@ -117,4 +118,32 @@ def test_a_cancelled_poll_is_given_up_at_its_own_deadline_and_its_acks_go_again(
 
     assert asyncio.run(main()) == []
     assert [poll.acks for poll in coordinator.polls()] == [[["t", 0, 7, 0, 5]]] * 2
+    assert not consumer.acks
+
+
+def consumed(offset: int, lease_id: int = 7) -> ConsumedRecord:
+    return ConsumedRecord("t", 0, offset, 0, None, b"v", None, lease_id, 1, "new")
+
+
+class ParksTheFirstAck(ScriptedCoordinator):
+    def answer(self, msg):
+        if isinstance(msg, m.Ack):
+            first = not any(isinstance(earlier, m.Ack) for earlier in self.sent[:-1])
+            return None if first else m.AckReply(applied=sum(r[4] - r[3] for r in msg.ranges))
+        return m.LeaveReply()
+
+
+def test_acks_whose_interval_request_is_still_waiting_at_close_are_sent_by_close():
+    coordinator = ParksTheFirstAck()
+    consumer = offline_consumer(coordinator, ack_interval_ms=1)
+
+    async def main():
+        for offset in range(3):
+            await consumer.ack(consumed(offset))
+        while not coordinator.parked:  # the interval is up: its Ack request waits at the coordinator
+            await asyncio.sleep(0.001)
+        await consumer.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert [msg.ranges for msg in coordinator.sent if isinstance(msg, m.Ack)] == [[["t", 0, 7, 0, 3]]] * 2
     assert not consumer.acks

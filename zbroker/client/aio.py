@@ -16,6 +16,7 @@ import itertools
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
 
+import structlog
 import zmq
 import zmq.asyncio
 
@@ -27,6 +28,8 @@ from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecor
                                  MetadataCache, PendingBatch, group_by_lease, record_size_estimate)
 from actors.security import ClientKeys
 from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, client_dealer, curve_from_env
+
+log = structlog.get_logger("zbroker.client")
 
 
 class AsyncConnection:
@@ -372,18 +375,29 @@ class PollInFlight:
 
 
 class AsyncConsumer:
+    """A member of a consumer group for asyncio: poll leases, fetch their records, ack each one.
+
+    Acks are folded into ranges and ride on the next poll, or leave on their own
+    once ``ack_batch`` of them are held or ``ack_interval_ms`` after the first
+    (a batch handled slowly must not lose the acks of its early records to the
+    ack timeout). A heartbeat task beats every ``session_timeout_ms / 3``.
+    """
+
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
-                 ack_batch: int = 1000, request_timeout: float = 5.0) -> None:
+                 ack_batch: int = 1000, ack_interval_ms: float = 5.0, request_timeout: float = 5.0) -> None:
         self.conn = AsyncConnection(url, request_timeout=request_timeout)
         self.group = group
         self.topics = list(topics)
         self.session_timeout_ms = session_timeout_ms
         self.ack_batch = ack_batch
+        self.ack_interval_s = ack_interval_ms / 1000.0
         self.member_id = ""
         self.generation = -1
         self.assignment: list = []
         self.acks = AckAccumulator()
         self._heartbeat_task: asyncio.Task | None = None
+        self._ack_timer: asyncio.Task | None = None  # sleeping until the held acks are due
+        self._ack_timers: set[asyncio.Task] = set()  # sleeping or sending
         # One join at a time: the heartbeat task and a poll both refused as an unknown member
         # would otherwise each join as a new one, and the orphan would hold partitions.
         self._join_lock = asyncio.Lock()
@@ -573,6 +587,27 @@ class AsyncConsumer:
         self.acks.add(record.topic, record.partition, record.lease_id, record.offset)
         if self.acks.count >= self.ack_batch:
             await self.flush_acks()
+        elif self._ack_timer is None:
+            self._ack_timer = asyncio.get_running_loop().create_task(self._send_acks_when_due())
+            self._ack_timers.add(self._ack_timer)
+            self._ack_timer.add_done_callback(self._ack_timers.discard)
+
+    async def _send_acks_when_due(self) -> None:
+        try:
+            await asyncio.sleep(self.ack_interval_s)
+        finally:
+            self._ack_timer = None  # acks from now on wait for an interval of their own
+        try:
+            await self.flush_acks()
+        except ZBrokerError as err:  # retriable ones are held again: they go with the next poll or interval
+            log.warning("ack.deferred", group=self.group, code=err.code.value, reason=err.message)
+
+    async def _stop_ack_timers(self) -> None:
+        """Cancelled mid-send, a timer holds its acks again (see flush_acks): nothing is lost."""
+        timers = list(self._ack_timers)
+        for timer in timers:
+            timer.cancel()
+        await asyncio.gather(*timers, return_exceptions=True)
 
     async def flush_acks(self) -> None:
         if not self.acks:
@@ -621,6 +656,7 @@ class AsyncConsumer:
         """Flush the held acks (their failure is raised, as by the sync consumer: the
         application must know they were not applied), then leave the group."""
         try:
+            await self._stop_ack_timers()
             self._abandon_poll_in_flight()  # applied or not, its acks go again now (a repeat is harmless)
             await self.flush_acks()
             try:
