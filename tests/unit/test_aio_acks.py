@@ -6,9 +6,12 @@ import asyncio
 
 import pytest
 
+from protocol.codec import Envelope
 from protocol.errors import StaleLease, Unavailable
+from protocol.messages import Ack, AckReply, NackReply, Poll, PollReply
 from tests.support.aio_coordinator import ScriptedCoordinator, offline_consumer
 from zbroker.client.aio import AsyncConsumer
+from zbroker.client.core import RANGES_PER_REQUEST, ConsumedRecord
 
 
 def bare_consumer(outcomes: list) -> tuple[AsyncConsumer, list]:
@@ -128,3 +131,57 @@ def test_the_heartbeat_goes_on_when_a_re_join_fails():
         return alive
     assert asyncio.run(main())
     assert calls.count("Heartbeat") >= 2 and calls.count("Join") >= 2
+
+
+def gapped_ranges(count: int) -> list[list]:
+    """Every other offset of one lease: ``count`` ranges that cannot merge."""
+    return [["t", 0, 7, 2 * i, 2 * i + 1] for i in range(count)]
+
+
+def applied(n: int, reply_type: type = AckReply) -> Envelope:
+    return Envelope(op="reply", corr_id=0, msg=reply_type(applied=n))
+
+
+def test_more_ranges_than_one_request_holds_go_in_several_acks_and_lease_calls():
+    ranges = gapped_ranges(RANGES_PER_REQUEST + 1000)
+    consumer, sent = bare_consumer([applied(RANGES_PER_REQUEST), applied(1000),
+                                    applied(RANGES_PER_REQUEST, NackReply), applied(1000, NackReply)])
+    for r in ranges:
+        consumer.acks.add_range(r)
+    records = [ConsumedRecord("t", 0, r[3], 0, None, b"", None, 7, 1, "new") for r in ranges]
+
+    async def run():
+        await consumer.flush_acks()
+        return await consumer.nack(records)
+
+    assert asyncio.run(run()) == len(ranges)
+    assert [(type(msg).__name__, len(msg.ranges)) for msg in sent] == [
+        ("Ack", RANGES_PER_REQUEST), ("Ack", 1000), ("Nack", RANGES_PER_REQUEST), ("Nack", 1000)]
+    assert [r for msg in sent[:2] for r in msg.ranges] == ranges
+
+
+def test_only_the_acks_of_a_request_that_failed_are_held_again():
+    consumer, sent = bare_consumer([applied(RANGES_PER_REQUEST), Unavailable("coordinator away")])
+    ranges = gapped_ranges(RANGES_PER_REQUEST + 10)
+    for r in ranges:
+        consumer.acks.add_range(r)
+    with pytest.raises(Unavailable):
+        asyncio.run(consumer.flush_acks())
+    assert consumer.acks.take() == ranges[RANGES_PER_REQUEST:]
+
+
+def test_a_poll_carries_the_acks_one_request_holds_and_the_rest_go_first():
+    class Coordinator(ScriptedCoordinator):
+        def answer(self, msg):
+            if isinstance(msg, Ack):
+                return AckReply(applied=len(msg.ranges))
+            return PollReply(generation=1, deliveries=[], ack_timeout_ms=30_000, acked=len(msg.acks), stale=[])
+
+    c = _bare_member(Coordinator())
+    ranges = gapped_ranges(RANGES_PER_REQUEST + 10)
+    for r in ranges:
+        c.acks.add_range(r)
+    assert asyncio.run(c.poll(timeout=0.0)) == []
+    assert [(type(msg).__name__, len(msg.acks if isinstance(msg, Poll) else msg.ranges)) for msg in c.conn.sent] == [
+        ("Ack", 10), ("Poll", RANGES_PER_REQUEST)]
+    assert not c.acks

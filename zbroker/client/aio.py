@@ -24,8 +24,9 @@ from protocol import codec
 from protocol import messages as m
 from protocol.batch import decode_fetched
 from protocol.errors import ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError
-from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
-                                 MetadataCache, PendingBatch, group_by_lease, record_size_estimate)
+from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumulator, ConsumedRecord,
+                                 DeliveryHandle, MetadataCache, PendingBatch, group_by_lease,
+                                 in_request_sized_chunks, record_size_estimate)
 from actors.security import ClientKeys
 from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, client_dealer, curve_from_env
 
@@ -541,11 +542,11 @@ class AsyncConsumer:
         raise AssertionError("unreachable")
 
     async def _send_poll(self, max_records: int, timeout: float) -> None:
-        await self._join_settled()
-        member_id, generation = self.member_id, self.generation
         max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
-        acks = self.acks.take() if self.acks else []
+        acks = await self._acks_for_poll()
         try:
+            await self._join_settled()
+            member_id, generation = self.member_id, self.generation
             reply = await self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=member_id,
                                                                generation=generation, max_records=max_records,
                                                                max_wait_ms=max_wait_ms, acks=acks))
@@ -554,6 +555,19 @@ class AsyncConsumer:
             raise
         give_up_at = asyncio.get_running_loop().time() + max_wait_ms / 1000.0 + self.conn.request_timeout
         self._poll_in_flight = PollInFlight(reply, acks, member_id, generation, give_up_at)
+
+    async def _acks_for_poll(self) -> list:
+        """The held acks, for the Poll to carry: as many as one request holds; the rest go first, on their own."""
+        ranges = self.acks.take() if self.acks else []
+        if len(ranges) > RANGES_PER_REQUEST:
+            ranges, rest = ranges[:RANGES_PER_REQUEST], ranges[RANGES_PER_REQUEST:]
+            self._hold_again(rest)
+            try:
+                await self.flush_acks()
+            except BaseException:
+                self._hold_again(ranges)
+                raise
+        return ranges
 
     def _abandon_poll_in_flight(self) -> None:
         """Stop waiting for the Poll in flight; the acks riding on it are held again."""
@@ -610,32 +624,38 @@ class AsyncConsumer:
         await asyncio.gather(*timers, return_exceptions=True)
 
     async def flush_acks(self) -> None:
+        """Send the held acks, in requests of at most RANGES_PER_REQUEST ranges: a larger
+        header is answered TOO_LARGE with no id, so the call would only time out."""
         if not self.acks:
             return
-        ranges = self.acks.take()
-        try:
-            await self._group_call(lambda: m.Ack(group=self.group, member_id=self.member_id,
-                                                 generation=self.generation, ranges=ranges))
-        except ZBrokerError as err:
-            if err.code is ErrorCode.STALE_LEASE:
-                return
-            if err.retriable:  # not applied, or not known to be: they go again (a repeat is harmless)
-                self._hold_again(ranges)
-            raise
-        except BaseException:  # cancelled mid-call: sent or not, sending again is harmless
-            self._hold_again(ranges)
-            raise
+        chunks = in_request_sized_chunks(self.acks.take())
+        for i, chunk in enumerate(chunks):
+            try:
+                await self._group_call(lambda chunk=chunk: m.Ack(group=self.group, member_id=self.member_id,
+                                                                 generation=self.generation, ranges=chunk))
+            except ZBrokerError as err:
+                if err.code is ErrorCode.STALE_LEASE:
+                    continue  # those leases are gone: sending them again cannot help
+                # Not applied, or not known to be: they go again (a repeat is harmless). Refused: only the unsent.
+                self._hold_again(itertools.chain.from_iterable(chunks[i if err.retriable else i + 1:]))
+                raise
+            except BaseException:  # cancelled mid-call: sent or not, sending again is harmless
+                self._hold_again(itertools.chain.from_iterable(chunks[i:]))
+                raise
 
-    def _hold_again(self, ranges: list) -> None:
+    def _hold_again(self, ranges: Iterable[list]) -> None:
         for r in ranges:
             self.acks.add_range(r)
 
     async def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
+        """Records applied, over as many requests as the ranges need."""
         await self.flush_acks()
-        ranges = group_by_lease(records)
-        env = await self._group_call(lambda: op(group=self.group, member_id=self.member_id,
-                                                generation=self.generation, ranges=ranges, **fields))
-        return env.msg.applied
+        applied = 0
+        for chunk in in_request_sized_chunks(group_by_lease(records)):
+            env = await self._group_call(lambda chunk=chunk: op(group=self.group, member_id=self.member_id,
+                                                                generation=self.generation, ranges=chunk, **fields))
+            applied += env.msg.applied
+        return applied
 
     async def nack(self, records: Iterable[ConsumedRecord], *, delay_ms: int = 0, reason: str = "") -> int:
         return await self._lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason)
