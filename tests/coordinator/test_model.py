@@ -622,6 +622,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         new_epoch = self.group["reset_epoch"] + 1
         self.active.clear()
         self.ahead.clear()
+        self.leases.clear()  # every lease of the topic is revoked: even a repeated ack under one is stale
         for p, x in targets.items():
             self.core_fin[p] = set(range(x))
             self.epoch[p] = new_epoch
