@@ -147,6 +147,18 @@ class DeliveryHandle:
         return f"DeliveryHandle({self.topic}/{self.partition}@{self.offset}, error={self.error!r})"
 
 
+class OpenBatch:
+    """The records of one partition gathered so far, and when the first came."""
+
+    __slots__ = ("records", "handles", "size", "opened_at")
+
+    def __init__(self, opened_at: float) -> None:
+        self.records: list = []
+        self.handles: list = []
+        self.size = 0  # estimated payload bytes (record_size_estimate)
+        self.opened_at = opened_at
+
+
 class BatchAccumulator:
     def __init__(self, *, batch_size: int, batch_bytes: int, producer_id: int | None = None) -> None:
         self.batch_size = batch_size
@@ -154,10 +166,8 @@ class BatchAccumulator:
         self.producer_id = producer_id if producer_id is not None else new_producer_id()
         # Partitions whose sequences ran out under `producer_id` continue under a new id.
         self._producer_ids: dict[tuple[str, int], int] = {}
-        self._open: dict[tuple[str, int], list] = {}
-        self._open_bytes: dict[tuple[str, int], int] = {}
-        self._open_handles: dict[tuple[str, int], list] = {}
-        self._opened_at: dict[tuple[str, int], float] = {}
+        # One entry per partition with records waiting: a send costs one lookup.
+        self._open: dict[tuple[str, int], OpenBatch] = {}
         self._sequences: dict[tuple[str, int], int] = {}
         # Key-less records go round-robin one *batch* at a time: they stick to a
         # partition until its batch closes, so batches stay full.
@@ -180,17 +190,15 @@ class BatchAccumulator:
             handle: DeliveryHandle | None) -> PendingBatch | None:
         """Add one record; returns a closed batch when this one filled it."""
         key = (topic, partition)
-        records = self._open.get(key)
-        if records is None:
-            records = self._open[key] = []
-            self._open_bytes[key] = 0
-            self._opened_at[key] = now
-            self._open_handles[key] = []
+        batch = self._open.get(key)
+        if batch is None:
+            batch = self._open[key] = OpenBatch(now)
+        records = batch.records
         records.append(record)
-        self._open_bytes[key] += size
+        batch.size += size
         if handle is not None:
-            self._open_handles[key].append(handle)
-        if len(records) >= self.batch_size or self._open_bytes[key] >= self.batch_bytes:
+            batch.handles.append(handle)
+        if len(records) >= self.batch_size or batch.size >= self.batch_bytes:
             return self.close(key)
         return None
 
@@ -214,12 +222,9 @@ class BatchAccumulator:
         return out
 
     def close(self, key: tuple[str, int]) -> PendingBatch:
-        records = self._open.pop(key)
-        self._open_bytes.pop(key)
-        self._opened_at.pop(key)
-        handles = self._open_handles.pop(key) or None
+        batch = self._open.pop(key)
         self._rotate(*key)
-        return self._make_batch(key[0], key[1], records, handles)
+        return self._make_batch(key[0], key[1], batch.records, batch.handles or None)
 
     def _make_batch(self, topic: str, partition: int, records: list, handles: list | None) -> PendingBatch:
         producer_id, seq = self._next_sequence(topic, partition)
@@ -238,19 +243,19 @@ class BatchAccumulator:
 
     def oldest_opened_at(self) -> float | None:
         """When the longest-waiting open batch got its first record (None: nothing buffered)."""
-        return min(self._opened_at.values()) if self._opened_at else None
+        return min(b.opened_at for b in self._open.values()) if self._open else None
 
     def due(self, now: float, linger_s: float) -> list[PendingBatch]:
         """Batches whose first record has waited at least the linger time."""
         # The same float form as Producer.linger_deadline(), so a deadline reached is a batch sent.
-        keys = [k for k, t in self._opened_at.items() if t + linger_s <= now]
+        keys = [k for k, b in self._open.items() if b.opened_at + linger_s <= now]
         return [self.close(k) for k in keys]
 
     def drain(self) -> list[PendingBatch]:
         return [self.close(k) for k in list(self._open)]
 
     def buffered_records(self) -> int:
-        return sum(len(r) for r in self._open.values())
+        return sum(len(b.records) for b in self._open.values())
 
 
 class AckAccumulator:

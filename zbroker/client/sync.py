@@ -272,6 +272,7 @@ class Producer:
         self.stats = {"batches": 0, "records": 0, "retries": 0, "duplicates": 0}
         self._oldest_open: float | None = None  # first-record time of the longest-waiting open batch
         self._sends = 0
+        self._topic_partitions = self.conn.metadata.topics  # the cache's own dict, updated in place
 
     @property
     def producer_id(self) -> int:
@@ -279,15 +280,18 @@ class Producer:
 
     def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
              partition: int | None = None, timestamp_ms: int | None = None) -> DeliveryHandle:
+        # This runs once per record: lookups are kept few (bench/PROFILE.md, ninth pass).
         if partition is None:
-            if topic not in self.conn.metadata.topics:
+            partitions = self._topic_partitions.get(topic)
+            if partitions is None:
                 self.conn.refresh([topic])
-            partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), key)
+                partitions = self.conn.metadata.topics[topic]
+            partition = self.acc.choose_partition(topic, len(partitions), key)
         handle = DeliveryHandle(topic, partition)
         ts = time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms
         now = time.monotonic()
-        batch = self.acc.add(topic, partition, [ts, key, value, headers], record_size_estimate(value, key, headers),
-                             now, handle)
+        size = len(value) + 16 if key is None and not headers else record_size_estimate(value, key, headers)
+        batch = self.acc.add(topic, partition, [ts, key, value, headers], size, now, handle)
         if batch is not None:
             self._dispatch(batch)
             self._oldest_open = self.acc.oldest_opened_at()
