@@ -64,8 +64,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def install_signal_handlers() -> None:
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, _terminate)
+
+
 def _terminate(signum, _frame) -> None:
-    # Turn SIGTERM into KeyboardInterrupt so every adapter's teardown (Redis config!) runs.
+    # Turn SIGTERM, SIGHUP (a closed terminal) and SIGQUIT into KeyboardInterrupt so that
+    # every adapter's teardown runs: the Redis one puts the server's AOF settings back.
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("pika").setLevel(logging.WARNING)  # pika logs every connection step at INFO
-    signal.signal(signal.SIGTERM, _terminate)
+    install_signal_handlers()
     command = shlex.join(["python", "-m", "bench", *argv])
     config = harness.Config(
         scale=args.scale,

@@ -36,6 +36,9 @@ class ProduceSpec:
     window: int = 1000  # records sent but not yet acknowledged, at most
     fsync: str = "interval"  # "interval" or "always"
     batched: bool = True  # False: one record per request, still pipelined
+    # True: zbroker's bulk call (Producer.send_many, 1,000 values per call). The rows
+    # compared with peers call the client once per record, as the peers' rows do.
+    bulk: bool = False
 
 
 class Phase:

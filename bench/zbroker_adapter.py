@@ -155,13 +155,14 @@ def _produce(url: str, topic: str, count: int, payload: bytes, spec: ProduceSpec
     try:
         phase.begin()
         sent = 0
+        send = producer.send
         while sent < count and not phase.expired:
             n = min(CHUNK, count - sent)
-            if spec.batched:
+            if spec.bulk:
                 producer.send_many(topic, [payload] * n)
-            else:
+            else:  # one call per record, as an application sends and as the peers' rows do
                 for _ in range(n):
-                    producer.send(topic, payload)
+                    send(topic, payload)
             sent += n
             phase.advance(n)  # sent; flush() below waits until every one is acknowledged
         producer.flush()
@@ -219,7 +220,9 @@ class ZBroker(Adapter):
             self.version = None
         window = f"linger_ms=2, batch_size={PRODUCE_BATCH:,}, max_in_flight_records=1,000"
         self.durability = {
-            "produce": f"fsync {FSYNC_INTERVAL} (ack after write() to page cache); {window}",
+            "produce": f"fsync {FSYNC_INTERVAL} (ack after write() to page cache); {window}; "
+                       "Producer.send() per record",
+            "produce_send_many": f"as produce, through the bulk call Producer.send_many (1,000 values per call)",
             "produce_1k": f"fsync {FSYNC_INTERVAL}; {window}",
             "produce_fsync_always": f"fsync always (group commit per loop turn); {window}",
             "produce_unbatched": f"fsync {FSYNC_INTERVAL}; linger_ms=0, batch_size=1, max_in_flight_records=1,000",

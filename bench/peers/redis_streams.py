@@ -26,6 +26,10 @@ from bench.procstat import pids_by_name
 
 HOST, PORT = "127.0.0.1", 6379
 READ_COUNT = 1000
+# Held while a run has the server's AOF settings changed (see setup); it expires on its own
+# should a run die without its teardown (SIGKILL).
+CONFIG_LOCK_KEY = "zbench:config-lock"
+CONFIG_LOCK_TTL_S = 2 * 3600
 GROUP = "bench"
 
 
@@ -69,6 +73,7 @@ class RedisStreams(Adapter):
         self.main_key = f"zbench:{self.run_id}:main"
         self._keys: set[str] = set()
         self._saved_config: dict[str, str] | None = None
+        self._holds_lock = False
         self._aof_path: str | None = None
         self._aof_existed = True
         self.client = None
@@ -96,6 +101,16 @@ class RedisStreams(Adapter):
 
     def setup(self) -> None:
         self.client = _client()
+        # One run at a time changes the server's AOF settings: a second run would save the
+        # first one's changes as "the old values" and restore them, leaving AOF on for good.
+        if not self.client.set(CONFIG_LOCK_KEY, self.run_id, nx=True, ex=CONFIG_LOCK_TTL_S):
+            holder = (self.client.get(CONFIG_LOCK_KEY) or b"").decode()
+            self.client.close()
+            self.client = None
+            raise Skipped(f"another benchmark run ({holder!r}) has Redis's AOF settings changed; "
+                          f"it puts them back when it ends (the lock {CONFIG_LOCK_KEY} expires after "
+                          f"{CONFIG_LOCK_TTL_S // 60} min)")
+        self._holds_lock = True
         saved = {}
         for name in ("appendonly", "appendfsync"):
             saved.update(self.client.config_get(name))
@@ -125,6 +140,9 @@ class RedisStreams(Adapter):
                 if (self._aof_path and not self._aof_existed and os.path.isdir(self._aof_path)
                         and client.config_get("appendonly").get("appendonly") == "no"):
                     shutil.rmtree(self._aof_path, ignore_errors=True)
+            if self._holds_lock and (client.get(CONFIG_LOCK_KEY) or b"").decode() == self.run_id:
+                client.delete(CONFIG_LOCK_KEY)
+            self._holds_lock = False
             client.close()
             self.client = None
 

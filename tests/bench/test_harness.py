@@ -24,7 +24,8 @@ def test_every_workload_runs_in_order_and_consume_reads_what_produce_wrote():
     zb = MemoryQueue("zbroker", skip={"scale_out", "redelivery"})
     results = run({"zbroker": zb})
     assert zb.calls == ["setup", "produce", "consume_ack", "produce_1k", "produce_fsync_always",
-                        "produce_unbatched", "latency", "latency linger_ms=0.0", "teardown"]
+                        "produce_unbatched", "latency", "produce_send_many", "latency linger_ms=0.0",
+                        "teardown"]
     phases = results["systems"]["zbroker"]["phases"]
     assert phases["latency_linger_0"]["status"] == "ok" and phases["latency_linger_0"]["publisher"]["linger_ms"] == 0.0
     assert phases["produce"]["records"] == phases["consume_ack"]["records"] == 200

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from bench import harness
+from bench.adapter import Skipped
 from bench.peers import redis_streams
 
 
@@ -15,6 +19,7 @@ class FakeRedis:
         self.config = config
         self.set_calls: list[tuple[str, str]] = []
         self.deleted: list[str] = []
+        self.keys: dict[str, bytes] = {}
 
     def info(self, section: str = "") -> dict:
         return {"redis_version": "7.0.15"} if section == "server" else {"aof_rewrite_in_progress": 0}
@@ -32,8 +37,19 @@ class FakeRedis:
     def xgroup_create(self, *args, **kwargs) -> None:
         raise ConnectionError("connection reset by peer")
 
+    def set(self, key: str, value: str, nx: bool = False, ex: int | None = None) -> bool:
+        if nx and key in self.keys:
+            return False
+        self.keys[key] = value.encode()
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        return self.keys.get(key)
+
     def delete(self, *keys: str) -> None:
         self.deleted.extend(keys)
+        for key in keys:
+            self.keys.pop(key, None)
 
     def close(self) -> None:
         pass
@@ -79,3 +95,35 @@ def test_aof_directory_that_existed_before_is_kept(fake_redis, tmp_path):
     adapter.setup()
     adapter.teardown()
     assert (tmp_path / "appendonlydir").exists()
+
+
+def test_a_second_run_while_the_first_holds_the_settings_is_skipped_and_changes_nothing(fake_redis):
+    """Two runs at once: the second would save the first's AOF settings as "the old values"
+    and put them back at its end, leaving AOF on for good."""
+    first, second = redis_streams.RedisStreams(), redis_streams.RedisStreams()
+    first.setup()
+    changes = len(fake_redis.set_calls)
+    with pytest.raises(Skipped, match="another benchmark run"):
+        second.setup()
+    assert len(fake_redis.set_calls) == changes, "the second run touched the server's settings"
+    first.teardown()
+    assert fake_redis.config["appendonly"] == "no" and fake_redis.config["appendfsync"] == "always"
+    assert redis_streams.CONFIG_LOCK_KEY not in fake_redis.keys
+    second.setup()  # free again
+    second.teardown()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
+def test_signals_that_end_a_run_let_the_teardowns_run(signum):
+    """A closed terminal (SIGHUP) or SIGQUIT used to kill the run without its teardowns,
+    leaving the shared Redis with AOF on; now each becomes KeyboardInterrupt."""
+    import bench.__main__ as entry
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        entry.install_signal_handlers()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signum)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
