@@ -14,7 +14,7 @@ from zbroker.client.core import ConsumedRecord
 
 def test_batches_close_at_size_and_carry_consecutive_sequences():
     acc = BatchAccumulator(batch_size=3, batch_bytes=1 << 20, producer_id=42)
-    closed = [acc.add("t", 0, [1, None, b"v%d" % i, None], 10, 0.0, None) for i in range(7)]
+    closed = [acc.add("t", 0, [1, None, b"v%d" % i, None], 10, 0.0)[1] for i in range(7)]
     batches = [b for b in closed if b is not None]
     assert [b.count for b in batches] == [3, 3]
     assert [b.sequence for b in batches] == [0, 1]
@@ -26,16 +26,16 @@ def test_batches_close_at_size_and_carry_consecutive_sequences():
 
 def test_sequences_are_per_partition():
     acc = BatchAccumulator(batch_size=1, batch_bytes=1 << 20, producer_id=1)
-    seqs = [(b.partition, b.sequence) for b in (acc.add("t", p, [0, None, b"x", None], 1, 0.0, None)
+    seqs = [(b.partition, b.sequence) for b in (acc.add("t", p, [0, None, b"x", None], 1, 0.0)[1]
                                                  for p in (0, 1, 0, 1, 0))]
     assert seqs == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
 
 
 def test_batches_close_by_bytes_and_by_linger():
     acc = BatchAccumulator(batch_size=1000, batch_bytes=100, producer_id=1)
-    assert acc.add("t", 0, [0, None, b"x" * 60, None], 60, 0.0, None) is None
-    assert acc.add("t", 0, [0, None, b"x" * 60, None], 60, 0.0, None).count == 2
-    acc.add("t", 1, [0, None, b"y", None], 1, 10.0, None)
+    assert acc.add("t", 0, [0, None, b"x" * 60, None], 60, 0.0)[1] is None
+    assert acc.add("t", 0, [0, None, b"x" * 60, None], 60, 0.0)[1].count == 2
+    acc.add("t", 1, [0, None, b"y", None], 1, 10.0)
     assert acc.due(10.004, 0.005) == []
     assert [b.partition for b in acc.due(10.006, 0.005)] == [1]
 
@@ -47,7 +47,7 @@ def test_keyed_records_follow_the_documented_hash_and_keyless_rotate_per_batch()
     for _ in range(8):
         p = acc.choose_partition("t", 4, None)
         seen.append(p)
-        acc.add("t", p, [0, None, b"x", None], 1, 0.0, None)
+        acc.add("t", p, [0, None, b"x", None], 1, 0.0)[1]
     # Two records per batch stay on one partition, then the next partition.
     assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
     assert sorted(set(seen)) == [0, 1, 2, 3]
@@ -74,12 +74,19 @@ def test_value_fast_path_splits_by_count_and_by_bytes_with_consecutive_sequences
     assert [b.count for b in huge] == [1]
 
 
-def test_handles_stay_with_their_batch():
+def test_handles_read_their_batch_outcome():
     acc = BatchAccumulator(batch_size=2, batch_bytes=1 << 20, producer_id=1)
-    h1, h2 = DeliveryHandle("t", 0), DeliveryHandle("t", 0)
-    acc.add("t", 0, [0, None, b"a", None], 1, 0.0, h1)
-    batch = acc.add("t", 0, [0, None, b"b", None], 1, 0.0, h2)
-    assert batch.handles == [h1, h2]
+    h1, none_yet = acc.add("t", 0, [0, None, b"a", None], 1, 0.0)
+    h2, batch = acc.add("t", 0, [0, None, b"b", None], 1, 0.0)
+    h3, _ = acc.add("t", 0, [0, None, b"c", None], 1, 0.0)  # the next batch
+    assert none_yet is None and not (h1.done or h2.done)
+    batch.acknowledged(40)
+    assert (h1.offset, h2.offset, h1.error) == (40, 41, None) and h1.done and h2.done
+    assert h3.offset is None and not h3.done
+    failed, = acc.drain()
+    failed.failed(RuntimeError("gone"))
+    assert h3.done and h3.offset is None and str(h3.error) == "gone"
+    assert isinstance(h1, DeliveryHandle)
 
 
 def test_ack_accumulator_merges_consecutive_offsets_of_one_lease():
@@ -144,10 +151,10 @@ def test_a_partition_whose_sequences_run_out_moves_to_a_new_producer_id():
     from zbroker.client.core import MAX_SEQUENCE
     acc = BatchAccumulator(batch_size=1, batch_bytes=1 << 20, producer_id=17)
     acc._sequences[("t", 0)] = MAX_SEQUENCE
-    last = acc.add("t", 0, [0, None, b"a", None], 1, 0.0, None)
-    rolled = acc.add("t", 0, [0, None, b"b", None], 1, 0.0, None)
-    after = acc.add("t", 0, [0, None, b"c", None], 1, 0.0, None)
-    other = acc.add("t", 1, [0, None, b"d", None], 1, 0.0, None)
+    last = acc.add("t", 0, [0, None, b"a", None], 1, 0.0)[1]
+    rolled = acc.add("t", 0, [0, None, b"b", None], 1, 0.0)[1]
+    after = acc.add("t", 0, [0, None, b"c", None], 1, 0.0)[1]
+    other = acc.add("t", 1, [0, None, b"d", None], 1, 0.0)[1]
     assert (last.producer_id, last.sequence) == (17, MAX_SEQUENCE)  # a retry of it keeps both
     assert rolled.producer_id not in (0, 17) and rolled.sequence == 0
     assert (after.producer_id, after.sequence) == (rolled.producer_id, 1)
@@ -164,6 +171,6 @@ def test_the_size_estimate_counts_keys_and_headers():
     assert record_size_estimate(b"v", key, headers) >= 16384 + 1000 + 1
     assert record_size_estimate(b"v", None, None) == record_size_estimate(b"v", None, {})
     acc = BatchAccumulator(batch_size=1000, batch_bytes=1 << 20, producer_id=1)
-    closed = [b for b in (acc.add("t", 0, [0, key, b"v", headers], record_size_estimate(b"v", key, headers),
-                                  0.0, None) for _ in range(1000)) if b is not None]
+    closed = [b for _h, b in (acc.add("t", 0, [0, key, b"v", headers], record_size_estimate(b"v", key, headers),
+                                      0.0) for _ in range(1000)) if b is not None]
     assert closed and all(len(b.payload) <= (1 << 20) + 20000 for b in closed)

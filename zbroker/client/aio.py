@@ -234,10 +234,8 @@ class AsyncProducer:
             if topic not in self.conn.metadata.topics:
                 await self.conn.refresh([topic])
             partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), key)
-        handle = DeliveryHandle(topic, partition)
-        batch = self.acc.add(topic, partition, [time.time_ns() // 1_000_000, key, value, headers],
-                             record_size_estimate(value, key, headers),
-                             time.monotonic(), handle)
+        handle, batch = self.acc.add(topic, partition, [time.time_ns() // 1_000_000, key, value, headers],
+                                     record_size_estimate(value, key, headers), time.monotonic())
         if batch is not None:
             self._enqueue([batch])
             # Backpressure: a caller that fills batches faster than the window frees waits here.
@@ -304,8 +302,7 @@ class AsyncProducer:
                         continue
                     self._failed(batch, err)
                     return
-                for i, handle in enumerate(batch.handles or ()):
-                    handle.offset = env.msg.base_offset + i
+                batch.acknowledged(env.msg.base_offset)
                 return
         except asyncio.CancelledError:  # close() gave up on it
             self._failed(batch, ProduceError("the producer closed before the batch was acknowledged",
@@ -318,8 +315,7 @@ class AsyncProducer:
 
     def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
         self.errors.append(err)
-        for handle in batch.handles or ():
-            handle.error = err
+        batch.failed(err)
 
     async def flush(self) -> None:
         """Wait until every batch, buffered or in flight, is acknowledged; raise what failed.

@@ -91,10 +91,10 @@ class MetadataCache:
 class PendingBatch:
     """A payload on its way to one partition; keeps its sequence across retries."""
 
-    __slots__ = ("topic", "partition", "payload", "count", "producer_id", "sequence", "attempts", "handles")
+    __slots__ = ("topic", "partition", "payload", "count", "producer_id", "sequence", "attempts", "outcome")
 
     def __init__(self, topic: str, partition: int, payload: bytes, count: int, producer_id: int, sequence: int,
-                 handles: list | None) -> None:
+                 outcome: "BatchOutcome | None") -> None:
         self.topic = topic
         self.partition = partition
         self.payload = payload
@@ -102,7 +102,15 @@ class PendingBatch:
         self.producer_id = producer_id
         self.sequence = sequence
         self.attempts = 0
-        self.handles = handles
+        self.outcome = outcome  # what its records' handles read; None when nobody holds one (send_many)
+
+    def acknowledged(self, base_offset: int) -> None:
+        if self.outcome is not None:
+            self.outcome.base_offset = base_offset
+
+    def failed(self, error: Exception) -> None:
+        if self.outcome is not None:
+            self.outcome.error = error
 
 
 # The protocol's sequences are signed 32-bit (docs/PROTOCOL.md, section 13): a
@@ -128,20 +136,42 @@ def record_size_estimate(value: bytes, key: bytes | None, headers: dict | None) 
     return size
 
 
+class BatchOutcome:
+    """What became of one batch: set once, when it is acknowledged or fails for good.
+
+    Its records' handles read it, so settling a batch is one assignment, not one per record.
+    """
+
+    __slots__ = ("base_offset", "error")
+
+    def __init__(self) -> None:
+        self.base_offset: int | None = None
+        self.error: Exception | None = None
+
+
 class DeliveryHandle:
-    """Filled in when the record's batch is acknowledged: its offset, or the error."""
+    """The record's offset once its batch is acknowledged, or the error it failed with."""
 
-    __slots__ = ("topic", "partition", "offset", "error")
+    __slots__ = ("topic", "partition", "_outcome", "_index")
 
-    def __init__(self, topic: str, partition: int) -> None:
+    def __init__(self, topic: str, partition: int, outcome: BatchOutcome, index: int) -> None:
         self.topic = topic
         self.partition = partition
-        self.offset: int | None = None
-        self.error: Exception | None = None
+        self._outcome = outcome
+        self._index = index  # the record's place in its batch
+
+    @property
+    def offset(self) -> int | None:
+        base = self._outcome.base_offset
+        return None if base is None else base + self._index
+
+    @property
+    def error(self) -> Exception | None:
+        return self._outcome.error
 
     @property
     def done(self) -> bool:
-        return self.offset is not None or self.error is not None
+        return self._outcome.base_offset is not None or self._outcome.error is not None
 
     def __repr__(self) -> str:
         return f"DeliveryHandle({self.topic}/{self.partition}@{self.offset}, error={self.error!r})"
@@ -150,11 +180,11 @@ class DeliveryHandle:
 class OpenBatch:
     """The records of one partition gathered so far, and when the first came."""
 
-    __slots__ = ("records", "handles", "size", "opened_at")
+    __slots__ = ("records", "outcome", "size", "opened_at")
 
     def __init__(self, opened_at: float) -> None:
         self.records: list = []
-        self.handles: list = []
+        self.outcome = BatchOutcome()
         self.size = 0  # estimated payload bytes (record_size_estimate)
         self.opened_at = opened_at
 
@@ -186,21 +216,20 @@ class BatchAccumulator:
         if sticky is not None and sticky[0] == partition:
             sticky[0] = (partition + 1) % sticky[1]
 
-    def add(self, topic: str, partition: int, record: list, size: int, now: float,
-            handle: DeliveryHandle | None) -> PendingBatch | None:
-        """Add one record; returns a closed batch when this one filled it."""
+    def add(self, topic: str, partition: int, record: list, size: int, now: float
+            ) -> tuple[DeliveryHandle, PendingBatch | None]:
+        """Add one record: its handle, and the batch it filled (closed now), if it did."""
         key = (topic, partition)
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = OpenBatch(now)
         records = batch.records
+        handle = DeliveryHandle(topic, partition, batch.outcome, len(records))
         records.append(record)
         batch.size += size
-        if handle is not None:
-            batch.handles.append(handle)
         if len(records) >= self.batch_size or batch.size >= self.batch_bytes:
-            return self.close(key)
-        return None
+            return handle, self.close(key)
+        return handle, None
 
     def add_many_values(self, topic: str, partition: int, values: list[bytes], timestamp_ms: int) -> list[PendingBatch]:
         """Key-less, header-less values in full batches (``batch_size`` records and
@@ -224,11 +253,11 @@ class BatchAccumulator:
     def close(self, key: tuple[str, int]) -> PendingBatch:
         batch = self._open.pop(key)
         self._rotate(*key)
-        return self._make_batch(key[0], key[1], batch.records, batch.handles or None)
+        return self._make_batch(key[0], key[1], batch.records, batch.outcome)
 
-    def _make_batch(self, topic: str, partition: int, records: list, handles: list | None) -> PendingBatch:
+    def _make_batch(self, topic: str, partition: int, records: list, outcome: BatchOutcome) -> PendingBatch:
         producer_id, seq = self._next_sequence(topic, partition)
-        return PendingBatch(topic, partition, encode_records(records), len(records), producer_id, seq, handles)
+        return PendingBatch(topic, partition, encode_records(records), len(records), producer_id, seq, outcome)
 
     def _next_sequence(self, topic: str, partition: int) -> tuple[int, int]:
         """The (producer_id, sequence) of the partition's next batch."""

@@ -287,11 +287,10 @@ class Producer:
                 self.conn.refresh([topic])
                 partitions = self.conn.metadata.topics[topic]
             partition = self.acc.choose_partition(topic, len(partitions), key)
-        handle = DeliveryHandle(topic, partition)
         ts = time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms
         now = time.monotonic()
         size = len(value) + 16 if key is None and not headers else record_size_estimate(value, key, headers)
-        batch = self.acc.add(topic, partition, [ts, key, value, headers], size, now, handle)
+        handle, batch = self.acc.add(topic, partition, [ts, key, value, headers], size, now)
         if batch is not None:
             self._dispatch(batch)
             self._oldest_open = self.acc.oldest_opened_at()
@@ -398,8 +397,7 @@ class Producer:
         self.in_flight_records -= batch.count
         self.in_flight_bytes -= len(batch.payload)
         self.errors.append(err)
-        for handle in batch.handles or ():
-            handle.error = err
+        batch.failed(err)
         log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
                   reason=err.message, attempts=batch.attempts)
 
@@ -449,9 +447,7 @@ class Producer:
             self.stats["duplicates"] += 1
         if self.keep_results:
             self.results.append((batch.topic, batch.partition, reply.base_offset, reply.count))
-        if batch.handles:
-            for i, handle in enumerate(batch.handles):
-                handle.offset = reply.base_offset + i
+        batch.acknowledged(reply.base_offset)
 
     def _resend_timed_out(self, now: float) -> None:
         timeout = self.conn.request_timeout
