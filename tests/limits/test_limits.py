@@ -236,7 +236,9 @@ def test_extending_a_lease_again_and_again_keeps_the_coordinators_timers_bounded
             sock.recv_multipart()
             answered += 1
         stats = conn.coordinator(m.Status()).actors[0]["statistics"]
-        assert stats["timers"] < 1000, {k: stats[k] for k in ("timers", "lease_records")}
+        # Compacted whenever the heap doubles: about twice what is live (other tests' members
+        # share this broker) plus slack, far from one entry per extend.
+        assert stats["timers"] < 4000, {k: stats[k] for k in ("timers", "lease_records")}
     finally:
         sock.close(linger=0)
         ctx.term()
