@@ -43,15 +43,18 @@ class ScriptedCoordinator(AsyncConnection):
             loop.call_later(self.round_trip_s, self._resolve, fut, outcome)
         return fut
 
-    def reply_to_parked(self, outcome: m.Message | ZBrokerError) -> None:
+    def reply_to_parked(self, outcome: m.Message | ZBrokerError | tuple) -> None:
         self._resolve(self.parked.pop(0), outcome)
 
     @staticmethod
-    def _resolve(fut: asyncio.Future, outcome: m.Message | ZBrokerError) -> None:
+    def _resolve(fut: asyncio.Future, outcome: m.Message | ZBrokerError | tuple) -> None:
+        """`outcome`: a reply, an error, or (reply, payload frames) for a fetch."""
         if fut.done():  # abandoned by the consumer
             return
         if isinstance(outcome, ZBrokerError):
             fut.set_result(Envelope(op="reply", corr_id=0, error=outcome))
+        elif isinstance(outcome, tuple):
+            fut.set_result(Envelope(op="reply", corr_id=0, msg=outcome[0], frames=list(outcome[1])))
         else:
             fut.set_result(Envelope(op="reply", corr_id=0, msg=outcome))
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 
 from protocol import messages as m
+from protocol.batch import build_batch_header, encode_values
 from protocol.errors import Fenced, UnknownMember
 from tests.support.aio_coordinator import ScriptedCoordinator, offline_consumer
 from zbroker.client.core import ConsumedRecord
@@ -77,10 +78,13 @@ class ParksPolls(ScriptedCoordinator):
         return [msg for msg in self.sent if isinstance(msg, m.Poll)]
 
 
-async def offsets_fetched(deliveries: list) -> list:
+def fetch_offsets(consumer):
     """Stands in for the fetch from the partition actors: (topic, partition, offset) per record."""
-    return [(topic, partition, offset) for topic, partition, _lease, start, end, _attempt, _reason in deliveries
-            for offset in range(start, end)]
+    async def fetch() -> None:
+        while consumer._to_fetch:
+            topic, partition, _lease, offset, end, _attempt, _reason = consumer._to_fetch.pop(0)
+            consumer._leased.extend((topic, partition, o) for o in range(offset, end))
+    return fetch
 
 
 async def cancelled_poll(consumer, timeout: float) -> None:
@@ -92,7 +96,7 @@ async def cancelled_poll(consumer, timeout: float) -> None:
 def test_the_lease_of_a_cancelled_poll_goes_to_the_next_poll():
     coordinator = ParksPolls(1)
     consumer = offline_consumer(coordinator)
-    consumer._fetch = offsets_fetched
+    consumer._fetch = fetch_offsets(consumer)
 
     async def main():
         await cancelled_poll(consumer, timeout=5.0)
@@ -147,3 +151,41 @@ def test_acks_whose_interval_request_is_still_waiting_at_close_are_sent_by_close
     asyncio.run(asyncio.wait_for(main(), 10))
     assert [msg.ranges for msg in coordinator.sent if isinstance(msg, m.Ack)] == [[["t", 0, 7, 0, 3]]] * 2
     assert not consumer.acks
+
+
+class LeasesThenSlowFetches(ScriptedCoordinator):
+    """One poll leases two partitions; the fetch of partition 1 is parked (a slow actor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metadata.update([{"name": "t", "partitions": [{"partition": p, "endpoint": f"actor-{p}", "actor_id": "a"}
+                                                            for p in (0, 1)]}])
+
+    def answer(self, msg):
+        if isinstance(msg, m.Poll):
+            return poll_reply(1, [["t", 0, 7, 0, 3, 1, "new"], ["t", 1, 8, 0, 2, 1, "new"]])
+        assert isinstance(msg, m.Fetch)
+        if msg.partition == 1 and not any(isinstance(e, m.Fetch) and e.partition == 1 for e in self.sent[:-1]):
+            return None  # the first fetch of partition 1 never gets its reply
+        values = [b"p%d-%d" % (msg.partition, o) for o in range(msg.offset, 3 if msg.partition == 0 else 2)]
+        payload = encode_values(values, 0)
+        header = build_batch_header(payload, base_offset=msg.offset, record_count=len(values), append_time_ms=0)
+        return m.FetchReply(log_start=0, log_end=3), [header + payload]
+
+
+def test_a_poll_cancelled_while_it_fetches_leaves_its_leases_to_the_next_poll():
+    """The coordinator leased both partitions to this poll: cancelled while fetching the
+    second, the records must not be stranded until the ack timeout (a delivery attempt each)."""
+    coordinator = LeasesThenSlowFetches()
+    consumer = offline_consumer(coordinator)
+
+    async def main():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(consumer.poll(timeout=1.0), 0.2)  # waits on partition 1's fetch
+        return await consumer.poll(max_records=10, timeout=1.0)
+
+    got = asyncio.run(asyncio.wait_for(main(), 10))
+    assert sorted((r.partition, r.offset, r.value) for r in got) == [
+        (0, 0, b"p0-0"), (0, 1, b"p0-1"), (0, 2, b"p0-2"), (1, 0, b"p1-0"), (1, 1, b"p1-1")]
+    assert all(r.lease_id == (7 if r.partition == 0 else 8) for r in got)
+    assert [type(e).__name__ for e in coordinator.sent].count("Poll") == 1, "no second Poll was needed"

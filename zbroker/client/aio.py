@@ -400,6 +400,10 @@ class AsyncConsumer:
         self._join_lock = asyncio.Lock()
         self._poll_in_flight: PollInFlight | None = None
         self._leased: list[ConsumedRecord] = []  # fetched for a poll reply, beyond what its poll() asked for
+        # Deliveries of a poll reply not fetched yet, each [topic, partition, lease, next offset, end,
+        # attempt, reason]: a poll() cancelled while it fetched leaves them to the next one, instead
+        # of stranding their leases until the ack timeout (each strand costs a delivery attempt).
+        self._to_fetch: list[list] = []
 
     async def start(self) -> "AsyncConsumer":
         try:
@@ -421,6 +425,7 @@ class AsyncConsumer:
                                                        session_timeout_ms=self.session_timeout_ms))
         if reply.generation != self.generation:
             self._leased = []  # leased in the old generation: the coordinator hands them out again
+            self._to_fetch = []
         self.member_id, self.generation, self.assignment = reply.member_id, reply.generation, reply.assignment
         if self._poll_in_flight is not None and self._poll_in_flight.generation != self.generation:
             self._abandon_poll_in_flight()  # it will be answered FENCED, leasing nothing
@@ -491,12 +496,13 @@ class AsyncConsumer:
         coordinator leaves that Poll in flight (see `PollInFlight`): the next poll()
         takes its reply first, waiting for it at most its own ``timeout``.
         """
-        if self._leased:
-            return self._hand_out(max_records)
-        reply = await self._poll_reply(max_records, timeout)
-        if reply is None:
-            return []
-        self._leased = await self._fetch(reply.deliveries)
+        if not self._leased and not self._to_fetch:
+            reply = await self._poll_reply(max_records, timeout)
+            if reply is None:
+                return []
+            self._to_fetch = [list(delivery) for delivery in reply.deliveries]
+        if self._to_fetch:
+            await self._fetch()
         return self._hand_out(max_records)
 
     def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
@@ -572,26 +578,28 @@ class AsyncConsumer:
             self.conn.abandon(sent.reply)
             self._hold_again(sent.acks)
 
-    async def _fetch(self, deliveries: list) -> list[ConsumedRecord]:
-        out: list[ConsumedRecord] = []
-        for topic, partition, lease, start, end, attempt, reason in deliveries:
-            offset = start
-            while offset < end:
-                try:
-                    env = await self.conn.call(await self.conn.endpoint(topic, partition),
-                                               m.Fetch(topic=topic, partition=partition, offset=offset,
-                                                       max_bytes=max(4096, (end - offset) * 256)))
-                except ZBrokerError as err:
-                    if err.retriable:
-                        self.conn.metadata.forget(topic)  # moved: ask where it lives next time
-                    break  # the lease expires and the records come back
+    async def _fetch(self) -> None:
+        """Fetch the records of `_to_fetch` into `_leased`, keeping both true at every await:
+        cancelled, what was fetched is handed out and the rest fetched by the next poll()."""
+        while self._to_fetch:
+            delivery = self._to_fetch[0]
+            topic, partition, lease, offset, end, attempt, reason = delivery
+            try:
+                env = await self.conn.call(await self.conn.endpoint(topic, partition),
+                                           m.Fetch(topic=topic, partition=partition, offset=offset,
+                                                   max_bytes=max(4096, (end - offset) * 256)))
+            except ZBrokerError as err:
+                if err.retriable:
+                    self.conn.metadata.forget(topic)  # moved: ask where it lives next time
+                got = []  # the lease expires and the records come back
+            else:
                 got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,
                                      until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
-                if not got:
-                    break
-                out.extend(got)
-                offset = got[-1].offset + 1
-        return out
+            if self._to_fetch and self._to_fetch[0] is delivery:  # not dropped by a re-join meanwhile
+                self._leased.extend(got)
+                delivery[3] = got[-1].offset + 1 if got else end
+                if delivery[3] >= end:
+                    self._to_fetch.pop(0)
 
     async def ack(self, record: ConsumedRecord) -> None:
         self.acks.add(record.topic, record.partition, record.lease_id, record.offset)
