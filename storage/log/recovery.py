@@ -19,8 +19,10 @@ last segment. Recovery therefore:
   short header walk from its last entry, which is also how the segment's end
   offset and newest append time are found; a malformed one is rebuilt by a
   header walk. An older segment with NO index was rolled shortly before a
-  crash: after a power loss its tail may be garbage that still parses, so it
-  is walked with CRCs, fsynced, and only then given its index. Should a walk
+  crash (with `--fsync never`, which never flushes, at any time since the
+  actor started: a start after a crash then reads those segments whole):
+  after a power loss its tail may be garbage that still parses, so it is
+  walked with CRCs, fsynced, and only then given its index. Should a walk
   hit a broken batch, the segment is reported damaged and served up to that
   point; its files are left untouched for inspection (and a CRC-walked one
   gets no index, so the next open checks it again).
