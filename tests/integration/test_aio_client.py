@@ -143,3 +143,35 @@ def test_acks_leave_after_the_ack_interval_without_waiting_for_a_poll(broker):
             return await in_flight(admin)
 
     assert asyncio.run(main()) == 5
+
+
+def test_records_being_fetched_when_the_heartbeat_re_joins_are_still_handed_out(broker):
+    """A rebalance revokes only the leases of partitions that move: in a shared group this
+    member keeps its lease, and dropping its records at the re-join stranded them until
+    the ack timeout (a delivery attempt each)."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("rejoin", partitions=1)
+        admin.configure_group("rejoin", mode="shared", ack_timeout_ms=60_000)
+    with Producer(broker.url) as producer:
+        producer.produce("rejoin", [b"%d" % i for i in range(10)], partition=0)
+
+    async def main():
+        a = AsyncConsumer(broker.url, group="rejoin", topics=["rejoin"], session_timeout_ms=1500)
+        await a.start()
+        await a.conn.refresh(["rejoin"])
+        try:
+            with paused(broker):
+                poll = asyncio.ensure_future(a.poll(max_records=100, timeout=1.0))
+                await asyncio.sleep(0.3)  # the Poll is answered; the fetch waits on the paused actor
+                generation = a.generation
+                b = AsyncConsumer(broker.url, group="rejoin", topics=["rejoin"])
+                await b.start()  # a new generation: a's heartbeat (every 0.5 s) is fenced and re-joins
+                while a.generation == generation:
+                    await asyncio.sleep(0.05)
+            got = await asyncio.wait_for(poll, 30)
+            await b.close()
+            return [r.offset for r in got]
+        finally:
+            await a.close()
+
+    assert asyncio.run(main()) == list(range(10))

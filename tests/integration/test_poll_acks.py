@@ -121,3 +121,55 @@ def test_more_ranges_than_one_header_holds_go_in_several_requests(broker):
         assert sent["Nack"] >= 2
     finally:
         consumer.close()
+
+
+def test_a_nack_split_over_several_requests_applies_every_chunk_when_one_range_is_stale(broker):
+    """The coordinator applies a request's valid ranges and answers STALE_LEASE for the
+    rest: the first chunk's STALE_LEASE must not keep the later chunks from being sent.
+    Both consumers: ack offset 0, then nack the even offsets (4001 ranges, two requests,
+    the first range stale): 4000 applied, offset 8000 among them, one STALE_LEASE."""
+    import asyncio
+
+    from protocol.errors import StaleLease
+    from zbroker.client.aio import AsyncConsumer
+
+    n = 8002
+    with Admin(broker.url) as admin:
+        for topic in ("chunks-sync", "chunks-aio"):
+            admin.create_topic(topic, partitions=1)
+            admin.configure_group(topic, ack_timeout_ms=120_000, max_in_flight=20_000)
+    for topic in ("chunks-sync", "chunks-aio"):
+        produce_values(broker.url, topic, [b"%d" % i for i in range(n)])
+
+    def refused_as_one(nack_evens) -> None:
+        with pytest.raises(StaleLease) as refused:
+            nack_evens()
+        assert refused.value.data["applied"] == 4000
+        assert [r[3:] for r in refused.value.data["stale"]] == [[0, 1]]
+
+    consumer = Consumer(broker.url, group="chunks-sync", topics=["chunks-sync"], read_ahead=False,
+                        ack_batch=1_000_000, ack_interval_ms=60_000)
+    try:
+        got = []
+        while len(got) < n:
+            got += consumer.poll(max_records=n, timeout=1.0)
+        consumer.ack(got[0])
+        consumer.flush_acks(wait=True)
+        refused_as_one(lambda: consumer.nack([r for r in got if r.offset % 2 == 0]))
+    finally:
+        consumer.close()
+
+    async def asynchronously() -> None:
+        async with AsyncConsumer(broker.url, group="chunks-aio", topics=["chunks-aio"], ack_batch=1_000_000,
+                                 ack_interval_ms=60_000) as aconsumer:
+            got = []
+            while len(got) < n:
+                got += await aconsumer.poll(max_records=n, timeout=1.0)
+            await aconsumer.ack(got[0])
+            await aconsumer.flush_acks()
+            with pytest.raises(StaleLease) as refused:
+                await aconsumer.nack([r for r in got if r.offset % 2 == 0])
+            assert refused.value.data["applied"] == 4000
+            assert [r[3:] for r in refused.value.data["stale"]] == [[0, 1]]
+
+    asyncio.run(asynchronously())

@@ -23,8 +23,8 @@ import zmq.asyncio
 from protocol import codec
 from protocol import messages as m
 from protocol.batch import decode_fetched
-from protocol.errors import ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError
-from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumulator, ConsumedRecord,
+from protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
+from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord,
                                  DeliveryHandle, MetadataCache, PendingBatch, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
 from actors.security import ClientKeys
@@ -423,11 +423,13 @@ class AsyncConsumer:
             self.member_id = ""
             reply = await self.conn.coordinator(m.Join(group=self.group, topics=self.topics,
                                                        session_timeout_ms=self.session_timeout_ms))
-        if reply.generation != self.generation:
-            self._leased = []  # leased in the old generation: the coordinator hands them out again
-            self._to_fetch = []
+        # Records already leased (fetched or not) are kept across a new generation: a rebalance
+        # revokes only the leases of partitions that move, and an ack under a revoked one is
+        # answered stale, harmlessly; dropped, a kept lease would strand its records until the
+        # ack timeout. So is a Poll of the old generation already answered with deliveries.
         self.member_id, self.generation, self.assignment = reply.member_id, reply.generation, reply.assignment
-        if self._poll_in_flight is not None and self._poll_in_flight.generation != self.generation:
+        in_flight = self._poll_in_flight
+        if in_flight is not None and in_flight.generation != self.generation and not in_flight.reply.done():
             self._abandon_poll_in_flight()  # it will be answered FENCED, leasing nothing
         await self._connect_to_assigned()
 
@@ -654,12 +656,17 @@ class AsyncConsumer:
     async def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
         """Records applied, over as many requests as the ranges need."""
         await self.flush_acks()
-        applied = 0
+        settled = ChunkedSettle()
         for chunk in in_request_sized_chunks(group_by_lease(records)):
-            env = await self._group_call(lambda chunk=chunk: op(group=self.group, member_id=self.member_id,
-                                                                generation=self.generation, ranges=chunk, **fields))
-            applied += env.msg.applied
-        return applied
+            try:
+                env = await self._group_call(lambda chunk=chunk: op(group=self.group, member_id=self.member_id,
+                                                                    generation=self.generation, ranges=chunk,
+                                                                    **fields))
+            except StaleLease as err:  # its valid ranges were applied: the next chunks go all the same
+                settled.refused(err)
+            else:
+                settled.replied(env.msg)
+        return settled.outcome()
 
     async def nack(self, records: Iterable[ConsumedRecord], *, delay_ms: int = 0, reason: str = "") -> int:
         return await self._lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason)

@@ -23,7 +23,7 @@ from operator import itemgetter
 from typing import Any, Iterable
 
 from protocol.batch import Record, encode_records, encode_values, stored_range
-from protocol.errors import UnknownPartition, UnknownTopic
+from protocol.errors import StaleLease, UnknownPartition, UnknownTopic
 from protocol.partitioner import partition_for_key
 
 
@@ -467,6 +467,39 @@ RANGES_PER_REQUEST = 4000
 
 def in_request_sized_chunks(ranges: list) -> list[list]:
     return [ranges[i:i + RANGES_PER_REQUEST] for i in range(0, len(ranges), RANGES_PER_REQUEST)] or [[]]
+
+
+class ChunkedSettle:
+    """The outcome of one nack/extend/reject sent as several requests (`in_request_sized_chunks`).
+
+    The coordinator applies the valid ranges of each request and answers STALE_LEASE
+    when any of its ranges is stale; every chunk must still go, and the caller gets
+    what one request would have said: the records applied, or one STALE_LEASE with
+    everything stale in all of them.
+    """
+
+    def __init__(self) -> None:
+        self.applied = 0
+        self.stale: list = []
+        self.stale_omitted = 0
+        self.data: dict = {}
+
+    def replied(self, msg: Any) -> None:
+        self.applied += msg.applied
+
+    def refused(self, err: StaleLease) -> None:
+        data = dict(err.data)
+        self.applied += int(data.pop("applied", 0))
+        self.stale += data.pop("stale", [])
+        self.stale_omitted += int(data.pop("stale_omitted", 0))
+        self.data.update(data)  # group, member_id, deadline_in_ms: alike in every chunk
+
+    def outcome(self) -> int:
+        if not self.stale and not self.stale_omitted:
+            return self.applied
+        extra = {"stale_omitted": self.stale_omitted} if self.stale_omitted else {}
+        raise StaleLease(f"{len(self.stale) + self.stale_omitted} range(s) are not leased under the given lease id; "
+                         f"nothing was applied to them", **self.data, stale=self.stale, applied=self.applied, **extra)
 
 
 def group_by_lease(records: Iterable[ConsumedRecord]) -> list[list]:

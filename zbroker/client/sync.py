@@ -25,9 +25,9 @@ from actors.wire import recv_frames, send_frames
 from protocol import codec
 from protocol import messages as m
 from protocol.batch import decode_fetched
-from protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, Unavailable, UnknownMember,
-                             ZBrokerError)
-from zbroker.client.core import (AckAccumulator, BatchAccumulator, ConsumedRecord, DeliveryHandle,
+from protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, StaleLease, Unavailable,
+                             UnknownMember, ZBrokerError)
+from zbroker.client.core import (AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord, DeliveryHandle,
                                  MetadataCache, PendingBatch, ReadAhead, group_by_lease,
                                  RANGES_PER_REQUEST, in_request_sized_chunks, record_size_estimate)
 
@@ -1361,12 +1361,16 @@ class Consumer:
     def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
         """Records applied, over as many requests as the ranges need."""
         self.flush_acks(wait=True)
-        applied = 0
+        settled = ChunkedSettle()
         for chunk in in_request_sized_chunks(group_by_lease(records)):
-            env = self._group_call(lambda chunk=chunk: op(group=self.group, member_id=self.member_id,
-                                                          generation=self.generation, ranges=chunk, **fields))
-            applied += env.msg.applied
-        return applied
+            try:
+                env = self._group_call(lambda chunk=chunk: op(group=self.group, member_id=self.member_id,
+                                                              generation=self.generation, ranges=chunk, **fields))
+            except StaleLease as err:  # its valid ranges were applied: the next chunks go all the same
+                settled.refused(err)
+            else:
+                settled.replied(env.msg)
+        return settled.outcome()
 
     def nack(self, records: Iterable[ConsumedRecord], *, delay_ms: int = 0, reason: str = "") -> int:
         return self._lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason)
