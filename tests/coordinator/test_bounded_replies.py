@@ -6,6 +6,8 @@ request it answered: a poll's records then expire unseen again and again until t
 are dead-lettered; a small ack could also make the coordinator build a huge reply.
 """
 
+import pytest
+
 from actors.group_coordinator.core import MAX_REASON_BYTES, STALE_REPORT_LIMIT, GroupConfig
 from protocol import codec
 from protocol import messages as m
@@ -87,3 +89,29 @@ def test_a_reply_over_the_header_limit_is_a_too_large_error_that_names_the_reque
     assert envelope.corr_id == 41
     assert isinstance(envelope.error, ZBrokerError) and envelope.error.code.value == "TOO_LARGE"
     assert envelope.error.data["got"] > codec.MAX_HEADER_BYTES
+
+
+def test_a_poll_carrying_stale_acks_still_fits_beside_the_records_it_leases():
+    """The acks riding on a poll are echoed back when stale. Their topics are bounded by
+    the longest topic name (a longer one is BAD_REQUEST), which the poll reply's budget
+    for deliveries leaves room for."""
+    from protocol.errors import ProtocolError
+
+    d = Driver(config=GroupConfig(max_in_flight=100_000, ack_timeout_ms=60_000))
+    d.log_range("t", 0, 0, 4000)
+    a = d.join()
+    lease = d.poll(a, max_records=4000).deliveries[0][2]
+    # Every other record nacked with a long reason: 2000 fragments ready.
+    d.settle("nack", a, [["t", 0, lease, o, o + 1] for o in range(0, 4000, 2)], reason="r" * 300)
+
+    def poll_with_stale_acks(topic: str) -> m.Poll:
+        acks = [[topic, 0, 10**12 + i, 0, 1] for i in range(STALE_REPORT_LIMIT)]
+        return m.Poll(group="g", member_id=a.member_id, generation=a.generation, max_records=100_000, acks=acks)
+
+    too_long = codec.encode_request(poll_with_stale_acks("z" * 700), 1)
+    assert len(too_long[0]) < codec.MAX_HEADER_BYTES
+    with pytest.raises(ProtocolError, match="names no topic"):
+        codec.decode_request(too_long)
+    reply = d.call("poll", poll_with_stale_acks("z" * 200))
+    assert reply.deliveries and len(reply.stale) == STALE_REPORT_LIMIT
+    assert codec.decode_reply(codec.encode_reply(reply, 1)).error is None
