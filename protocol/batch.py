@@ -127,12 +127,47 @@ def encode_values(values: list[bytes], timestamp_ms: int) -> bytes:
     """
     if not values or set(map(type, values)) != {bytes} or len(set(map(len, values))) != 1:
         return _packer_default.pack([[timestamp_ms, None, v, None] for v in values])
+    return _packer_default.pack_array_header(len(values)) + _uniform_values_body(values, timestamp_ms)
+
+
+def _uniform_values_body(values: list[bytes], timestamp_ms: int) -> bytes:
+    """The records ``[timestamp_ms, None, v, None]`` of equal-length ``bytes`` values,
+    packed one after another (no array header)."""
     first = values[0]
     packed_first = _packer_default.pack(first)  # bin header + value
     # fixarray(4), timestamp, nil key, bin header of this length; then value, nil headers.
     prefix = b"\x94" + _packer_default.pack(timestamp_ms) + b"\xc0" + packed_first[:len(packed_first) - len(first)]
-    body = (b"\xc0" + prefix).join(values)
-    return _packer_default.pack_array_header(len(values)) + prefix + body + b"\xc0"
+    return prefix + (b"\xc0" + prefix).join(values) + b"\xc0"
+
+
+def encode_columns(values: list[bytes], stamps: list[tuple[int, int]],
+                   extras: dict[int, tuple[bytes | None, dict | None]] | None) -> bytes:
+    """Pack records kept as columns (the producer's open batch) into a batch payload.
+
+    ``values`` in order; ``stamps`` the runs of equal timestamps, ``(first index,
+    timestamp_ms)`` each, the first at index 0; ``extras`` ``{index: (key, headers)}``
+    for the records that have either. The bytes are exactly what `encode_records`
+    makes of the same records. Records sent within one millisecond share a run, so
+    a batch of key-less records is a few `bytes.join` calls in C, not a list per
+    record and a packer walk (bench/PROFILE.md, tenth pass).
+    """
+    ends = [start for start, _ in stamps[1:]]
+    ends.append(len(values))
+    if extras:
+        records = []
+        for (start, stamp), end in zip(stamps, ends):
+            for index in range(start, end):
+                key, headers = extras.get(index, (None, None))
+                records.append([stamp, key, values[index], headers])
+        return _packer_default.pack(records)
+    parts = [_packer_default.pack_array_header(len(values))]
+    for (start, stamp), end in zip(stamps, ends):
+        run = values[start:end]
+        if len(set(map(len, run))) == 1:
+            parts.append(_uniform_values_body(run, stamp))
+        else:
+            parts.extend(_packer_default.pack([stamp, None, v, None]) for v in run)
+    return b"".join(parts)
 
 
 # -- broker side: validating a payload without decoding its records ------------------

@@ -79,6 +79,69 @@ def test_assigned_offsets_are_returned_to_the_producer(broker):
     assert [h.offset for h in handles] == [0, 1, 2]
 
 
+def test_key_less_key_ed_and_stamped_records_keep_their_order_and_fields(broker):
+    """Key-less records take the producer's fast path, the rest the general one:
+    one partition's records come back in the order sent, each with its own fields."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("mixed", partitions=1)
+    sent = []
+    with Producer(broker.url, linger_ms=50, batch_size=7) as producer:
+        for i in range(40):
+            value = b"v%d" % i
+            if i % 5 == 1:
+                record = (b"key-%d" % i, value, None, None)
+            elif i % 5 == 2:
+                record = (None, value, {"trace": b"%d" % i}, None)
+            elif i % 5 == 3:
+                record = (None, value, None, 1_000_000 + i)
+            else:
+                record = (None, value, None, None)
+            before = time.time_ns() // 1_000_000
+            handle = producer.send("mixed", value, key=record[0], headers=record[2], timestamp_ms=record[3])
+            after = time.time_ns() // 1_000_000
+            sent.append((record, handle, before, after))
+            if i % 9 == 0:
+                time.sleep(0.003)  # let the clock move on between records of one batch
+        with pytest.raises(TypeError, match="value must be bytes"):
+            producer.send("mixed", "not bytes")
+        producer.flush()
+    conn = Connection(broker.url)
+    try:
+        conn.refresh()
+        fetched = fetch_all(conn, "mixed", 0, len(sent))
+    finally:
+        conn.close()
+    assert [h.offset for _r, h, _b, _a in sent] == list(range(40))
+    for got, ((key, value, headers, stamp), handle, before, after) in zip(fetched, sent):
+        assert (got.offset, got.key, got.value, got.headers) == (handle.offset, key, value, headers)
+        if stamp is not None:
+            assert got.timestamp_ms == stamp
+        else:
+            assert before <= got.timestamp_ms <= after
+
+
+def test_a_wrong_type_fails_its_own_send_and_loses_no_other_record(broker):
+    with Admin(broker.url) as admin:
+        admin.create_topic("typed", partitions=1)
+    with Producer(broker.url, linger_ms=50) as producer:
+        good = [producer.send("typed", b"before")]
+        for bad in ("text", None, 12):
+            with pytest.raises(TypeError):
+                producer.send("typed", bad)
+        with pytest.raises(TypeError):
+            producer.send("typed", b"v", key="text-key")
+        good.append(producer.send("typed", b"after", headers={"h": bytearray(b"1")}))
+        producer.flush()
+    assert [h.offset for h in good] == [0, 1] and all(h.error is None for h in good)
+    conn = Connection(broker.url)
+    try:
+        conn.refresh()
+        assert [(r.value, r.headers) for r in fetch_all(conn, "typed", 0, 2)] == [(b"before", None),
+                                                                                 (b"after", {"h": b"1"})]
+    finally:
+        conn.close()
+
+
 def test_poll_sends_a_lingering_batch_without_another_send(broker):
     with Admin(broker.url) as admin:
         admin.create_topic("linger", partitions=1)

@@ -5,9 +5,10 @@ import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.batch import encode_records, encode_values, validate_payload
+from protocol.batch import encode_columns, encode_records, encode_values, validate_payload
 from protocol.partitioner import partition_for_key
-from zbroker.client.core import AckAccumulator, BatchAccumulator, Deduper, DeliveryHandle, group_by_lease
+from zbroker.client.core import (AckAccumulator, BatchAccumulator, Deduper, DeliveryHandle, checked_record,
+                                 group_by_lease)
 from zbroker.client import sync
 from zbroker.client.core import ConsumedRecord
 
@@ -61,6 +62,64 @@ def test_value_fast_path_packs_exactly_what_the_general_encoder_packs(values, ts
     same = [values[0]] * len(values) if values else []  # equal lengths: the bytes.join path
     assert encode_values(same, ts) == encode_records([[ts, None, v, None] for v in same])
     assert validate_payload(encode_values(same or [b"v"], ts)) == (len(same) or 1)
+
+
+_records = st.lists(st.tuples(
+    st.sampled_from([1_767_225_600_000, 1_767_225_600_001, 1_767_225_600_002, 0, 2**63 - 1]),
+    st.one_of(st.none(), st.binary(max_size=20)),
+    st.one_of(st.binary(max_size=300), st.sampled_from([b"x" * 100, b"y" * 256])),
+    st.one_of(st.none(), st.dictionaries(st.text(max_size=5), st.binary(max_size=10), min_size=1, max_size=3)),
+), min_size=1, max_size=60)
+
+
+@given(_records)
+def test_a_batch_kept_as_columns_packs_exactly_what_the_general_encoder_packs(records):
+    acc = BatchAccumulator(batch_size=1000, batch_bytes=1 << 30, producer_id=1)
+    for stamp, key, value, headers in records:
+        acc.add("t", 0, [stamp, key, value, headers], 1, 0.0)
+    batch, = acc.drain()
+    assert batch.payload == encode_records([list(r) for r in records])
+    assert validate_payload(batch.payload) == len(records)
+
+
+def test_columns_of_equal_values_pack_as_runs_per_timestamp():
+    values = [b"v" * 100] * 6
+    payload = encode_columns(values, [(0, 5), (2, 6), (5, 9)], None)
+    assert payload == encode_records([[5, None, v, None] for v in values[:2]] + [[6, None, v, None] for v in values[2:5]]
+                                     + [[9, None, values[5], None]])
+
+
+def test_the_keyless_fast_path_follows_the_sticky_partition_and_its_open_batch():
+    acc = BatchAccumulator(batch_size=2, batch_bytes=1 << 20, producer_id=1)
+    assert acc.keyless_open == {}
+    first = acc.choose_partition("t", 3, None)
+    acc.add("t", first, [0, None, b"a", None], 1, 0.0)
+    assert acc.keyless_open["t"].values == [b"a"]
+    nxt = (first + 1) % 3
+    acc.add("t", nxt, [0, b"k", b"keyed", None], 1, 0.0)  # a keyed record opened the next partition's batch
+    assert acc.keyless_open["t"].outcome.partition == first
+    acc.add("t", first, [0, None, b"b", None], 1, 0.0)  # fills the batch: sticky moves on, to an open batch
+    assert acc.choose_partition("t", 3, None) == nxt
+    assert acc.keyless_open["t"].outcome.partition == nxt and acc.keyless_open["t"].values == [b"keyed"]
+    acc.drain()
+    assert acc.keyless_open == {}
+    acc.choose_partition("t", 5, None)  # the partition count changed: a new sticky partition, nothing open
+    assert acc.keyless_open == {}
+
+
+def test_a_record_of_the_wrong_type_is_refused_when_sent():
+    assert checked_record(bytearray(b"v"), memoryview(b"k"), {"h": bytearray(b"1")}) == (b"v", b"k", {"h": b"1"})
+    assert checked_record(b"v", None, {}) == (b"v", None, None)
+    with pytest.raises(TypeError, match="value must be bytes, not str"):
+        checked_record("text", None, None)
+    with pytest.raises(TypeError, match="value must be bytes, not NoneType"):
+        checked_record(None, None, None)
+    with pytest.raises(TypeError, match="key must be bytes or None, not int"):
+        checked_record(b"v", 7, None)
+    with pytest.raises(TypeError, match="headers must be a dict of str to bytes, not str to str"):
+        checked_record(b"v", None, {"h": "1"})
+    with pytest.raises(TypeError, match="headers must be a dict"):
+        checked_record(b"v", None, [("h", b"1")])
 
 
 def test_value_fast_path_splits_by_count_and_by_bytes_with_consecutive_sequences():

@@ -25,7 +25,7 @@ from protocol import messages as m
 from protocol.batch import decode_fetched
 from protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
 from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord,
-                                 DeliveryHandle, MetadataCache, PendingBatch, group_by_lease,
+                                 DeliveryHandle, MetadataCache, PendingBatch, checked_record, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
 from actors.security import ClientKeys
 from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, client_dealer, curve_from_env
@@ -229,6 +229,7 @@ class AsyncProducer:
 
     async def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
                    partition: int | None = None) -> DeliveryHandle:
+        value, key, headers = checked_record(value, key, headers)
         self._start_background_tasks()
         if partition is None:
             if topic not in self.conn.metadata.topics:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from operator import itemgetter
 from typing import Any, Iterable
 
-from protocol.batch import Record, encode_records, encode_values, stored_range
+from protocol.batch import Record, encode_columns, encode_values, stored_range
 from protocol.errors import StaleLease, UnknownPartition, UnknownTopic
 from protocol.partitioner import partition_for_key
 
@@ -131,9 +131,36 @@ def record_size_estimate(value: bytes, key: bytes | None, headers: dict | None) 
     if key is not None:
         size += len(key)
     if headers:
-        # Keys are str, values bytes (a wrong type is refused when the batch is encoded).
-        size += sum(len(k) + len(v) + 4 if isinstance(v, (bytes, bytearray)) else 16 for k, v in headers.items())
+        size += sum(len(k) + len(v) + 4 for k, v in headers.items())
     return size
+
+
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+def checked_record(value: Any, key: Any, headers: Any) -> tuple[bytes, bytes | None, dict | None]:
+    """``(value, key, headers)`` as a batch holds them, or TypeError naming what is wrong.
+
+    Checked when the record is sent, not when its batch is encoded: a wrong type
+    found then would fail the whole batch, every other record in it with it.
+    """
+    if type(value) is not bytes:
+        if not isinstance(value, _BYTES_LIKE):
+            raise TypeError(f"a record's value must be bytes, not {type(value).__name__}")
+        value = bytes(value)
+    if key is not None and type(key) is not bytes:
+        if not isinstance(key, _BYTES_LIKE):
+            raise TypeError(f"a record's key must be bytes or None, not {type(key).__name__}")
+        key = bytes(key)
+    if headers is not None:
+        if not isinstance(headers, dict):
+            raise TypeError(f"a record's headers must be a dict of str to bytes, not {type(headers).__name__}")
+        for name, item in headers.items():
+            if not isinstance(name, str) or not isinstance(item, _BYTES_LIKE):
+                raise TypeError("a record's headers must be a dict of str to bytes, "
+                                f"not {type(name).__name__} to {type(item).__name__}")
+        headers = {name: bytes(item) for name, item in headers.items()} if headers else None
+    return value, key, headers
 
 
 class BatchOutcome:
@@ -142,9 +169,11 @@ class BatchOutcome:
     Its records' handles read it, so settling a batch is one assignment, not one per record.
     """
 
-    __slots__ = ("base_offset", "error")
+    __slots__ = ("topic", "partition", "base_offset", "error")
 
-    def __init__(self) -> None:
+    def __init__(self, topic: str, partition: int) -> None:
+        self.topic = topic
+        self.partition = partition
         self.base_offset: int | None = None
         self.error: Exception | None = None
 
@@ -152,13 +181,20 @@ class BatchOutcome:
 class DeliveryHandle:
     """The record's offset once its batch is acknowledged, or the error it failed with."""
 
-    __slots__ = ("topic", "partition", "_outcome", "_index")
+    # Two slots: a producer makes one per record sent (bench/PROFILE.md, tenth pass).
+    __slots__ = ("_outcome", "_index")
 
-    def __init__(self, topic: str, partition: int, outcome: BatchOutcome, index: int) -> None:
-        self.topic = topic
-        self.partition = partition
+    def __init__(self, outcome: BatchOutcome, index: int) -> None:
         self._outcome = outcome
         self._index = index  # the record's place in its batch
+
+    @property
+    def topic(self) -> str:
+        return self._outcome.topic
+
+    @property
+    def partition(self) -> int:
+        return self._outcome.partition
 
     @property
     def offset(self) -> int | None:
@@ -178,15 +214,30 @@ class DeliveryHandle:
 
 
 class OpenBatch:
-    """The records of one partition gathered so far, and when the first came."""
+    """The records of one partition gathered so far, and when the first came.
 
-    __slots__ = ("records", "outcome", "size", "opened_at")
+    Kept as columns, so that the usual record (no key, no headers, the same
+    millisecond as the one before) costs one append: ``values`` in order;
+    ``stamps`` the runs of equal timestamps, ``(first index, timestamp_ms)``;
+    ``extras`` ``{index: (key, headers)}`` for the records that have either
+    (`protocol.batch.encode_columns` packs them).
+    """
 
-    def __init__(self, opened_at: float) -> None:
-        self.records: list = []
-        self.outcome = BatchOutcome()
+    __slots__ = ("values", "stamps", "last_stamp", "extras", "outcome", "size", "opened_at")
+
+    def __init__(self, topic: str, partition: int, opened_at: float) -> None:
+        self.values: list[bytes] = []
+        self.stamps: list[tuple[int, int]] = []
+        self.last_stamp: int | None = None
+        self.extras: dict[int, tuple[bytes | None, dict | None]] = {}
+        self.outcome = BatchOutcome(topic, partition)
         self.size = 0  # estimated payload bytes (record_size_estimate)
         self.opened_at = opened_at
+
+    def stamp(self, timestamp_ms: int) -> None:
+        """Start a run of ``timestamp_ms`` at the record appended last."""
+        self.stamps.append((len(self.values) - 1, timestamp_ms))
+        self.last_stamp = timestamp_ms
 
 
 class BatchAccumulator:
@@ -202,6 +253,9 @@ class BatchAccumulator:
         # Key-less records go round-robin one *batch* at a time: they stick to a
         # partition until its batch closes, so batches stay full.
         self._sticky: dict[str, list[int]] = {}  # topic -> [partition, partition count]
+        # topic -> the open batch of its sticky partition, where a key-less record
+        # goes now: the producer's fast path appends to it without choosing a partition.
+        self.keyless_open: dict[str, OpenBatch] = {}
 
     def choose_partition(self, topic: str, partitions: int, key: bytes | None) -> int:
         if key is not None:
@@ -209,25 +263,44 @@ class BatchAccumulator:
         sticky = self._sticky.get(topic)
         if sticky is None or sticky[1] != partitions:
             sticky = self._sticky[topic] = [random.randrange(partitions), partitions]
+            self._track_sticky(topic)
         return sticky[0]
 
     def _rotate(self, topic: str, partition: int) -> None:
         sticky = self._sticky.get(topic)
         if sticky is not None and sticky[0] == partition:
             sticky[0] = (partition + 1) % sticky[1]
+            self._track_sticky(topic)
+
+    def _track_sticky(self, topic: str) -> None:
+        """Point `keyless_open` at the open batch of the topic's sticky partition, if it has one."""
+        batch = self._open.get((topic, self._sticky[topic][0]))
+        if batch is None:
+            self.keyless_open.pop(topic, None)
+        else:
+            self.keyless_open[topic] = batch
 
     def add(self, topic: str, partition: int, record: list, size: int, now: float
             ) -> tuple[DeliveryHandle, PendingBatch | None]:
-        """Add one record: its handle, and the batch it filled (closed now), if it did."""
+        """Add one record ``[timestamp_ms, key, value, headers]`` (checked by `checked_record`):
+        its handle, and the batch it filled (closed now), if it did."""
         key = (topic, partition)
         batch = self._open.get(key)
         if batch is None:
-            batch = self._open[key] = OpenBatch(now)
-        records = batch.records
-        handle = DeliveryHandle(topic, partition, batch.outcome, len(records))
-        records.append(record)
+            batch = self._open[key] = OpenBatch(topic, partition, now)
+            sticky = self._sticky.get(topic)
+            if sticky is not None and sticky[0] == partition:
+                self.keyless_open[topic] = batch
+        stamp, record_key, value, headers = record
+        values = batch.values
+        handle = DeliveryHandle(batch.outcome, len(values))
+        values.append(value)
+        if stamp != batch.last_stamp:
+            batch.stamp(stamp)
+        if record_key is not None or headers:
+            batch.extras[len(values) - 1] = (record_key, headers or None)
         batch.size += size
-        if len(records) >= self.batch_size or batch.size >= self.batch_bytes:
+        if len(values) >= self.batch_size or batch.size >= self.batch_bytes:
             return handle, self.close(key)
         return handle, None
 
@@ -252,12 +325,13 @@ class BatchAccumulator:
 
     def close(self, key: tuple[str, int]) -> PendingBatch:
         batch = self._open.pop(key)
-        self._rotate(*key)
-        return self._make_batch(key[0], key[1], batch.records, batch.outcome)
-
-    def _make_batch(self, topic: str, partition: int, records: list, outcome: BatchOutcome) -> PendingBatch:
+        topic, partition = key
+        if self.keyless_open.get(topic) is batch:
+            del self.keyless_open[topic]
+        self._rotate(topic, partition)
         producer_id, seq = self._next_sequence(topic, partition)
-        return PendingBatch(topic, partition, encode_records(records), len(records), producer_id, seq, outcome)
+        return PendingBatch(topic, partition, encode_columns(batch.values, batch.stamps, batch.extras),
+                            len(batch.values), producer_id, seq, batch.outcome)
 
     def _next_sequence(self, topic: str, partition: int) -> tuple[int, int]:
         """The (producer_id, sequence) of the partition's next batch."""
@@ -284,7 +358,7 @@ class BatchAccumulator:
         return [self.close(k) for k in list(self._open)]
 
     def buffered_records(self) -> int:
-        return sum(len(b.records) for b in self._open.values())
+        return sum(len(b.values) for b in self._open.values())
 
 
 class AckAccumulator:

@@ -29,9 +29,11 @@ from protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, S
                              UnknownMember, ZBrokerError)
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord, DeliveryHandle,
                                  MetadataCache, PendingBatch, ReadAhead, group_by_lease,
-                                 RANGES_PER_REQUEST, in_request_sized_chunks, record_size_estimate)
+                                 RANGES_PER_REQUEST, checked_record, in_request_sized_chunks,
+                                 record_size_estimate)
 
 log = structlog.get_logger("zbroker.client")
+_time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once per record sent
 
 DEFAULT_URL = "tcp://127.0.0.1:7400"
 READ_AHEAD_WAIT_S = 1.0
@@ -271,7 +273,9 @@ class Producer:
         self.keep_results = False
         self.stats = {"batches": 0, "records": 0, "retries": 0, "duplicates": 0}
         self._oldest_open: float | None = None  # first-record time of the longest-waiting open batch
-        self._sends = 0
+        self._last_index = batch_size - 1  # a record at this index fills its batch
+        self._batch_bytes = batch_bytes
+        self._keyless_open = self.acc.keyless_open  # the accumulator's own dict, updated in place
         self._topic_partitions = self.conn.metadata.topics  # the cache's own dict, updated in place
 
     @property
@@ -280,17 +284,43 @@ class Producer:
 
     def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
              partition: int | None = None, timestamp_ms: int | None = None) -> DeliveryHandle:
-        # This runs once per record: lookups are kept few (bench/PROFILE.md, ninth pass).
+        # This runs once per record. The usual record (bytes, no key, headers,
+        # partition or timestamp) goes to the open batch of the topic's sticky
+        # partition with one lookup and one append; everything else takes
+        # `_send_record` (bench/PROFILE.md, ninth and tenth passes).
+        if (key is None and headers is None and partition is None and timestamp_ms is None
+                and value.__class__ is bytes):
+            batch = self._keyless_open.get(topic)
+            if batch is not None:
+                values = batch.values
+                index = len(values)
+                values.append(value)
+                stamp = _time_ns() // 1_000_000
+                if stamp != batch.last_stamp:
+                    batch.stamp(stamp)
+                size = batch.size = batch.size + len(value) + 16
+                handle = DeliveryHandle(batch.outcome, index)
+                if index >= self._last_index or size >= self._batch_bytes:
+                    self._dispatch(self.acc.close((topic, batch.outcome.partition)))
+                    self._oldest_open = self.acc.oldest_opened_at()
+                elif _monotonic() >= self._oldest_open + self.linger_s:  # open batch: _oldest_open is set
+                    self._dispatch_lingered(_monotonic())
+                return handle
+        return self._send_record(topic, value, key, headers, partition, timestamp_ms)
+
+    def _send_record(self, topic: str, value: bytes, key: bytes | None, headers: dict | None,
+                     partition: int | None, timestamp_ms: int | None) -> DeliveryHandle:
+        value, key, headers = checked_record(value, key, headers)
         if partition is None:
             partitions = self._topic_partitions.get(topic)
             if partitions is None:
                 self.conn.refresh([topic])
                 partitions = self.conn.metadata.topics[topic]
             partition = self.acc.choose_partition(topic, len(partitions), key)
-        ts = time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms
-        now = time.monotonic()
-        size = len(value) + 16 if key is None and not headers else record_size_estimate(value, key, headers)
-        handle, batch = self.acc.add(topic, partition, [ts, key, value, headers], size, now)
+        ts = _time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms
+        now = _monotonic()
+        handle, batch = self.acc.add(topic, partition, [ts, key, value, headers],
+                                     record_size_estimate(value, key, headers), now)
         if batch is not None:
             self._dispatch(batch)
             self._oldest_open = self.acc.oldest_opened_at()
@@ -302,11 +332,6 @@ class Producer:
             self._oldest_open = now
         elif now >= self._oldest_open + self.linger_s:  # the form of linger_deadline() and acc.due()
             self._dispatch_lingered(now)
-        self._sends += 1
-        if self.in_flight and self._sends & 63 == 0:
-            # Collect replies now and then so the window keeps moving between batches.
-            for env in self.conn.recv_nowait_all():
-                self._on_reply(env)
         return handle
 
     def linger_deadline(self) -> float | None:
@@ -367,6 +392,11 @@ class Producer:
         # The window is bounded in records and in bytes: large records would otherwise
         # put max_in_flight_records x their size in memory here and in the actor.
         size = len(batch.payload)
+        if self.in_flight:
+            # Take in the replies that are here, so the window moves between batches
+            # (a synchronous producer has no thread that would).
+            for env in self.conn.recv_nowait_all():
+                self._on_reply(env)
         while (self.in_flight or self.retrying) and (
                 self.in_flight_records + batch.count > self.max_in_flight_records
                 or self.in_flight_bytes + size > self.max_in_flight_bytes):
