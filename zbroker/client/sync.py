@@ -276,6 +276,7 @@ class Producer:
         self._last_index = batch_size - 1  # a record at this index fills its batch
         self._batch_bytes = batch_bytes
         self._keyless_open = self.acc.keyless_open  # the accumulator's own dict, updated in place
+        self._dispatches = 0
         self._topic_partitions = self.conn.metadata.topics  # the cache's own dict, updated in place
 
     @property
@@ -392,9 +393,12 @@ class Producer:
         # The window is bounded in records and in bytes: large records would otherwise
         # put max_in_flight_records x their size in memory here and in the actor.
         size = len(batch.payload)
-        if self.in_flight:
-            # Take in the replies that are here, so the window moves between batches
-            # (a synchronous producer has no thread that would).
+        self._dispatches += 1
+        if self.in_flight and self._dispatches & 15 == 0:
+            # Take in the replies that are here now and then, so the window moves between
+            # batches (a synchronous producer has no thread that would). Not on every
+            # batch: with linger_ms=0 each record is one, and a receive that finds
+            # nothing costs more than sending the record (bench/PROFILE.md, tenth pass).
             for env in self.conn.recv_nowait_all():
                 self._on_reply(env)
         while (self.in_flight or self.retrying) and (
