@@ -398,7 +398,7 @@ class Producer:
             # Take in the replies that are here now and then, so the window moves between
             # batches (a synchronous producer has no thread that would). Not on every
             # batch: with linger_ms=0 each record is one, and a receive that finds
-            # nothing costs more than sending the record (bench/PROFILE.md, tenth pass).
+            # nothing costs a few microseconds (bench/PROFILE.md, tenth pass).
             for env in self.conn.recv_nowait_all():
                 self._on_reply(env)
         while (self.in_flight or self.retrying) and (
