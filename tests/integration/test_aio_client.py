@@ -175,3 +175,34 @@ def test_records_being_fetched_when_the_heartbeat_re_joins_are_still_handed_out(
             await a.close()
 
     assert asyncio.run(main()) == list(range(10))
+
+
+def test_key_less_and_key_ed_records_keep_their_order_and_a_wrong_type_fails_alone(broker):
+    """Key-less records take the producer's fast path (the sticky partition's open
+    batch), the rest the general one: one partition keeps the order they were sent in."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("mixed", partitions=1)
+
+    async def main():
+        producer = AsyncProducer(broker.url, linger_ms=50, batch_size=7)
+        sent, handles = [], []
+        for i in range(40):
+            key = b"key-%d" % i if i % 4 == 1 else None
+            headers = {"n": b"%d" % i} if i % 4 == 2 else None
+            handles.append(await producer.send("mixed", b"v%d" % i, key=key, headers=headers))
+            sent.append((key, b"v%d" % i, headers))
+            if i == 20:
+                with pytest.raises(TypeError, match="value must be bytes"):
+                    await producer.send("mixed", "text")
+        await producer.flush()
+        await producer.close()
+        return sent, handles
+
+    sent, handles = asyncio.run(main())
+    assert [h.offset for h in handles] == list(range(40)) and {h.partition for h in handles} == {0}
+    conn = Connection(broker.url)
+    try:
+        records, _start, _end = fetch(conn, "mixed", 0, 0)
+    finally:
+        conn.close()
+    assert [(r.key, r.value, r.headers) for r in records] == sent

@@ -107,6 +107,19 @@ def test_the_keyless_fast_path_follows_the_sticky_partition_and_its_open_batch()
     assert acc.keyless_open == {}
 
 
+def test_add_keyless_appends_to_the_sticky_partitions_open_batch_only():
+    acc = BatchAccumulator(batch_size=3, batch_bytes=1 << 20, producer_id=1)
+    assert acc.add_keyless("t", b"a", 5) is None  # nothing open yet: the caller takes the general path
+    partition = acc.choose_partition("t", 2, None)
+    acc.add("t", partition, [5, None, b"a", None], 17, 0.0)
+    handle, closed = acc.add_keyless("t", b"b", 6)
+    assert closed is None and (handle.topic, handle.partition) == ("t", partition)
+    handle, closed = acc.add_keyless("t", b"c", 6)  # the third record fills the batch
+    assert closed.count == 3 and closed.partition == partition
+    assert closed.payload == encode_records([[5, None, b"a", None], [6, None, b"b", None], [6, None, b"c", None]])
+    assert acc.add_keyless("t", b"d", 7) is None  # the sticky partition moved on; nothing open there
+
+
 def test_a_record_of_the_wrong_type_is_refused_when_sent():
     assert checked_record(bytearray(b"v"), memoryview(b"k"), {"h": bytearray(b"1")}) == (b"v", b"k", {"h": b"1"})
     assert checked_record(b"v", None, {}) == (b"v", None, None)

@@ -229,14 +229,20 @@ class AsyncProducer:
 
     async def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
                    partition: int | None = None) -> DeliveryHandle:
-        value, key, headers = checked_record(value, key, headers)
-        self._start_background_tasks()
-        if partition is None:
-            if topic not in self.conn.metadata.topics:
-                await self.conn.refresh([topic])
-            partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), key)
-        handle, batch = self.acc.add(topic, partition, [time.time_ns() // 1_000_000, key, value, headers],
-                                     record_size_estimate(value, key, headers), time.monotonic())
+        added = None
+        if key is None and headers is None and partition is None and value.__class__ is bytes:
+            # The usual record: appended to the sticky partition's open batch, if it has one.
+            added = self.acc.add_keyless(topic, value, time.time_ns() // 1_000_000)
+        if added is None:
+            value, key, headers = checked_record(value, key, headers)
+            self._start_background_tasks()
+            if partition is None:
+                if topic not in self.conn.metadata.topics:
+                    await self.conn.refresh([topic])
+                partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), key)
+            added = self.acc.add(topic, partition, [time.time_ns() // 1_000_000, key, value, headers],
+                                 record_size_estimate(value, key, headers), time.monotonic())
+        handle, batch = added
         if batch is not None:
             self._enqueue([batch])
             # Backpressure: a caller that fills batches faster than the window frees waits here.

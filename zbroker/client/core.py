@@ -304,6 +304,26 @@ class BatchAccumulator:
             return handle, self.close(key)
         return handle, None
 
+    def add_keyless(self, topic: str, value: bytes, timestamp_ms: int) -> tuple[DeliveryHandle, PendingBatch | None] | None:
+        """Add a key-less, header-less ``bytes`` value to the open batch of the topic's
+        sticky partition: its handle and the batch it filled, if it did; None when that
+        partition has no open batch (then `choose_partition` and `add` take the record).
+
+        The synchronous `Producer.send` does the same inline, one call less per record."""
+        batch = self.keyless_open.get(topic)
+        if batch is None:
+            return None
+        values = batch.values
+        index = len(values)
+        values.append(value)
+        if timestamp_ms != batch.last_stamp:
+            batch.stamp(timestamp_ms)
+        batch.size += len(value) + 16
+        handle = DeliveryHandle(batch.outcome, index)
+        if index + 1 >= self.batch_size or batch.size >= self.batch_bytes:
+            return handle, self.close((topic, batch.outcome.partition))
+        return handle, None
+
     def add_many_values(self, topic: str, partition: int, values: list[bytes], timestamp_ms: int) -> list[PendingBatch]:
         """Key-less, header-less values in full batches (``batch_size`` records and
         about ``batch_bytes`` at most each), encoded by the `encode_values` fast path."""
