@@ -130,6 +130,10 @@ def test_a_wrong_type_fails_its_own_send_and_loses_no_other_record(broker):
                 producer.send("typed", bad)
         with pytest.raises(TypeError):
             producer.send("typed", b"v", key="text-key")
+        with pytest.raises(TypeError, match="timestamp_ms must be an int"):
+            producer.send("typed", b"v", timestamp_ms=1.7e12)
+        with pytest.raises(ValueError, match="fit in 64 bits"):
+            producer.send("typed", b"v", timestamp_ms=1 << 64)
         good.append(producer.send("typed", b"after", headers={"h": bytearray(b"1")}))
         producer.flush()
     assert [h.offset for h in good] == [0, 1] and all(h.error is None for h in good)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from protocol.batch import encode_columns, encode_records, encode_values, validate_payload
 from protocol.partitioner import partition_for_key
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, Deduper, DeliveryHandle, checked_record,
-                                 group_by_lease)
+                                 checked_timestamp, group_by_lease)
 from zbroker.client import sync
 from zbroker.client.core import ConsumedRecord
 
@@ -133,6 +133,13 @@ def test_a_record_of_the_wrong_type_is_refused_when_sent():
         checked_record(b"v", None, {"h": "1"})
     with pytest.raises(TypeError, match="headers must be a dict"):
         checked_record(b"v", None, [("h", b"1")])
+    assert checked_timestamp(-(1 << 63)) == -(1 << 63) and checked_timestamp((1 << 64) - 1) == (1 << 64) - 1
+    with pytest.raises(TypeError, match="timestamp_ms must be an int, not float"):
+        checked_timestamp(5.0)
+    with pytest.raises(TypeError, match="not bool"):
+        checked_timestamp(True)
+    with pytest.raises(ValueError, match="fit in 64 bits"):
+        checked_timestamp(1 << 64)
 
 
 def test_value_fast_path_splits_by_count_and_by_bytes_with_consecutive_sequences():

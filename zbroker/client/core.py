@@ -163,6 +163,16 @@ def checked_record(value: Any, key: Any, headers: Any) -> tuple[bytes, bytes | N
     return value, key, headers
 
 
+def checked_timestamp(timestamp_ms: Any) -> int:
+    """A record's explicit timestamp: an int that msgpack packs (-2**63 .. 2**64 - 1),
+    else TypeError or ValueError from the send, for the reason `checked_record` gives."""
+    if type(timestamp_ms) is not int:
+        raise TypeError(f"a record's timestamp_ms must be an int, not {type(timestamp_ms).__name__}")
+    if not -(1 << 63) <= timestamp_ms < 1 << 64:
+        raise ValueError(f"a record's timestamp_ms must fit in 64 bits, not {timestamp_ms}")
+    return timestamp_ms
+
+
 class BatchOutcome:
     """What became of one batch: set once, when it is acknowledged or fails for good.
 

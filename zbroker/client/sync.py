@@ -29,7 +29,7 @@ from protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, S
                              UnknownMember, ZBrokerError)
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord, DeliveryHandle,
                                  MetadataCache, PendingBatch, ReadAhead, group_by_lease,
-                                 RANGES_PER_REQUEST, checked_record, in_request_sized_chunks,
+                                 RANGES_PER_REQUEST, checked_record, checked_timestamp, in_request_sized_chunks,
                                  record_size_estimate)
 
 log = structlog.get_logger("zbroker.client")
@@ -312,6 +312,8 @@ class Producer:
     def _send_record(self, topic: str, value: bytes, key: bytes | None, headers: dict | None,
                      partition: int | None, timestamp_ms: int | None) -> DeliveryHandle:
         value, key, headers = checked_record(value, key, headers)
+        if timestamp_ms is not None:
+            checked_timestamp(timestamp_ms)
         if partition is None:
             partitions = self._topic_partitions.get(topic)
             if partitions is None:
