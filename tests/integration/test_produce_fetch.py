@@ -160,7 +160,10 @@ def test_poll_sends_a_lingering_batch_without_another_send(broker):
         assert producer.in_flight_records == 0 and producer.linger_deadline() == deadline
         time.sleep(max(0.0, deadline - time.monotonic()))  # to the deadline itself: due then
         producer.poll()
-        assert producer.linger_deadline() is None and producer.in_flight_records == 1
+        # Sent: in flight, or already acknowledged if the reply beat poll()'s own look
+        # for replies (a descheduled test process gives it time to).
+        assert producer.linger_deadline() is None
+        assert producer.in_flight_records == 1 or (handle.offset == 0 and producer.in_flight_records == 0)
         give_up = time.monotonic() + 10
         while handle.offset is None and time.monotonic() < give_up:
             producer.poll(timeout=0.05)
