@@ -16,6 +16,7 @@ from protocol import messages as m
 from protocol.batch import encode_records
 from protocol.errors import ErrorCode, UnknownTopic
 from zbroker.client import Admin, Connection, Producer, fetch
+from zbroker.client.sync import ProduceError
 from zbroker.supervisor import wait_ready
 
 pytestmark = pytest.mark.processes
@@ -144,6 +145,23 @@ def test_a_wrong_type_fails_its_own_send_and_loses_no_other_record(broker):
                                                                                  (b"after", {"h": b"1"})]
     finally:
         conn.close()
+
+
+def test_a_record_too_large_for_the_broker_fails_alone(broker):
+    """A record that fits the actor's max_batch_bytes (8 MiB) only on its own, sent
+    after smaller ones, goes in a batch of its own: its neighbours are stored."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("big", partitions=1)
+    with Producer(broker.url, linger_ms=50) as producer:
+        before = producer.send("big", b"s" * 500_000)
+        large = producer.send("big", b"L" * 7_900_000)  # fits alone; with `before` it would not
+        after = producer.send("big", b"after")
+        too_large = producer.send("big", b"T" * (9 << 20))  # over the limit whatever shares its batch
+        last = producer.send("big", b"last")
+        with pytest.raises(ProduceError):
+            producer.flush()
+    assert [before.offset, large.offset, after.offset, last.offset] == [0, 1, 2, 3]
+    assert too_large.offset is None and too_large.error.code is ErrorCode.TOO_LARGE
 
 
 def test_poll_sends_a_lingering_batch_without_another_send(broker):

@@ -34,8 +34,16 @@ def test_sequences_are_per_partition():
 
 def test_batches_close_by_bytes_and_by_linger():
     acc = BatchAccumulator(batch_size=1000, batch_bytes=100, producer_id=1)
-    assert acc.add("t", 0, [0, None, b"x" * 60, None], 60, 0.0)[1] is None
-    assert acc.add("t", 0, [0, None, b"x" * 60, None], 60, 0.0)[1].count == 2
+    assert acc.add("t", 0, [0, None, b"x" * 40, None], 40, 0.0)[1] is None
+    assert acc.add("t", 0, [0, None, b"x" * 60, None], 60, 0.0)[1].count == 2  # exactly batch_bytes
+    assert acc.add("t", 0, [0, None, b"a" * 60, None], 60, 0.0)[1] is None
+    # A record that would take the batch past batch_bytes starts the next batch: a record
+    # too large for the broker then fails alone, not with its neighbours.
+    first = acc.add("t", 0, [0, None, b"b" * 500, None], 500, 0.0)[1]
+    assert first.count == 1 and msgpack.unpackb(first.payload)[0][2] == b"a" * 60
+    assert acc.add("t", 0, [0, None, b"c", None], 1, 0.0)[1].count == 1  # the oversized one, alone
+    assert acc.buffered_records() == 1
+    acc.drain()
     acc.add("t", 1, [0, None, b"y", None], 1, 10.0)
     assert acc.due(10.004, 0.005) == []
     assert [b.partition for b in acc.due(10.006, 0.005)] == [1]
@@ -118,6 +126,10 @@ def test_add_keyless_appends_to_the_sticky_partitions_open_batch_only():
     assert closed.count == 3 and closed.partition == partition
     assert closed.payload == encode_records([[5, None, b"a", None], [6, None, b"b", None], [6, None, b"c", None]])
     assert acc.add_keyless("t", b"d", 7) is None  # the sticky partition moved on; nothing open there
+    small = BatchAccumulator(batch_size=100, batch_bytes=100, producer_id=1)
+    small.add("t", small.choose_partition("t", 1, None), [5, None, b"a" * 30, None], 46, 0.0)
+    assert small.add_keyless("t", b"b" * 60, 5) is None  # 46 + 76 > 100: `add` starts the next batch
+    assert small.add_keyless("t", b"b" * 30, 5)[1] is None and small.buffered_records() == 2
 
 
 def test_a_record_of_the_wrong_type_is_refused_when_sent():

@@ -293,14 +293,33 @@ class BatchAccumulator:
     def add(self, topic: str, partition: int, record: list, size: int, now: float
             ) -> tuple[DeliveryHandle, PendingBatch | None]:
         """Add one record ``[timestamp_ms, key, value, headers]`` (checked by `checked_record`):
-        its handle, and the batch it filled (closed now), if it did."""
+        its handle, and the batch closed now, if one was.
+
+        A batch closes when it holds ``batch_size`` records or ``batch_bytes``, and
+        before a record that would take it past ``batch_bytes``: that record starts
+        the next batch, so a record too large for the broker fails alone instead of
+        with the records that happened to share its batch."""
         key = (topic, partition)
         batch = self._open.get(key)
+        if batch is not None and batch.size + size > self.batch_bytes:
+            closed = self.close(key)
+            batch = self._open[key] = OpenBatch(topic, partition, now)
+            sticky = self._sticky.get(topic)
+            if sticky is not None and sticky[0] == partition:
+                self.keyless_open[topic] = batch
+            return self._append(batch, record, size), closed
         if batch is None:
             batch = self._open[key] = OpenBatch(topic, partition, now)
             sticky = self._sticky.get(topic)
             if sticky is not None and sticky[0] == partition:
                 self.keyless_open[topic] = batch
+        handle = self._append(batch, record, size)
+        if len(batch.values) >= self.batch_size or batch.size >= self.batch_bytes:
+            return handle, self.close(key)
+        return handle, None
+
+    @staticmethod
+    def _append(batch: OpenBatch, record: list, size: int) -> DeliveryHandle:
         stamp, record_key, value, headers = record
         values = batch.values
         handle = DeliveryHandle(batch.outcome, len(values))
@@ -310,19 +329,18 @@ class BatchAccumulator:
         if record_key is not None or headers:
             batch.extras[len(values) - 1] = (record_key, headers or None)
         batch.size += size
-        if len(values) >= self.batch_size or batch.size >= self.batch_bytes:
-            return handle, self.close(key)
-        return handle, None
+        return handle
 
     def add_keyless(self, topic: str, value: bytes, timestamp_ms: int) -> tuple[DeliveryHandle, PendingBatch | None] | None:
         """Add a key-less, header-less ``bytes`` value to the open batch of the topic's
         sticky partition: its handle and the batch it filled, if it did; None when that
-        partition has no open batch (then `choose_partition` and `add` take the record).
+        partition has no open batch, or the value would take it past ``batch_bytes``
+        (then `choose_partition` and `add` take the record).
 
         The synchronous `Producer.send` does the same inline, one call less per record."""
         batch = self.keyless_open.get(topic)
-        if batch is None:
-            return None
+        if batch is None or batch.size + len(value) + 16 > self.batch_bytes:
+            return None  # `add` starts the next batch with a record that would overflow this one
         values = batch.values
         index = len(values)
         values.append(value)

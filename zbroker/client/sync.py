@@ -292,7 +292,8 @@ class Producer:
         if (key is None and headers is None and partition is None and timestamp_ms is None
                 and value.__class__ is bytes):
             batch = self._keyless_open.get(topic)
-            if batch is not None:
+            # A record that would take the batch past batch_bytes starts the next one (`acc.add`).
+            if batch is not None and batch.size + len(value) + 16 <= self._batch_bytes:
                 values = batch.values
                 index = len(values)
                 values.append(value)
