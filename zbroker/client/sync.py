@@ -293,14 +293,14 @@ class Producer:
                 and value.__class__ is bytes):
             batch = self._keyless_open.get(topic)
             # A record that would take the batch past batch_bytes starts the next one (`acc.add`).
-            if batch is not None and batch.size + len(value) + 16 <= self._batch_bytes:
+            if batch is not None and (size := batch.size + len(value) + 16) <= self._batch_bytes:
                 values = batch.values
                 index = len(values)
                 values.append(value)
                 stamp = _time_ns() // 1_000_000
                 if stamp != batch.last_stamp:
                     batch.stamp(stamp)
-                size = batch.size = batch.size + len(value) + 16
+                batch.size = size
                 handle = DeliveryHandle(batch.outcome, index)
                 if index >= self._last_index or size >= self._batch_bytes:
                     self._dispatch(self.acc.close((topic, batch.outcome.partition)))
