@@ -174,7 +174,8 @@ def _quiet_logging() -> None:
 
 def producer_main(url: str, topic: str, partitions: int, index: int, journal_path: str, stop: Any,
                   seed: int, records_per_s: float) -> None:
-    """Send uniquely numbered records until `stop`; journal what was acknowledged."""
+    """Send uniquely numbered records until `stop`; journal what was acknowledged
+    (a record's partition is the one its handle names)."""
     from zbroker.client import Producer
 
     _quiet_logging()
@@ -193,13 +194,17 @@ def producer_main(url: str, topic: str, partitions: int, index: int, journal_pat
                 continue
         sent: list[tuple[int, int, Any]] = []
         broken = False
+        # Half the rounds send key-less records (the producer's fast path: the sticky
+        # partition's open batch), half to a partition picked per record.
+        keyless = rng.random() < 0.5
         try:
             for _ in range(rng.randint(5, 25)):
                 seq += 1
                 rid = index * ID_SPACE + seq
-                p = rng.randrange(partitions)
+                p = -1 if keyless else rng.randrange(partitions)
                 sent.append((rid, p, None))
-                sent[-1] = (rid, p, producer.send(topic, record_value(rid, rng), partition=p))
+                handle = producer.send(topic, record_value(rid, rng), partition=None if keyless else p)
+                sent[-1] = (rid, handle.partition if keyless else p, handle)
             producer.flush(timeout=30)
         except Exception:  # out of retries, or zmq trouble: a fresh producer (and producer id) next
             broken = True
