@@ -200,7 +200,7 @@ this file (tests/chaos/test_chaos.py). `make test` runs the same test for
 - seed: `{meta['seed']}` (replay the nemesis schedule and the workload's choices with `ZBROKER_CHAOS_SEED={meta['seed']}`; the interleaving with the OS scheduler is not replayable)
 - duration: {meta['duration_s']:.0f} s of nemesis; the whole test took {meta.get('wall_s', '?')} s, of which {meta.get('drain_s', '?')} s draining
 - machine: {meta.get('machine', '?')}; shared with other engineers' test runs (load average {_load(meta.get('load_before'))} before, {_load(meta.get('load_after'))} after)
-- workload: {cfg['producers']} producer processes (at most {cfg['records_per_s']:.0f} records/s each, rounds of 5–25 records, half of them key-less and half to a partition picked per record), {cfg['consumers']} consumer processes in one group (session timeout {cfg['session_timeout_ms']} ms, ack timeout {cfg['ack_timeout_ms']} ms), a topic of {cfg['partitions']} partitions on 2 partition-log actors, offsets in PostgreSQL (a fresh schema) through a TCP proxy
+- workload: {cfg['producers']} producer processes (at most {cfg['records_per_s']:.0f} records/s each, rounds of 5–25 records, half of the rounds key-less and half to a partition picked per record), {cfg['consumers']} consumer processes in one group (session timeout {cfg['session_timeout_ms']} ms, ack timeout {cfg['ack_timeout_ms']} ms), a topic of {cfg['partitions']} partitions on 2 partition-log actors, offsets in PostgreSQL (a fresh schema) through a TCP proxy
 - code: {meta.get('code', 'the working tree')}
 - nemesis: {s['events']} events: {', '.join(f'{n} {k}' for k, n in sorted(by_kind.items()))}; actors killed: {kill_text}
 
