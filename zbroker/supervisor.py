@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -308,25 +309,41 @@ def serve(config: BrokerConfig) -> int:
 
 # -- for tests, benchmarks and scripts ------------------------------------------------------------
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local end of outgoing connections (Linux's default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
-    """A base port such that base .. base+count-1 were free a moment ago."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        ok = True
-        for port in range(base + 1, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+    """A base port such that base .. base+count-1 were free a moment ago.
+
+    Picked at random outside the kernel's ephemeral range: a port in it can become
+    the local end of any outgoing connection (a client's, PostgreSQL's) between
+    this check and the broker's bind, which the coordinator then fails with
+    EADDRINUSE. Outside it, only another listener can take the port.
+    """
+    low, high = ephemeral_port_range()
+    spans = [(lo, hi - count) for lo, hi in ((10_000, low), (high + 1, 65_536)) if hi - count > lo]
+    for _ in range(500):
+        lo, hi = random.choice(spans)
+        base = random.randrange(lo, hi)
+        if all(_bindable(host, port) for port in range(base, base + count)):
             return base
     raise RuntimeError("no free port block found")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class BrokerHandle:
