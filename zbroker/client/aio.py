@@ -45,8 +45,11 @@ class AsyncConnection:
         self.waiting: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self.metadata = MetadataCache()
+        self.closed = False
 
     def socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        if self.closed:
+            raise Unavailable("the connection is closed", endpoint=endpoint)
         sock = self.sockets.get(endpoint)
         if sock is None:
             sock = client_dealer(self.ctx, endpoint, self.request_timeout, self.curve)
@@ -111,13 +114,19 @@ class AsyncConnection:
         return endpoint
 
     async def close(self) -> None:
-        for task in self.readers:
+        if self.closed:
+            return
+        self.closed = True
+        readers, self.readers = self.readers, []
+        for task in readers:
             task.cancel()
-        await asyncio.gather(*self.readers, return_exceptions=True)
+        await asyncio.gather(*readers, return_exceptions=True)
         for fut in self.waiting.values():
             fut.cancel()
+        self.waiting.clear()
         for sock in self.sockets.values():
             sock.close(linger=0)
+        self.sockets.clear()
         self.ctx.term()
 
 
@@ -226,9 +235,12 @@ class AsyncProducer:
         self._progress = asyncio.Event()
         self._linger_task: asyncio.Task | None = None
         self._dispatcher: asyncio.Task | None = None
+        self._closed = False  # set when close() starts: nothing sent after it could be delivered
 
     async def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
                    partition: int | None = None) -> DeliveryHandle:
+        if self._closed:
+            raise ProduceError("the producer is closed", code=ErrorCode.SHUTTING_DOWN)
         added = None
         if key is None and headers is None and partition is None and value.__class__ is bytes:
             # The usual record: appended to the sticky partition's open batch, if it has one.
@@ -239,6 +251,8 @@ class AsyncProducer:
             if partition is None:
                 if topic not in self.conn.metadata.topics:
                     await self.conn.refresh([topic])
+                    if self._closed:  # close() began meanwhile: its flush would not see this record
+                        raise ProduceError("the producer is closed", code=ErrorCode.SHUTTING_DOWN)
                 partition = self.acc.choose_partition(topic, self.conn.metadata.partitions(topic), key)
             added = self.acc.add(topic, partition, [time.time_ns() // 1_000_000, key, value, headers],
                                  record_size_estimate(value, key, headers), time.monotonic())
@@ -329,6 +343,11 @@ class AsyncProducer:
 
         Cancelled, it leaves the batches it drained in the queue and the deliveries
         running: the next flush() waits for them and reports their failures."""
+        if self._closed:
+            raise ProduceError("the producer is closed", code=ErrorCode.SHUTTING_DOWN)
+        await self._flush()
+
+    async def _flush(self) -> None:
         self._start_background_tasks()
         self._enqueue(self.acc.drain())
         await self._wait_until(lambda: not self.waiting_for_window and not self.tasks)
@@ -337,8 +356,11 @@ class AsyncProducer:
             raise ProduceError(f"{len(errors)} batch(es) failed; first: {errors[0].message}", code=errors[0].code)
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         try:
-            await self.flush()
+            await self._flush()
         finally:
             background = [t for t in (self._linger_task, self._dispatcher) if t is not None]
             for task in background:
@@ -348,7 +370,9 @@ class AsyncProducer:
             for task in self.tasks:
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
-            for batch in self.waiting_for_window:
+            # A send() that was waiting for metadata when close() began adds its record
+            # after the flush drained: its batch fails here rather than wait forever.
+            for batch in [*self.waiting_for_window, *self.acc.drain()]:
                 self._failed(batch, ProduceError("the producer closed before the batch was sent",
                                                  code=ErrorCode.SHUTTING_DOWN))
             self.waiting_for_window.clear()
@@ -402,6 +426,9 @@ class AsyncConsumer:
         self._heartbeat_task: asyncio.Task | None = None
         self._ack_timer: asyncio.Task | None = None  # sleeping until the held acks are due
         self._ack_timers: set[asyncio.Task] = set()  # sleeping or sending
+        # One future per ack send in progress, resolved with its error or None when it ends:
+        # flush_acks() waits for the sends other tasks (an interval timer) started.
+        self._ack_sends: set[asyncio.Future] = set()
         # One join at a time: the heartbeat task and a poll both refused as an unknown member
         # would otherwise each join as a new one, and the orphan would hold partitions.
         self._join_lock = asyncio.Lock()
@@ -574,7 +601,7 @@ class AsyncConsumer:
             ranges, rest = ranges[:RANGES_PER_REQUEST], ranges[RANGES_PER_REQUEST:]
             self._hold_again(rest)
             try:
-                await self.flush_acks()
+                await self._send_held_acks()
             except BaseException:
                 self._hold_again(ranges)
                 raise
@@ -597,13 +624,16 @@ class AsyncConsumer:
                 env = await self.conn.call(await self.conn.endpoint(topic, partition),
                                            m.Fetch(topic=topic, partition=partition, offset=offset,
                                                    max_bytes=max(4096, (end - offset) * 256)))
+                # A damaged batch fails this delivery only, as a failed fetch does: raised,
+                # it would stay first in `_to_fetch` and every later poll would raise it.
+                got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,
+                                     until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
             except ZBrokerError as err:
+                log.warning("fetch.failed", topic=topic, partition=partition, code=err.code.value,
+                            reason=err.message)
                 if err.retriable:
                     self.conn.metadata.forget(topic)  # moved: ask where it lives next time
                 got = []  # the lease expires and the records come back
-            else:
-                got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,
-                                     until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
             if self._to_fetch and self._to_fetch[0] is delivery:  # not dropped by a re-join meanwhile
                 self._leased.extend(got)
                 delivery[3] = got[-1].offset + 1 if got else end
@@ -613,7 +643,7 @@ class AsyncConsumer:
     async def ack(self, record: ConsumedRecord) -> None:
         self.acks.add(record.topic, record.partition, record.lease_id, record.offset)
         if self.acks.count >= self.ack_batch:
-            await self.flush_acks()
+            await self._send_held_acks()
         elif self._ack_timer is None:
             self._ack_timer = asyncio.get_running_loop().create_task(self._send_acks_when_due())
             self._ack_timers.add(self._ack_timer)
@@ -625,7 +655,7 @@ class AsyncConsumer:
         finally:
             self._ack_timer = None  # acks from now on wait for an interval of their own
         try:
-            await self.flush_acks()
+            await self._send_held_acks()
         except ZBrokerError as err:  # retriable ones are held again: they go with the next poll or interval
             log.warning("ack.deferred", group=self.group, code=err.code.value, reason=err.message)
 
@@ -637,24 +667,56 @@ class AsyncConsumer:
         await asyncio.gather(*timers, return_exceptions=True)
 
     async def flush_acks(self) -> None:
+        """Send the held acks and wait for those already on their way; on return every ack
+        made before the call was applied (or its lease was gone), as with the sync Consumer.
+
+        An interval timer's request takes its acks out of `acks` while it waits for the
+        reply: until it is answered they are neither applied nor held, and if it fails
+        they are held again and sent here."""
+        others = list(self._ack_sends)
+        riding = self._poll_in_flight is not None and bool(self._poll_in_flight.acks)
+        if riding and not self.acks:
+            # Acks riding on a poll still parked at the coordinator were applied when it
+            # arrived: an Ack sent after it on the same socket, answered, proves it.
+            await self._group_call(lambda: m.Ack(group=self.group, member_id=self.member_id,
+                                                 generation=self.generation, ranges=[]))
+        await self._send_held_acks()
+        if not others:
+            return
+        outcomes = await asyncio.gather(*(asyncio.shield(sending) for sending in others))
+        await self._send_held_acks()  # what a failed one held again
+        refused = next((err for err in outcomes if err is not None and not err.retriable), None)
+        if refused is not None:
+            raise refused
+
+    async def _send_held_acks(self) -> None:
         """Send the held acks, in requests of at most RANGES_PER_REQUEST ranges: a larger
         header is answered TOO_LARGE with no id, so the call would only time out."""
         if not self.acks:
             return
+        ended = asyncio.get_running_loop().create_future()
+        self._ack_sends.add(ended)
+        outcome: ZBrokerError | None = None
         chunks = in_request_sized_chunks(self.acks.take())
-        for i, chunk in enumerate(chunks):
-            try:
-                await self._group_call(lambda chunk=chunk: m.Ack(group=self.group, member_id=self.member_id,
-                                                                 generation=self.generation, ranges=chunk))
-            except ZBrokerError as err:
-                if err.code is ErrorCode.STALE_LEASE:
-                    continue  # those leases are gone: sending them again cannot help
-                # Not applied, or not known to be: they go again (a repeat is harmless). Refused: only the unsent.
-                self._hold_again(itertools.chain.from_iterable(chunks[i if err.retriable else i + 1:]))
-                raise
-            except BaseException:  # cancelled mid-call: sent or not, sending again is harmless
-                self._hold_again(itertools.chain.from_iterable(chunks[i:]))
-                raise
+        try:
+            for i, chunk in enumerate(chunks):
+                try:
+                    await self._group_call(lambda chunk=chunk: m.Ack(group=self.group, member_id=self.member_id,
+                                                                     generation=self.generation, ranges=chunk))
+                except ZBrokerError as err:
+                    if err.code is ErrorCode.STALE_LEASE:
+                        continue  # those leases are gone: sending them again cannot help
+                    # Not applied, or not known to be: they go again (a repeat is harmless). Refused: only
+                    # the unsent.
+                    self._hold_again(itertools.chain.from_iterable(chunks[i if err.retriable else i + 1:]))
+                    outcome = err
+                    raise
+                except BaseException:  # cancelled mid-call: sent or not, sending again is harmless
+                    self._hold_again(itertools.chain.from_iterable(chunks[i:]))
+                    raise
+        finally:
+            self._ack_sends.discard(ended)
+            ended.set_result(outcome)
 
     def _hold_again(self, ranges: Iterable[list]) -> None:
         for r in ranges:
@@ -693,6 +755,8 @@ class AsyncConsumer:
     async def close(self) -> None:
         """Flush the held acks (their failure is raised, as by the sync consumer: the
         application must know they were not applied), then leave the group."""
+        if self.conn.closed:
+            return
         try:
             await self._stop_ack_timers()
             self._abandon_poll_in_flight()  # applied or not, its acks go again now (a repeat is harmless)
