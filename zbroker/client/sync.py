@@ -924,8 +924,13 @@ class Consumer:
                     frame = self.ahead.covering(key, pos)
                     if frame is None:
                         break
-                    got = decode_fetched(frame, key[0], key[1], from_offset=pos, until_offset=min(end, pos + room),
-                                         make=ConsumedRecord, extra=(lease, 1, "new"))
+                    try:
+                        got = decode_fetched(frame, key[0], key[1], from_offset=pos,
+                                             until_offset=min(end, pos + room), make=ConsumedRecord,
+                                             extra=(lease, 1, "new"))
+                    except ZBrokerError as err:
+                        self._damaged_read_ahead(key, err)
+                        break
                     if not got:
                         break
                     part.extend(got)
@@ -1037,6 +1042,15 @@ class Consumer:
             del early[corr]
             self._orphans.discard(corr)
 
+    def _damaged_read_ahead(self, key: tuple[str, int], err: ZBrokerError) -> None:
+        """A damaged batch in what the read-ahead holds: dropped, or every poll would raise
+        it again and no other partition would be served. Its lease expires and comes back."""
+        self._fetch_failed(key[0], key[1], err)
+        orphan = self.ahead.drop(key)
+        if orphan is not None:
+            self._orphans.add(orphan)
+        self._read_ahead_failed(key)
+
     def _read_ahead_failed(self, key: tuple[str, int]) -> None:
         """The read-ahead gave up on ``key`` (its actor restarted, the partition moved).
         Records under an ahead lease come only through it: fetch again soon, or they
@@ -1114,8 +1128,12 @@ class Consumer:
                 if not ok:
                     self._read_ahead_failed(key)
                 continue
-            got = decode_fetched(frame, topic, partition, from_offset=pos, until_offset=end,
-                                 make=ConsumedRecord, extra=(lease, attempt, reason))
+            try:
+                got = decode_fetched(frame, topic, partition, from_offset=pos, until_offset=end,
+                                     make=ConsumedRecord, extra=(lease, attempt, reason))
+            except ZBrokerError as err:
+                self._damaged_read_ahead(key, err)
+                break  # the caller fetches the rest itself, and skips what is damaged
             if not got:
                 break
             out.extend(got)
@@ -1168,8 +1186,12 @@ class Consumer:
             if env.error is not None:
                 self._fetch_failed(topic, partition, env.error)
                 continue
-            got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=start,
-                                 until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
+            try:
+                got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=start,
+                                     until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
+            except ZBrokerError as err:  # a damaged batch: its lease expires, the other deliveries go on
+                self._fetch_failed(topic, partition, err)
+                continue
             parts[i].extend(got)
             if got and got[-1].offset + 1 < end:
                 fetch(i, d, got[-1].offset + 1)  # max_bytes cut the range short: fetch the rest
