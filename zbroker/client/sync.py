@@ -487,8 +487,15 @@ class Producer:
         batch.acknowledged(reply.base_offset)
 
     def _resend_timed_out(self, now: float) -> None:
-        timeout = self.conn.request_timeout
-        late = [corr for corr, (_b, sent) in self.in_flight.items() if now - sent > timeout]
+        # `in_flight` is in send order (each send, a resend too, adds a new correlation
+        # id at the end), so the late ones are a prefix: with linger_ms=0 the window
+        # holds a thousand requests and this runs every few of them.
+        cutoff = now - self.conn.request_timeout
+        late = []
+        for corr, (_b, sent) in self.in_flight.items():
+            if sent >= cutoff:
+                break
+            late.append(corr)
         for corr in late:
             batch, _sent = self.in_flight.pop(corr)
             self._retry_or_fail(batch, RequestTimeout("produce timed out", topic=batch.topic,
