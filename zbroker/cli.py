@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -167,8 +168,16 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_consume(args: argparse.Namespace) -> int:
     from zbroker.client import Consumer
+    # SIGTERM (a service manager, `timeout`) ends it as Ctrl-C does: the acks of what was
+    # printed go, and the member leaves the group instead of holding its partitions
+    # until its session times out.
+    signal.signal(signal.SIGTERM, _interrupted)
     consumed = 0
     idle_deadline = time.monotonic() + args.timeout if args.timeout else None
     with Consumer(args.broker, group=args.group, topics=[args.topic]) as consumer:

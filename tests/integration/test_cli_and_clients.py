@@ -74,6 +74,26 @@ def test_cli_errors_are_clear_and_exit_1(broker):
     assert proc.returncode == 1 and "BAD_REQUEST" in proc.stderr
 
 
+def test_cli_consume_stopped_by_sigterm_acks_what_it_printed_and_leaves_the_group(broker):
+    cli(broker.url, "topics", "create", "jobs")
+    cli(broker.url, "produce", "jobs", stdin="".join(f"job-{i}\n" for i in range(5)))
+    consume = subprocess.Popen([sys.executable, "-m", "zbroker", "consume", "jobs", "--group", "g"],
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "ZBROKER_URL": broker.url})
+    with consume.stdout:
+        printed = [consume.stdout.readline() for _ in range(5)]
+        assert all(line.startswith("0@") for line in printed)
+        consume.send_signal(signal.SIGTERM)
+        assert consume.wait(timeout=30) == 130
+    with Admin(broker.url) as admin:
+        group = admin.describe_group("g")
+        assert not group["members"], group  # left at once, not after the 10 s session timeout
+        deadline = time.monotonic() + 20
+        while [p["committed"] for p in group["partitions"]] != [5] and time.monotonic() < deadline:
+            time.sleep(0.1)  # the commit writer makes it durable within a flush interval
+            group = admin.describe_group("g")
+    assert [p["committed"] for p in group["partitions"]] == [5], group  # what was printed was acked
+
+
 def test_asyncio_twin_produces_and_consumes_with_acks(broker):
     async def main() -> list[bytes]:
         async with AsyncAdmin(broker.url) as admin:
