@@ -168,20 +168,17 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupted(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def cmd_consume(args: argparse.Namespace) -> int:
     from zbroker.client import Consumer
-    # SIGTERM (a service manager, `timeout`) ends it as Ctrl-C does: the acks of what was
-    # printed go, and the member leaves the group instead of holding its partitions
-    # until its session times out.
-    signal.signal(signal.SIGTERM, _interrupted)
+    # SIGTERM (a service manager, `timeout`) stops it after the record in hand: the
+    # acks of what was printed go, and the member leaves the group instead of holding
+    # its partitions until its session times out.
+    terminated: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
     consumed = 0
     idle_deadline = time.monotonic() + args.timeout if args.timeout else None
     with Consumer(args.broker, group=args.group, topics=[args.topic]) as consumer:
-        while args.max is None or consumed < args.max:
+        while (args.max is None or consumed < args.max) and not terminated:
             want = 500 if args.max is None else min(500, args.max - consumed)
             records = consumer.poll(max_records=want, timeout=0.5)
             if not records:
@@ -195,8 +192,10 @@ def cmd_consume(args: argparse.Namespace) -> int:
                       f"{rec.partition}@{rec.offset} key={_b(rec.key)} value={_b(rec.value)}", flush=True)
                 consumer.ack(rec)  # acked once printed
                 consumed += 1
+                if terminated:
+                    break  # the rest of this poll's records are redelivered
         consumer.flush_acks()
-    return 0
+    return 128 + signal.SIGTERM if terminated else 0
 
 
 def cmd_groups(args: argparse.Namespace) -> int:
