@@ -897,12 +897,13 @@ class GroupCoordinatorCore:
                    if getattr(msg, f.name) is not None}
         if changes.get("dlq") == "":
             changes["dlq"] = None  # "" restores the default "<topic>.dlq"
-        group = self._group(msg.group)
+        existing = self._groups.get(msg.group)
         try:
-            config = dataclasses.replace(group.config, **changes)
-        except ValueError as exc:
+            config = dataclasses.replace(self._default_config if existing is None else existing.config, **changes)
+        except ValueError as exc:  # refused before the group exists: a typo creates nothing
             out.append(ReplyError(token, ProtocolError(str(exc), op="configure_group", group=msg.group)))
             return
+        group = self._group(msg.group)
         old, group.config = group.config, config
         if config.mode != old.mode:
             self._rebalance(group, now, out, "mode_changed", None, membership_changed=False)

@@ -151,6 +151,16 @@ def test_configure_group_persists_and_validates():
     assert GroupConfig.from_dict({**reply.config, "unknown": 1}) == GroupConfig(max_in_flight=7, dlq="x")
 
 
+def test_a_refused_configure_group_creates_no_group():
+    """The codec refuses a bad value first; the core must not depend on it (found by a reviewer)."""
+    d = Driver()
+    mark = d.mark()
+    err = d.call("configure_group", m.ConfigureGroup(group="typo", mode="exclusiv"))
+    assert err.code.name == "BAD_REQUEST"
+    assert d.ok("list_groups", m.ListGroups()).groups == []
+    assert not [e for e in d.effects[mark:] if isinstance(e, PersistGroupConfig)]
+
+
 def test_partitions_added_to_a_topic_are_assigned_at_the_next_tick():
     d = Driver({"t": 1}, logs={("t", 0): (0, 1), ("t", 1): (0, 1)})
     a = d.join()
