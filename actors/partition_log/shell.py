@@ -123,11 +123,16 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     auth = security.start_authenticator(ctx, keys, log) if keys else None
     router = runtime.make_socket(ctx, zmq.ROUTER)
     # Per peer, at most this many requests wait to be read (a producer faster than
-    # the disk is held back by TCP) and replies to be sent (a consumer that never
-    # reads costs at most 1000 replies; past that ZeroMQ drops replies to it, which
-    # a client sees as a timeout and retries: idempotent produces land once).
+    # the disk is held back by TCP) and replies to be sent. The reply bound sits
+    # above the most requests a client keeps in flight (max_in_flight_records,
+    # 10,000 by default, is one request each at worst), with room for the lag in
+    # ZeroMQ's count of what the peer took: a reply dropped at the bound costs its
+    # producer a request timeout and, once the log no longer remembers that
+    # sequence, a DUPLICATE_SEQUENCE failure for a record that was stored (seen
+    # at a 1,000 bound with a window of 1,000, bench/PROFILE.md, eleventh pass).
+    # A client that never reads costs at most this many replies.
     router.setsockopt(zmq.RCVHWM, 100)
-    router.setsockopt(zmq.SNDHWM, 1000)
+    router.setsockopt(zmq.SNDHWM, 20_000)
     dealer = runtime.make_socket(ctx, zmq.DEALER, identity=f"partition:{actor_id}".encode())
     acl = None
     if keys is not None:
@@ -145,6 +150,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         syncer.shutdown(wait=True)  # background fsyncs finish before the final one in close()
         for effect in core.close():
             _apply(effect, router, dealer, log)
+        _outbox.flush()
         log.info("actor.stopped", signal=stop.signal)
     finally:
         router.close(linger=0)
@@ -202,6 +208,7 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
             _apply(effect, router, dealer, log)
         for effect in core.end_turn(now):
             _apply(effect, router, dealer, log)
+        _outbox.flush()
         report = core.take_report(now)
         if report is not None:
             # Dropped when refused: the registration within a second reports every log end.
@@ -280,6 +287,10 @@ def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> Non
     _send(route, frames)
 
 
+# Replies wait here for the end of the loop turn (`runtime.Outbox`); one per process.
+_outbox = runtime.Outbox()
+
+
 def _send(route: tuple, frames: list) -> None:
     sock, identity = route
-    runtime.send_reply(sock, identity, frames)
+    _outbox.send(sock, identity, frames)

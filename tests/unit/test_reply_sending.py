@@ -1,0 +1,75 @@
+"""actors.runtime's reply path: replies held for the end of a turn, and what a ROUTER
+does with a reply it cannot deliver (logged, never raised, never silently lost)."""
+
+import itertools
+import time
+
+import pytest
+import structlog
+import zmq
+
+from actors import runtime
+from actors.wire import recv_frames
+
+_endpoints = itertools.count()
+
+
+@pytest.fixture
+def router_and_peer():
+    ctx = zmq.Context()
+    url = f"inproc://replies-{next(_endpoints)}"
+    router = runtime.make_socket(ctx, zmq.ROUTER)
+    router.bind(url)
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"peer")
+    peer.connect(url)
+    peer.send(b"hello")  # the router learns the peer's route
+    deadline = time.monotonic() + 5
+    while (frames := recv_frames(router)) is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert frames == [b"peer", b"hello"]
+    yield router, peer
+    router.close(linger=0)
+    peer.close(linger=0)
+    ctx.term()
+
+
+def received(sock: zmq.Socket, count: int) -> list:
+    out, deadline = [], time.monotonic() + 5
+    while len(out) < count and time.monotonic() < deadline:
+        frames = recv_frames(sock)
+        if frames is None:
+            time.sleep(0.001)
+        else:
+            out.append(frames)
+    return out
+
+
+def test_the_outbox_sends_in_order_at_its_limit_and_when_flushed(router_and_peer):
+    router, peer = router_and_peer
+    outbox = runtime.Outbox(limit=3)
+    outbox.send(router, b"peer", [b"r1"])
+    outbox.send(router, b"peer", [b"r2"])
+    assert recv_frames(peer) is None  # held
+    outbox.send(router, b"peer", [b"r3"])  # the limit: all three go
+    assert received(peer, 3) == [[b"r1"], [b"r2"], [b"r3"]]
+    outbox.send(router, b"peer", [b"r4"])
+    outbox.flush()
+    assert received(peer, 1) == [[b"r4"]]
+
+
+def test_a_reply_to_a_peer_that_went_away_is_dropped_without_raising(router_and_peer):
+    router, _peer = router_and_peer
+    runtime.send_reply(router, b"nobody", [b"reply"])  # EHOSTUNREACH under ROUTER_MANDATORY
+
+
+def test_a_reply_to_a_full_queue_is_dropped_and_logged(router_and_peer):
+    router, peer = router_and_peer
+    router.setsockopt(zmq.SNDHWM, 1)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    with structlog.testing.capture_logs() as logs:
+        for i in range(5000):  # the peer reads nothing: its queue fills
+            runtime.send_reply(router, b"peer", [b"%d" % i], what="probe")
+    dropped = [entry for entry in logs if entry["event"] == "probe.dropped"]
+    assert dropped and dropped[0]["dropped_so_far"] == 1
+    assert len(dropped) < 20  # the 1st, 2nd, 4th... of thousands, not one line each
