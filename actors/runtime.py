@@ -8,6 +8,7 @@ frames) in one place.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -154,22 +155,32 @@ def decode_or_error(frames: list, log: Any) -> tuple[codec.Envelope | None, list
         return None, codec.encode_error(op, corr_id, err)
 
 
-_dropped: dict[str, int] = {}  # messages send_reply dropped in this process, by what they were
+_dropped: dict[str, int] = {}  # messages this process dropped at a full queue, by what they were
+
+
+def _note_dropped(what: str) -> None:
+    _dropped[what] = dropped = _dropped.get(what, 0) + 1
+    if dropped & (dropped - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a stuck peer cannot flood the log
+        structlog.get_logger("zbroker").warning(f"{what}.dropped", reason="peer queue full", dropped_so_far=dropped)
+
+
+def try_send(sock: zmq.Socket, identity: bytes | None, frames: list) -> bool:
+    """Send without blocking; False if the peer's queue is full. A reply to a peer
+    that went away (EHOSTUNREACH) counts as sent: nobody is waiting for it."""
+    try:
+        send_frames(sock, frames if identity is None else [identity, *frames], copy=False)
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+    return True
 
 
 def send_reply(sock: zmq.Socket, identity: bytes | None, frames: list, what: str = "reply") -> None:
     """Send without blocking; a full queue (slow peer) drops the message, logged as `<what>.dropped`."""
-    try:
-        send_frames(sock, frames if identity is None else [identity, *frames], copy=False)
-    except zmq.Again:
-        _dropped[what] = dropped = _dropped.get(what, 0) + 1
-        if dropped & (dropped - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a stuck peer cannot flood the log
-            structlog.get_logger("zbroker").warning(f"{what}.dropped", reason="peer queue full",
-                                                    dropped_so_far=dropped)
-    except zmq.ZMQError as exc:
-        if exc.errno != zmq.EHOSTUNREACH:
-            raise
-        # The peer disconnected: nobody is waiting for this reply any more.
+    if not try_send(sock, identity, frames):
+        _note_dropped(what)
 
 
 class Outbox:
@@ -180,24 +191,51 @@ class Outbox:
     actor's CPU with one record per request, bench/PROFILE.md, eleventh pass). Sent
     back to back, the replies of a turn share one. `limit` bounds how long the first
     reply of a busy turn waits for the requests after it.
+
+    A reply sent with ``must_arrive`` that finds its peer's queue full is kept and
+    tried again at each flush (up to `retry_limit` of them, oldest dropped first):
+    a dropped produce reply costs its producer a request timeout and, once the log
+    no longer remembers that sequence, a DUPLICATE_SEQUENCE failure for a record
+    that was stored. Other replies (a fetch can be sent again) are dropped at a full
+    queue, which bounds what a peer that never reads costs.
     """
 
-    __slots__ = ("_held", "limit")
+    __slots__ = ("_held", "_retry", "limit", "retry_limit")
 
-    def __init__(self, limit: int = 32) -> None:
-        self._held: list[tuple[zmq.Socket, bytes | None, list]] = []
+    def __init__(self, limit: int = 32, retry_limit: int = 100_000) -> None:
+        self._held: list[tuple[zmq.Socket, bytes | None, list, bool]] = []
+        self._retry: collections.deque[tuple[zmq.Socket, bytes | None, list]] = collections.deque()
         self.limit = limit
+        self.retry_limit = retry_limit
 
-    def send(self, sock: zmq.Socket, identity: bytes | None, frames: list) -> None:
+    def send(self, sock: zmq.Socket, identity: bytes | None, frames: list, must_arrive: bool = False) -> None:
         held = self._held
-        held.append((sock, identity, frames))
+        held.append((sock, identity, frames, must_arrive))
         if len(held) >= self.limit:
             self.flush()
 
+    @property
+    def retrying(self) -> bool:
+        """Replies are waiting for room: the shell should flush again soon, not sleep."""
+        return bool(self._retry)
+
     def flush(self) -> None:
+        retry = self._retry
+        for _ in range(len(retry)):
+            sock, identity, frames = retry.popleft()
+            if not try_send(sock, identity, frames):
+                retry.append((sock, identity, frames))
         held, self._held = self._held, []
-        for sock, identity, frames in held:
-            send_reply(sock, identity, frames)
+        for sock, identity, frames, must_arrive in held:
+            if try_send(sock, identity, frames):
+                continue
+            if not must_arrive:
+                _note_dropped("reply")
+                continue
+            retry.append((sock, identity, frames))
+            if len(retry) > self.retry_limit:
+                retry.popleft()
+                _note_dropped("reply")
 
 
 def error_frames(op: str | None, corr_id: Any, err: ZBrokerError) -> list:

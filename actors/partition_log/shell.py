@@ -123,16 +123,12 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     auth = security.start_authenticator(ctx, keys, log) if keys else None
     router = runtime.make_socket(ctx, zmq.ROUTER)
     # Per peer, at most this many requests wait to be read (a producer faster than
-    # the disk is held back by TCP) and replies to be sent. The reply bound sits
-    # above the most requests a client keeps in flight (max_in_flight_records,
-    # 10,000 by default, is one request each at worst), with room for the lag in
-    # ZeroMQ's count of what the peer took: a reply dropped at the bound costs its
-    # producer a request timeout and, once the log no longer remembers that
-    # sequence, a DUPLICATE_SEQUENCE failure for a record that was stored (seen
-    # at a 1,000 bound with a window of 1,000, bench/PROFILE.md, eleventh pass).
-    # A client that never reads costs at most this many replies.
+    # the disk is held back by TCP) and replies to be sent (a consumer that never
+    # reads costs at most 1000 fetch replies; past that they are dropped, and a
+    # client that does read sees a timeout and fetches again). Produce replies are
+    # not dropped there: the outbox keeps them until the queue has room.
     router.setsockopt(zmq.RCVHWM, 100)
-    router.setsockopt(zmq.SNDHWM, 20_000)
+    router.setsockopt(zmq.SNDHWM, 1000)
     dealer = runtime.make_socket(ctx, zmq.DEALER, identity=f"partition:{actor_id}".encode())
     acl = None
     if keys is not None:
@@ -180,6 +176,8 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
                 core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid), corr), what="registration")
         deadline = core.next_deadline()
         timeout = 1000 if deadline is None else max(0, min(1000, deadline - now))
+        if _outbox.retrying:
+            timeout = min(timeout, 1)  # produce replies wait for room in a peer's queue
         try:
             ready = dict(poller.poll(timeout))
         except zmq.ZMQError as exc:
@@ -284,13 +282,13 @@ def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> Non
         frames = codec.encode_error(effect.op or op, corr_id, effect.error)
     else:  # pragma: no cover - the core returns only the two kinds above
         raise TypeError(f"unknown effect {effect!r}")
-    _send(route, frames)
+    _send(route, frames, must_arrive=op == "produce")
 
 
 # Replies wait here for the end of the loop turn (`runtime.Outbox`); one per process.
 _outbox = runtime.Outbox()
 
 
-def _send(route: tuple, frames: list) -> None:
+def _send(route: tuple, frames: list, must_arrive: bool = False) -> None:
     sock, identity = route
-    _outbox.send(sock, identity, frames)
+    _outbox.send(sock, identity, frames, must_arrive)
