@@ -181,8 +181,8 @@ class Supervisor:
         self._lock_fd = fd  # held until this process exits
         return True
 
-    def _config_error(self) -> str | None:
-        """What would make an actor fail at start, found before any starts."""
+    def _settings_error(self) -> str | None:
+        """A setting an actor could not start with, found before anything is created."""
         from actors.partition_log.core import FsyncPolicy
         from actors.security import KeyRing
         try:
@@ -194,6 +194,11 @@ class Supervisor:
                 KeyRing(self.config.curve_dir)
             except (OSError, ValueError) as err:
                 return f"cannot load the CurveZMQ keys in {self.config.curve_dir}: {err}"
+        return None
+
+    def _ports_error(self) -> str | None:
+        """A port the actors could not bind; checked once the data directory is ours, so a
+        second broker on the same data hears that rather than about its ports."""
         ports = [self.config.port, self.config.port + 1] + [self.config.port + 2 + i
                                                            for i in range(self.config.partition_actors)]
         if not 0 < ports[0] and ports[-1] <= 65535:
@@ -211,10 +216,12 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
-        if not self._lock_data_dir():
-            return 1
-        problem = self._config_error()
+        problem = self._settings_error()
+        if problem is None:
+            Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
+            if not self._lock_data_dir():
+                return 1
+            problem = self._ports_error()
         if problem is not None:
             self.log.error("broker.bad_config", reason=problem)
             print(f"error: CONFIG: {problem}", file=sys.stderr)

@@ -89,6 +89,7 @@ def test_a_second_broker_on_the_same_data_directory_is_refused(start, tmp_path):
 def test_a_setting_an_actor_cannot_start_with_fails_at_once(tmp_path, args, expected):
     result = _up("--data", str(tmp_path / "data"), "--port", str(free_port_block(4)), *args)
     assert result.returncode == 1 and "error: CONFIG:" in result.stderr and expected in result.stderr
+    assert not (tmp_path / "data").exists()  # refused before anything was created
 
 
 def test_a_port_in_use_fails_at_once(broker, tmp_path):
