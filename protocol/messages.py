@@ -46,6 +46,11 @@ def validate_group_name(name: str, op: str) -> None:
 # Long polls wait at most this long; a client wanting more simply polls again.
 MAX_WAIT_MS = 60_000
 
+# The longest a lease may run (ack_timeout_ms, extend_ms) or a nacked record wait
+# (delay_ms), as SQS caps its visibility timeout: a typo of a few digits must not
+# park a record, and the committed offset behind it, for years.
+MAX_LEASE_MS = 12 * 60 * 60 * 1000
+
 REQUESTS: dict[str, type["Message"]] = {}
 REPLIES: dict[str, type["Message"]] = {}
 # Ops for which the sender expects no reply (fire and forget, "tell").
@@ -166,6 +171,13 @@ def _nonneg(op: str, **values: int) -> None:
     for name, v in values.items():
         if v < 0:
             raise ProtocolError(f"field {name!r} of {op!r} must be >= 0", op=op, field=name, got=v)
+
+
+def _at_most_a_lease(op: str, **values: int | None) -> None:
+    for name, v in values.items():
+        if v is not None and v > MAX_LEASE_MS:
+            raise ProtocolError(f"field {name!r} of {op!r} must be at most {MAX_LEASE_MS} (12 hours)", op=op,
+                                field=name, got=v, limit=MAX_LEASE_MS)
 
 
 def check_lease_ranges(op: str, ranges: list, limit: int = 100_000) -> None:
@@ -468,6 +480,7 @@ class Nack(Message):
     def check(self) -> None:
         check_lease_ranges("nack", self.ranges)
         _nonneg("nack", delay_ms=self.delay_ms)
+        _at_most_a_lease("nack", delay_ms=self.delay_ms)
 
 
 @request("extend")
@@ -481,6 +494,7 @@ class Extend(Message):
     def check(self) -> None:
         check_lease_ranges("extend", self.ranges)
         _nonneg("extend", extend_ms=self.extend_ms)
+        _at_most_a_lease("extend", extend_ms=self.extend_ms)
 
 
 @request("reject")
@@ -558,6 +572,7 @@ class ConfigureGroup(Message):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ProtocolError(f"{name!r} must be >= 1", op="configure_group", field=name, got=v)
+        _at_most_a_lease("configure_group", ack_timeout_ms=self.ack_timeout_ms)
 
 
 @reply("configure_group")

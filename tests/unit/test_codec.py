@@ -488,3 +488,24 @@ def test_hello_sharing_no_version_is_unsupported_version_with_the_supported_list
     assert caught.value.code is ErrorCode.UNSUPPORTED_VERSION
     assert caught.value.data["supported"] == list(m.SUPPORTED_VERSIONS)
     assert codec.decode_request(codec.encode_request(m.Hello(versions=[1, 2]), 1)).msg.versions == [1, 2]
+
+
+@pytest.mark.parametrize("msg", [
+    m.Nack(group="g", member_id="m", generation=1, ranges=[], delay_ms=m.MAX_LEASE_MS + 1),
+    m.Extend(group="g", member_id="m", generation=1, ranges=[], extend_ms=10 ** 15),
+    m.ConfigureGroup(group="g", ack_timeout_ms=m.MAX_LEASE_MS + 1),
+])
+def test_leases_and_nack_delays_longer_than_twelve_hours_are_refused_with_the_limit(msg):
+    # A few digits too many would otherwise park a record, and the group's committed
+    # offset behind it, for years.
+    with pytest.raises(ProtocolError) as caught:
+        codec.decode_request(codec.encode_request(msg, 1))
+    assert caught.value.code is ErrorCode.BAD_REQUEST
+    assert caught.value.data["limit"] == m.MAX_LEASE_MS
+
+
+def test_a_twelve_hour_lease_is_accepted():
+    for msg in (m.Nack(group="g", member_id="m", generation=1, ranges=[], delay_ms=m.MAX_LEASE_MS),
+                m.Extend(group="g", member_id="m", generation=1, ranges=[], extend_ms=m.MAX_LEASE_MS),
+                m.ConfigureGroup(group="g", ack_timeout_ms=m.MAX_LEASE_MS)):
+        assert codec.decode_request(codec.encode_request(msg, 1)).msg == msg
