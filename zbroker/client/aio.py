@@ -259,8 +259,10 @@ class AsyncProducer:
         handle, batch = added
         if batch is not None:
             self._enqueue([batch])
-            # Backpressure: a caller that fills batches faster than the window frees waits here.
-            # Cancelled, it loses nothing: the batch is the dispatcher's now.
+        if self.waiting_for_window:
+            # Backpressure: a caller that closes batches (or lets the linger timer close them)
+            # faster than the window frees waits here. Cancelled, it loses nothing: the record
+            # is in a batch already, and a closed batch is the dispatcher's.
             await self._wait_until(lambda: not self.waiting_for_window)
         return handle
 
@@ -432,6 +434,9 @@ class AsyncConsumer:
         # One join at a time: the heartbeat task and a poll both refused as an unknown member
         # would otherwise each join as a new one, and the orphan would hold partitions.
         self._join_lock = asyncio.Lock()
+        # One poll() at a time: two interleaved at their awaits could each send a Poll (the
+        # first one's leases stranded until the ack timeout) or fetch the same delivery.
+        self._poll_lock = asyncio.Lock()
         self._poll_in_flight: PollInFlight | None = None
         self._leased: list[ConsumedRecord] = []  # fetched for a poll reply, beyond what its poll() asked for
         # Deliveries of a poll reply not fetched yet, each [topic, partition, lease, next offset, end,
@@ -531,15 +536,19 @@ class AsyncConsumer:
         round trip of their own. A poll() cancelled while its Poll waits at the
         coordinator leaves that Poll in flight (see `PollInFlight`): the next poll()
         takes its reply first, waiting for it at most its own ``timeout``.
+
+        Tasks sharing one consumer may all call poll(): the calls take turns, and
+        each record is handed to one of them.
         """
-        if not self._leased and not self._to_fetch:
-            reply = await self._poll_reply(max_records, timeout)
-            if reply is None:
-                return []
-            self._to_fetch = [list(delivery) for delivery in reply.deliveries]
-        if self._to_fetch:
-            await self._fetch()
-        return self._hand_out(max_records)
+        async with self._poll_lock:
+            if not self._leased and not self._to_fetch:
+                reply = await self._poll_reply(max_records, timeout)
+                if reply is None:
+                    return []
+                self._to_fetch = [list(delivery) for delivery in reply.deliveries]
+            if self._to_fetch:
+                await self._fetch()
+            return self._hand_out(max_records)
 
     def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
         records, self._leased = self._leased[:max_records], self._leased[max_records:]
