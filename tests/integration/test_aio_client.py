@@ -94,6 +94,38 @@ def test_a_send_cancelled_while_its_batch_waits_for_the_window_loses_no_record(b
     assert records_in_log(broker.url, "t", 2) == 10  # b4 included: its send was cancelled after it was taken
 
 
+
+def test_a_sender_waits_when_batches_closed_by_linger_wait_for_the_window(broker):
+    """Batches closed by the linger timer, not by a send that fills them, hold the
+    caller back too: a slow trickle of sends to a stalled broker must not queue
+    batches without bound."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("trickle", partitions=1)
+
+    async def main():
+        producer = AsyncProducer(broker.url, linger_ms=1, batch_size=1000, max_in_flight_records=1)
+        await producer.conn.refresh(["trickle"])
+        sent, queued, attempted = [], [], [0]
+
+        async def trickle():
+            for i in range(200):
+                attempted[0] += 1  # a send cancelled while it waits has its record taken already
+                sent.append(await producer.send("trickle", b"%d" % i))
+                queued.append(len(producer.waiting_for_window))
+                await asyncio.sleep(0.005)  # the linger timer closes each one-record batch
+
+        with paused(broker):
+            await give_up_after(trickle(), 1.0)
+        await producer.flush()
+        undone = [h for h in sent if not h.done]
+        await producer.close()
+        return attempted[0], max(queued), undone
+
+    count, most_queued, undone = asyncio.run(main())
+    assert most_queued <= 1 and count < 10, (count, most_queued)
+    assert undone == []
+    assert records_in_log(broker.url, "trickle", 1) == count
+
 def test_records_leased_to_a_cancelled_poll_go_to_the_next_poll(broker):
     with Admin(broker.url) as admin:
         admin.create_topic("t", partitions=1)
@@ -206,3 +238,34 @@ def test_key_less_and_key_ed_records_keep_their_order_and_a_wrong_type_fails_alo
     finally:
         conn.close()
     assert [(r.key, r.value, r.headers) for r in records] == sent
+
+
+
+def test_two_tasks_polling_one_consumer_never_get_the_same_record(broker):
+    """A second poll() while the first is fetching: it must not fetch the same
+    delivery beside it. The delivery spans two stored batches, larger than the
+    fetch's byte estimate, so it takes two fetches; the actor is paused so that
+    both polls are waiting on the first one."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("turns", partitions=1)
+        admin.configure_group("turns", ack_timeout_ms=60_000)
+    with Producer(broker.url) as producer:
+        for first in (0, 10):  # two batches of 10 records, 20 KB each
+            producer.produce("turns", [b"%d-" % i + b"x" * 2000 for i in range(first, first + 10)], partition=0)
+
+    async def main():
+        consumer = AsyncConsumer(broker.url, group="turns", topics=["turns"])
+        await consumer.start()
+        await consumer.conn.refresh(["turns"])
+        try:
+            with paused(broker):
+                first = asyncio.ensure_future(consumer.poll(max_records=20, timeout=2.0))
+                await asyncio.sleep(0.3)  # the Poll is answered; its fetch waits on the paused actor
+                second = asyncio.ensure_future(consumer.poll(max_records=20, timeout=2.0))
+                await asyncio.sleep(0.1)
+            got = await asyncio.wait_for(first, 30) + await asyncio.wait_for(second, 30)
+            return [r.offset for r in got]
+        finally:
+            await consumer.close()
+
+    assert sorted(asyncio.run(main())) == list(range(20))
