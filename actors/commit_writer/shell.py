@@ -62,6 +62,7 @@ def run(coordinator_endpoint: str, offsets_url: str, *, flush_interval_ms: float
     if curve_dir:
         # The writer dials the coordinator as one of the broker's own actors.
         shell.curve = KeyRing(curve_dir).internal_client()
+    runtime.tune_gc()
     asyncio.run(shell.main())
     runtime.ignore_stop_signals()
 

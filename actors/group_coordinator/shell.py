@@ -598,6 +598,7 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(internal, zmq.POLLIN)
+        runtime.tune_gc()
         while not stop.stopping:
             now = runtime.now_ms()
             try:
