@@ -392,9 +392,13 @@ def test_no_single_changed_byte_of_a_uniform_batch_fools_the_byte_level_check(ti
 
 def _decoded_by_msgpack_alone(payload: bytes, record_count: int, base: int, lo: int, hi: int) -> list | None:
     """What a consumer must get from a stored payload, from msgpack and the record shape
-    rule alone (None: the batch is corrupt): the oracle for decode_fetched's paths."""
+    rule alone (None: the batch is corrupt): the oracle for decode_fetched's paths.
+    msgpack ext types are forbidden anywhere (docs/PROTOCOL.md): a flipped byte can make one."""
+    def forbidden(code: int, data: bytes) -> None:
+        raise ValueError("ext type")
+
     try:
-        records = msgpack.unpackb(payload, raw=False, use_list=False)
+        records = msgpack.unpackb(payload, raw=False, use_list=False, ext_hook=forbidden)
     except Exception:
         return None
     if not isinstance(records, tuple) or len(records) != record_count:
