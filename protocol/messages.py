@@ -640,6 +640,14 @@ class Report(Message):
     partitions: list
 
 
+@request("deregister", tell=True)
+class Deregister(Message):
+    """A partition actor stopping on purpose, its logs closed: its partitions may move now,
+    not once its registrations lapse. Ignored unless `pid` is the registered one."""
+    actor_id: str
+    pid: int
+
+
 @request("assign")
 class Assign(Message):
     """Coordinator -> partition actor: the full set it should own. [[topic, partition, config]]"""

@@ -228,6 +228,8 @@ class CoordinatorShell:
                 self.reply(token, m.RegisterReply(assignment=self.topics.assignment_for(msg.actor_id)))
             elif op == "report":
                 self.feed_ranges(self.topics.on_report(msg.actor_id, msg.partitions, now), now)
+            elif op == "deregister":
+                self.apply(self.topics.deregister(msg.actor_id, msg.pid, now), now)
             elif op == "writer_status":
                 self.on_writer_status(msg, now)
             elif op == "hello":

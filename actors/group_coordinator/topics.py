@@ -16,6 +16,8 @@ their endpoint and a *storage id* (host + data directory). Placement rules:
 * An actor silent for ``actor_timeout_ms`` is considered dead and its
   partitions move to live actors on the same storage; with none, they wait
   for it (clients get NOT_OWNER/UNAVAILABLE meanwhile, nothing is lost).
+  An actor that stops on purpose says so (`deregister`) once its logs are
+  closed, and its partitions move at once.
 
 Every placement change yields an `AssignActor` effect: the shell sends that
 actor its complete new assignment.
@@ -139,6 +141,17 @@ class TopicRegistry:
         effects = self._place_unplaced()
         effects += self._rebalance_storage(storage_id)
         return effects
+
+    def deregister(self, actor_id: str, pid: int, now_ms: int) -> list:
+        """The actor stopped on purpose and closed its logs: treat it as dead now, so its
+        partitions move at once instead of after ``actor_timeout_ms``. A message from an
+        earlier process of that actor id (another pid) changes nothing."""
+        info = self.actors.get(actor_id)
+        if info is None or not info.alive or info.pid != pid:
+            return []
+        info.alive = False
+        info.last_seen_ms = now_ms
+        return self._move_from_dead(info)
 
     def on_report(self, actor_id: str, reported: list, now_ms: int) -> list[tuple[str, int, int, int]]:
         """Log ends from an actor; returns the (topic, partition, start, end) that it owns."""

@@ -32,6 +32,10 @@ TURN_BUDGET = 512
 REGISTER_RETRY_MS = 1000
 
 
+# How long a stopping actor's socket may hold its deregistration for the coordinator.
+DEREGISTER_LINGER_MS = 200
+
+
 def partition_dir(data_dir: Path, topic: str, partition: int) -> Path:
     return data_dir / "logs" / topic / str(partition)
 
@@ -148,6 +152,12 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         for effect in core.close():
             _apply(effect, router, dealer, log)
         _outbox.flush()
+        # The logs are closed and unlocked: the coordinator may give the partitions to
+        # another actor now rather than after the registrations lapse (seconds of
+        # UNAVAILABLE for their clients). Given a moment to leave, not waited for.
+        runtime.send_reply(dealer, None, codec.encode_request(m.Deregister(actor_id=actor_id, pid=os.getpid()),
+                                                              None), what="deregistration")
+        dealer.close(linger=DEREGISTER_LINGER_MS)
         log.info("actor.stopped", signal=stop.signal)
     finally:
         router.close(linger=0)

@@ -163,6 +163,22 @@ def test_zbroker_partition_scales_out_and_takes_over_partitions(broker, tmp_path
                                             [f"after-{i}".encode() for i in range(400)])
         finally:
             conn.close()
-    finally:
+        # Stopped on purpose, it says so once its logs are closed: its partitions go back
+        # to p0 at once, long before its registrations would lapse (5 s).
         extra.send_signal(signal.SIGTERM)
         assert extra.wait(20) == 0
+        stopped_at = time.monotonic()
+        while time.monotonic() < stopped_at + 20:
+            with Admin(broker.url) as admin:
+                owners = {p["partition"]: p["actor_id"] for p in admin.describe_topic("wide")["partitions"]}
+            if sorted(owners.values()) == ["p0"] * 4:
+                break
+            time.sleep(0.05)
+        assert sorted(owners.values()) == ["p0"] * 4
+        assert time.monotonic() - stopped_at < 2.5, "moved only when the registrations lapsed (4-5 s)"
+        with Producer(broker.url) as producer:
+            producer.produce("wide", [b"after the stop"] * 40)
+    finally:
+        if extra.poll() is None:
+            extra.send_signal(signal.SIGTERM)
+            assert extra.wait(20) == 0

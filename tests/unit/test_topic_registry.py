@@ -75,6 +75,21 @@ def test_dead_actor_partitions_move_only_within_storage():
     assert reg.endpoint_of("t", 0) == "tcp://b"
 
 
+def test_an_actor_that_deregisters_hands_its_partitions_over_at_once():
+    reg = TopicRegistry(actor_timeout_ms=60_000)
+    reg.register("a", "tcp://a", "s1", 1, [], 0)
+    reg.register("b", "tcp://b", "s1", 2, [], 0)
+    reg.create_topic("t", 4, None, 0)
+    assert sorted(owners(reg, "t")) == ["a", "a", "b", "b"]
+    assert reg.deregister("b", 99, 10) == []  # not b's process: an earlier one, or a forgery
+    assert reg.deregister("b", 2, 10) == [PersistTopics(), AssignActor("a")]  # long before the timeout
+    assert owners(reg, "t") == ["a"] * 4
+    assert reg.endpoint_of("t", 0) == "tcp://a"
+    assert reg.deregister("b", 2, 11) == []  # said twice: nothing more moves
+    reg.register("b", "tcp://b", "s1", 3, [], 20)  # restarted: it takes its share back
+    assert sorted(owners(reg, "t")) == ["a", "a", "b", "b"]
+
+
 def test_restarted_actor_keeps_its_partitions_and_reports_update_log_ends():
     reg = TopicRegistry()
     reg.register("a", "tcp://a", "s1", 1, [], 0)
