@@ -32,8 +32,10 @@ TURN_BUDGET = 512
 REGISTER_RETRY_MS = 1000
 
 
-# How long a stopping actor's socket may hold its deregistration for the coordinator.
-DEREGISTER_LINGER_MS = 200
+# How long a stopping actor's socket may hold its deregistration for the coordinator:
+# it leaves in well under a millisecond when the coordinator is there, and when the
+# whole broker stops, the coordinator is often gone first and this is waited in full.
+DEREGISTER_LINGER_MS = 50
 
 
 def partition_dir(data_dir: Path, topic: str, partition: int) -> Path:
