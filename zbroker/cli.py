@@ -383,8 +383,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _client_logging() -> None:
+    """The client library's log lines (a failed batch, a fetch retried) go to stderr, where
+    the `error:` line goes: stdout carries only records and results, so it can be piped.
+    ZBROKER_LOG_LEVEL (default warning) sets how much is shown."""
+    from actors.runtime import configure_logging  # the actors' processes configure their own
+    configure_logging(os.environ.get("ZBROKER_LOG_LEVEL", "warning"))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command not in ("up", "partition"):
+        _client_logging()
     try:
         code = args.func(args)
     except ZBrokerError as err:

@@ -72,6 +72,12 @@ def test_cli_errors_are_clear_and_exit_1(broker):
     assert proc.stderr.startswith("error: UNKNOWN_TOPIC:")
     proc = cli(broker.url, "topics", "create", "bad/name", check=False)
     assert proc.returncode == 1 and "BAD_REQUEST" in proc.stderr
+    # The client library's own log line about the failed batch goes to stderr too:
+    # stdout, which a pipeline reads, carries nothing but results.
+    cli(broker.url, "topics", "create", "two", "--partitions", "2")
+    proc = cli(broker.url, "produce", "two", "--partition", "7", stdin="hi\n", check=False)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "produce.failed" in proc.stderr and "error: UNKNOWN_PARTITION" in proc.stderr
 
 
 def test_cli_consume_stopped_by_sigterm_acks_what_it_printed_and_leaves_the_group(broker):
