@@ -5,8 +5,8 @@ Theory of operation
 One connection, used by one operation at a time (an asyncio lock: asyncpg
 refuses concurrent use, and the writer flushes one batch at a time anyway).
 
-A flush is one round trip. The batch goes as seven parallel arrays to
-``INSERT … SELECT … FROM unnest(…) ON CONFLICT … DO UPDATE … WHERE <guard>``.
+A flush is one round trip. The batch goes as one JSON array of rows to
+``INSERT … SELECT … FROM jsonb_array_elements($1) ON CONFLICT … DO UPDATE … WHERE <guard>``.
 A lone statement outside an explicit block is its own transaction in
 PostgreSQL, so the batch commits atomically without the two extra round trips
 of ``BEGIN``/``COMMIT``. asyncpg caches the prepared statement, so after the
@@ -40,7 +40,10 @@ T = TypeVar("T")
 
 APPLICATION_NAME = "zbroker-offsets"
 
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
+# Raw UTF-8, not \uXXXX escapes: jsonb must turn an escape into the database encoding,
+# which fails for any non-ASCII name in a SQL_ASCII database; raw text is converted
+# as the text arrays were before.
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 # The batch travels as one JSON array of rows, [group, topic, partition, committed,
 # holes, generation, reset_epoch], unpacked by the server. Seven parallel arrays

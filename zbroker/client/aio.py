@@ -538,7 +538,8 @@ class AsyncConsumer:
         takes its reply first, waiting for it at most its own ``timeout``.
 
         Tasks sharing one consumer may all call poll(): the calls take turns, and
-        each record is handed to one of them.
+        each record is handed to one of them. A call waiting for its turn can wait
+        longer than its own ``timeout`` (up to the running call's).
         """
         async with self._poll_lock:
             if not self._leased and not self._to_fetch:
