@@ -38,7 +38,8 @@ RECV_HWM = 10_000
 # replies) and frees nearly all of them by reference counting, so those
 # collections find little and cost much: a fifth of the commit writer's CPU at
 # 70,000 advances/s (bench/PROFILE.md, twelfth pass). Cycles are still
-# collected, only less often.
+# collected, only less often: so not in the partition actor, whose refused
+# client frames (up to 64 MiB) stay in such cycles until a collection.
 GC_THRESHOLDS = (50_000, 50, 100)
 
 
