@@ -269,3 +269,32 @@ def test_two_tasks_polling_one_consumer_never_get_the_same_record(broker):
             await consumer.close()
 
     assert sorted(asyncio.run(main())) == list(range(20))
+
+
+def test_a_poll_waiting_for_its_turn_returns_when_its_own_timeout_is_up(broker):
+    """The wait for a turn counts against the waiting call's timeout: a short
+    poll() behind a long one on an empty topic returns [] while the long one is
+    still waiting at the coordinator, and the long one still gets a record
+    produced after that."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("turn-timeout", partitions=1)
+
+    async def main():
+        consumer = AsyncConsumer(broker.url, group="turn-timeout", topics=["turn-timeout"])
+        await consumer.start()
+        try:
+            long_poll = asyncio.ensure_future(consumer.poll(max_records=10, timeout=5.0))
+            await asyncio.sleep(0.2)  # the long poll holds the turn, its Poll parked at the coordinator
+            short = await asyncio.wait_for(consumer.poll(max_records=10, timeout=0.1), 4.0)
+            long_was_waiting = not long_poll.done()
+            with Producer(broker.url) as producer:
+                producer.produce("turn-timeout", [b"late"], partition=0)
+            got = await asyncio.wait_for(long_poll, 10)
+            again = await consumer.poll(max_records=10, timeout=0.1)  # the lock was given back
+            return short, long_was_waiting, [r.value for r in got], again
+        finally:
+            await consumer.close()
+
+    short, long_was_waiting, got, again = asyncio.run(main())
+    assert short == [] and long_was_waiting
+    assert got == [b"late"] and again == []

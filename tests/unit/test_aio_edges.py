@@ -197,3 +197,36 @@ def test_closing_a_consumer_twice_raises_nothing():
         await consumer.close()
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+class _Turns:
+    """Just the turn-taking of AsyncConsumer.poll(), without a consumer around it."""
+    def __init__(self) -> None:
+        self._poll_lock = asyncio.Lock()
+
+    wait_for_turn = AsyncConsumer._wait_for_turn
+
+
+def test_a_turn_not_taken_in_time_or_cancelled_leaves_the_lock_to_the_others():
+    async def main():
+        turns = _Turns()
+        await turns._poll_lock.acquire()  # a running poll holds the turn
+        timed_out = await turns.wait_for_turn(0.01)
+        waiting = asyncio.ensure_future(turns.wait_for_turn(10))
+        await asyncio.sleep(0)
+        waiting.cancel()  # the poll waiting for its turn is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # The holder lets go and, in the same step, the next waiter is cancelled before it
+        # runs: the lock handed to it must come back rather than stay held for ever.
+        racing = asyncio.ensure_future(turns.wait_for_turn(10))
+        await asyncio.sleep(0.01)
+        turns._poll_lock.release()
+        racing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await racing
+        free_after = not turns._poll_lock.locked()
+        got_it = await turns.wait_for_turn(0)  # a free lock is taken even with no time left
+        return timed_out, free_after, got_it, turns._poll_lock.locked()
+
+    assert asyncio.run(main()) == (False, True, True, True)

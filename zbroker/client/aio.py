@@ -538,18 +538,44 @@ class AsyncConsumer:
         takes its reply first, waiting for it at most its own ``timeout``.
 
         Tasks sharing one consumer may all call poll(): the calls take turns, and
-        each record is handed to one of them. A call waiting for its turn can wait
-        longer than its own ``timeout`` (up to the running call's).
+        each record is handed to one of them. The wait for a turn counts against
+        ``timeout``: a call whose time is up before its turn comes returns [].
         """
-        async with self._poll_lock:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if not await self._wait_for_turn(timeout):
+            return []
+        try:
             if not self._leased and not self._to_fetch:
-                reply = await self._poll_reply(max_records, timeout)
+                reply = await self._poll_reply(max_records, max(0.0, deadline - loop.time()))
                 if reply is None:
                     return []
                 self._to_fetch = [list(delivery) for delivery in reply.deliveries]
             if self._to_fetch:
                 await self._fetch()
             return self._hand_out(max_records)
+        finally:
+            self._poll_lock.release()
+
+    async def _wait_for_turn(self, timeout: float) -> bool:
+        """Take `_poll_lock` within `timeout`; False if the time ran out first.
+
+        Not asyncio.wait_for: from 3.12 on it can raise TimeoutError after the
+        lock was taken, which would leave it held for ever. An acquire cancelled
+        before it ran never takes the lock; one that did is released here if this
+        call is leaving (cancelled) rather than taking its turn.
+        """
+        acquire = asyncio.ensure_future(self._poll_lock.acquire())
+        taken = False
+        try:
+            await asyncio.wait([acquire], timeout=max(0.0, timeout))
+            taken = acquire.done()
+        finally:
+            if not acquire.done():
+                acquire.cancel()
+            elif not taken:
+                self._poll_lock.release()
+        return taken
 
     def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
         records, self._leased = self._leased[:max_records], self._leased[max_records:]
