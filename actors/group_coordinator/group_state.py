@@ -14,7 +14,7 @@ from typing import Any
 
 from actors.group_coordinator.partition_state import LogRange, PartitionState
 from actors.group_coordinator.ranges import RangeSet
-from protocol.messages import MAX_TOPIC_NAME_CHARS
+from protocol.messages import MAX_LEASE_MS, MAX_TOPIC_NAME_CHARS
 
 Key = tuple[str, int]  # (topic, partition)
 
@@ -37,15 +37,26 @@ class GroupConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1")
+        if self.ack_timeout_ms > MAX_LEASE_MS:
+            raise ValueError(f"ack_timeout_ms must be at most {MAX_LEASE_MS} (12 hours)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "GroupConfig":
-        """Rebuild from `to_dict` output; unknown keys (from newer versions) are ignored."""
+        """Rebuild from `to_dict` output; unknown keys (from newer versions) are ignored.
+
+        An ack timeout stored before leases were capped at 12 hours is loaded as 12
+        hours: refusing it would keep the coordinator from starting, and keeping it
+        would let one delivery hold the group's committed offset for years.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        fields = {k: v for k, v in data.items() if k in names}
+        timeout = fields.get("ack_timeout_ms")
+        if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > MAX_LEASE_MS:
+            fields["ack_timeout_ms"] = MAX_LEASE_MS
+        return cls(**fields)
 
     def dlq_topic(self, topic: str) -> str:
         return self.dlq or default_dlq_topic(topic)

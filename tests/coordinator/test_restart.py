@@ -1,5 +1,7 @@
 """Loading stored offsets, start positions, retention fallback, reset and topology changes."""
 
+import pytest
+
 from actors.group_coordinator.core import GroupConfig
 from actors.group_coordinator.effects import PersistGroupConfig
 from protocol import messages as m
@@ -179,3 +181,13 @@ def test_lease_ids_and_member_ids_come_from_the_base():
     a = d.join()
     assert "5000000" in a.member_id
     assert d.poll(a).deliveries[0][2] > 5_000_000
+
+
+def test_a_group_stored_with_an_ack_timeout_over_the_lease_cap_loads_capped():
+    """Stored before leases were capped at 12 hours (m.MAX_LEASE_MS): the coordinator
+    must still start, and no lease of that group may outlast the cap."""
+    stored = GroupConfig(ack_timeout_ms=30_000).to_dict() | {"ack_timeout_ms": 365 * 24 * 3600 * 1000}
+    assert GroupConfig.from_dict(stored).ack_timeout_ms == m.MAX_LEASE_MS
+    assert GroupConfig.from_dict(GroupConfig(ack_timeout_ms=m.MAX_LEASE_MS).to_dict()).ack_timeout_ms == m.MAX_LEASE_MS
+    with pytest.raises(ValueError, match="at most"):
+        GroupConfig(ack_timeout_ms=m.MAX_LEASE_MS + 1)
