@@ -123,6 +123,7 @@ class GroupCoordinatorCore:
                  max_persisted_holes: int = 1000) -> None:
         self._lease_id_base = lease_id_base
         self._next_lease_id = lease_id_base
+        self._next_dead_lettering_id = 0  # see DeadLettering.id
         self._member_seq = 0
         self._default_config = default_config
         self._max_holes = max_persisted_holes
@@ -254,11 +255,13 @@ class GroupCoordinatorCore:
 
     # -- dead-letter confirmations, timers, introspection -------------------------------
 
-    def on_dead_letter_done(self, group: str, topic: str, partition: int, offset: int, now_ms: int) -> list:
-        return self._confirm_dead_letter(group, (topic, partition), offset, now_ms, done=True)
+    def on_dead_letter_done(self, effect: DeadLetter, now_ms: int) -> list:
+        """The record of `effect` is in the dead-letter topic (or gone through retention)."""
+        return self._confirm_dead_letter(effect, now_ms, done=True)
 
-    def on_dead_letter_failed(self, group: str, topic: str, partition: int, offset: int, now_ms: int) -> list:
-        return self._confirm_dead_letter(group, (topic, partition), offset, now_ms, done=False)
+    def on_dead_letter_failed(self, effect: DeadLetter, now_ms: int) -> list:
+        """The copy of `effect` failed: it is tried again in DEAD_LETTER_RETRY_MS."""
+        return self._confirm_dead_letter(effect, now_ms, done=False)
 
     def cancel_parked(self, token) -> None:
         parked = self._parked.get(token)
@@ -859,15 +862,18 @@ class GroupCoordinatorCore:
                             info: DeadLettering) -> DeadLetter:
         self._metrics["dead_letters_emitted"] += 1
         return DeadLetter(group.name, state.topic, state.partition, offset, group.config.dlq_topic(state.topic),
-                          info.attempts, info.last_reason)
+                          info.attempts, info.last_reason, info.id)
 
-    def _confirm_dead_letter(self, group_name: str, key: Key, offset: int, now: int, *, done: bool) -> list:
+    def _confirm_dead_letter(self, effect: DeadLetter, now: int, *, done: bool) -> list:
+        group_name, key, offset = effect.group, (effect.topic, effect.partition), effect.offset
+
         def confirm(out: list) -> None:
             group = self._groups.get(group_name)
             state = group.partitions.get(key) if group else None
             fields = {"group": group_name, "topic": key[0], "partition": key[1], "offset": offset}
-            if state is None or state.dead_lettering.get(offset) is None:
-                # E.g. the group was reset meanwhile: the record is no longer ours to finish.
+            if state is None or state.dead_lettering_of(offset, effect.dead_lettering_id) is None:
+                # E.g. the group was reset meanwhile: the record is no longer ours to finish,
+                # or it is being dead-lettered again and this copy belongs to the earlier time.
                 out.append(Log("dead_letter_confirmation_ignored", {**fields, "done": done}))
             elif done:
                 state.dead_letter_done(offset)
@@ -966,7 +972,7 @@ class GroupCoordinatorCore:
         if state is None or fresh:
             if state is None:
                 self._groups_on.setdefault(key, []).append(group)
-            state = group.partitions[key] = PartitionState(*key)
+            state = group.partitions[key] = PartitionState(*key, self._new_dead_lettering_id)
         if now is not None:
             self._resolve_start(group, state, now, out)
         return state
@@ -1012,6 +1018,10 @@ class GroupCoordinatorCore:
     def _new_lease_id(self) -> int:
         self._next_lease_id += 1
         return self._next_lease_id
+
+    def _new_dead_lettering_id(self) -> int:
+        self._next_dead_lettering_id += 1
+        return self._next_dead_lettering_id
 
     def _new_member_id(self, group: Group) -> str:
         # A client may join under an id it chose, and it could be one of this form.

@@ -53,8 +53,8 @@ class PersistOffsets:
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """Copy record `offset` of topic/partition to `dlq_topic`, then call
-    `core.on_dead_letter_done` (or `on_dead_letter_failed`) with the same key."""
+    """Copy record `offset` of topic/partition to `dlq_topic`, then give this effect
+    back to `core.on_dead_letter_done` (or `on_dead_letter_failed`)."""
     group: str
     topic: str
     partition: int
@@ -62,6 +62,7 @@ class DeadLetter:
     dlq_topic: str
     attempts: int
     last_reason: str
+    dead_lettering_id: int  # which dead-lettering of the offset this copy is for
 
 
 @dataclass(frozen=True, slots=True)

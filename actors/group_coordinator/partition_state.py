@@ -26,6 +26,7 @@ of the group (who may lease, member counters, effects) are made by
 from __future__ import annotations
 
 import heapq
+import itertools
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
@@ -57,10 +58,16 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class DeadLettering:
-    """Records on their way to the dead-letter topic."""
+    """Records on their way to the dead-letter topic.
+
+    `id` names this dead-lettering, so that a confirmation for an earlier one of the
+    same offset (a copy started before a reset, reported after the record was
+    rejected again) cannot finish or fail this one.
+    """
     attempts: int
     last_reason: str
     since_ms: int
+    id: int
     failed: bool = False  # the shell's copy failed; a retry is scheduled
 
 
@@ -129,9 +136,13 @@ class LogRange:
 class PartitionState:
     """One group's progress and outstanding work in one topic-partition."""
 
-    def __init__(self, topic: str, partition: int) -> None:
+    def __init__(self, topic: str, partition: int,
+                 new_dead_lettering_id: Callable[[], int] | None = None) -> None:
         self.topic = topic
         self.partition = partition
+        # Unique across every state the coordinator makes (a state made afresh for the
+        # same partition must not reuse an id an old confirmation may still carry).
+        self._new_dead_lettering_id = new_dead_lettering_id or itertools.count(1).__next__
         self.committed: int | None = None  # None until a start position is known
         self.next_new = 0
         self.finished = RangeSet()
@@ -276,7 +287,8 @@ class PartitionState:
         for start, end, lease in pieces:
             self.leased.remove(start, end)
             if max_deliveries is not None and lease.attempt >= max_deliveries:
-                doomed.append((start, end, DeadLettering(lease.attempt, reason, now_ms)))
+                doomed.append((start, end, DeadLettering(lease.attempt, reason, now_ms,
+                                                         self._new_dead_lettering_id())))
                 self.dead_lettering.set(start, end, doomed[-1][2])
             else:
                 region = self.ready if ready_at_ms <= now_ms else self.delayed
@@ -289,7 +301,7 @@ class PartitionState:
         doomed = []
         for start, end, lease in pieces:
             self.leased.remove(start, end)
-            doomed.append((start, end, DeadLettering(lease.attempt, reason, now_ms)))
+            doomed.append((start, end, DeadLettering(lease.attempt, reason, now_ms, self._new_dead_lettering_id())))
             self.dead_lettering.set(start, end, doomed[-1][2])
         return doomed
 
@@ -322,6 +334,11 @@ class PartitionState:
             self._delayed_due = [(ready.ready_at_ms, s, e) for s, e, ready in self.delayed]
             heapq.heapify(self._delayed_due)
         return moved
+
+    def dead_lettering_of(self, offset: int, dead_lettering_id: int) -> DeadLettering | None:
+        """The dead-lettering of `offset`, if it is the one named (not an earlier one)."""
+        info = self.dead_lettering.get(offset)
+        return info if info is not None and info.id == dead_lettering_id else None
 
     def dead_letter_failed(self, offset: int) -> bool:
         """Mark a failed copy for retry; False if the record is not being dead-lettered."""

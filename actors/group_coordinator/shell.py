@@ -442,8 +442,7 @@ class CoordinatorShell:
         def failed(reason: str) -> None:
             self.log.warning("dead_letter.retry", group=effect.group, topic=effect.topic,
                              partition=effect.partition, offset=effect.offset, reason=reason)
-            self.apply(self.core.on_dead_letter_failed(effect.group, effect.topic, effect.partition,
-                                                       effect.offset, runtime.now_ms()), runtime.now_ms())
+            self.apply(self.core.on_dead_letter_failed(effect, runtime.now_ms()), runtime.now_ms())
 
         owner = self.topics.partitions.get((effect.topic, effect.partition))
         if owner is None or owner.owner is None:
@@ -470,8 +469,7 @@ class CoordinatorShell:
                 # Gone through retention: nothing left to copy, the record is finished.
                 self.log.warning("dead_letter.source_gone", topic=effect.topic, partition=effect.partition,
                                  offset=effect.offset)
-                self.apply(self.core.on_dead_letter_done(effect.group, effect.topic, effect.partition,
-                                                         effect.offset, runtime.now_ms()), runtime.now_ms())
+                self.apply(self.core.on_dead_letter_done(effect, runtime.now_ms()), runtime.now_ms())
                 return
             rec = records[0]
             headers = dict(rec.headers or {})
@@ -507,8 +505,7 @@ class CoordinatorShell:
             self.log.info("dead_letter.appended", group=effect.group, topic=effect.topic,
                           partition=effect.partition, offset=effect.offset, dlq=effect.dlq_topic,
                           dlq_offset=env.msg.base_offset, attempts=effect.attempts)
-            self.apply(self.core.on_dead_letter_done(effect.group, effect.topic, effect.partition,
-                                                     effect.offset, runtime.now_ms()), runtime.now_ms())
+            self.apply(self.core.on_dead_letter_done(effect, runtime.now_ms()), runtime.now_ms())
 
         self.request(f"partition:{dlq.owner}".encode(),
                      m.Produce(topic=effect.dlq_topic, partition=0, producer_id=self.dead_letter_producer_id,

@@ -117,6 +117,10 @@ class Driver:
     def dead_letters(self, since: int = 0) -> list[DeadLetter]:
         return [e for e in self.effects[since:] if isinstance(e, DeadLetter)]
 
+    def dead_letter(self, offset: int, topic: str = "t", partition: int = 0) -> DeadLetter:
+        """The newest DeadLetter effect for this record: what the shell hands back."""
+        return [e for e in self.dead_letters() if (e.topic, e.partition, e.offset) == (topic, partition, offset)][-1]
+
     def logs(self, event: str, since: int = 0) -> list[Log]:
         return [e for e in self.effects[since:] if isinstance(e, Log) and e.event == event]
 

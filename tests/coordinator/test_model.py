@@ -91,7 +91,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.epoch = [0] * P
         self.fin_by_epoch = [{0: set()} for _ in range(P)]   # reset start + everything finished since
         self.done_by_epoch = [{0: set()} for _ in range(P)]  # only what consumers finished
-        self.dead_lettering: dict[tuple[int, int], bool] = {}  # (p, o) -> emitted and not failed
+        self.dead_lettering: dict[tuple[int, int], DeadLetter] = {}  # (p, o) -> emitted and not failed
         self.retry_at: dict[tuple[int, int], int] = {}  # failed dead letters: when they come back
         self.owners: dict[int, str] = {}
         # Ahead leases (Poll.ahead): p -> {lease, member, end, early acks, generation}.
@@ -164,7 +164,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 assert key in allowed_dead, f"unjustified dead letter {e}"
                 assert key not in self.dead_lettering, f"dead letter emitted twice: {e}"
                 assert e.attempts == self.attempts[key] and e.dlq_topic == "t.dlq"
-                self.dead_lettering[key] = True
+                self.dead_lettering[key] = e  # the shell hands the effect back with its outcome
                 self.retry_at.pop(key, None)
                 emitted.add(key)
         assert required_dead <= emitted, f"missing dead letters {required_dead - emitted}"
@@ -546,15 +546,16 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if not pending:
             return
         p, o = pending[i % len(pending)]
+        effect = self.dead_lettering[(p, o)]
         if done:
             del self.dead_lettering[(p, o)]
             self.core_fin[p].add(o)
             self._finished_ever(p, o)
-            self._absorb(self.core.on_dead_letter_done("g", "t", p, o, self.now))
+            self._absorb(self.core.on_dead_letter_done(effect, self.now))
         else:
             del self.dead_lettering[(p, o)]
             self.retry_at[(p, o)] = self.now + DEAD_LETTER_RETRY_MS
-            self._absorb(self.core.on_dead_letter_failed("g", "t", p, o, self.now))
+            self._absorb(self.core.on_dead_letter_failed(effect, self.now))
 
     @rule()
     def flush_writer(self):

@@ -138,7 +138,7 @@ def test_dead_letter_confirmation_after_a_reset_is_ignored():
     a = d.join()
     d.settle("reject", a, [["t", 0, d.poll(a).deliveries[0][2], 0, 1]])
     d.ok("reset_group", m.ResetGroup(group="g", topic="t", to="earliest"))
-    d.feed(d.core.on_dead_letter_done("g", "t", 0, 0, d.now))
+    d.feed(d.core.on_dead_letter_done(d.dead_letter(0), d.now))
     assert d.committed() == 0 and d.logs("dead_letter_confirmation_ignored")
 
 
