@@ -245,7 +245,10 @@ class PartitionActorCore:
             raise UnknownOp(f"op {op!r} is not served by a partition actor", op=op)
         except ZBrokerError as err:
             self.counters["errors"] += 1
-            return [ReplyError(token, op, err)]
+            # Without its traceback: the traceback's frames hold the request's payload,
+            # and reach back to the shell frame that holds this ReplyError, a cycle that
+            # kept every refused frame (up to 64 MiB each) until a full collection.
+            return [ReplyError(token, op, err.with_traceback(None))]
 
     def produce(self, token: Any, msg: m.Produce, frames: list, now_ms: int) -> list:
         self.counters["produce_requests"] += 1
