@@ -211,19 +211,25 @@ class Outbox:
     back to back, the replies of a turn share one. `limit` bounds how long the first
     reply of a busy turn waits for the requests after it.
 
-    A reply sent with ``must_arrive`` that finds its peer's queue full is kept and
-    tried again at each flush (up to `retry_limit` of them, oldest dropped first):
-    a dropped produce reply costs its producer a request timeout and, once the log
-    no longer remembers that sequence, a DUPLICATE_SEQUENCE failure for a record
-    that was stored. Other replies (a fetch can be sent again) are dropped at a full
-    queue, which bounds what a peer that never reads costs.
+    A reply sent with ``must_arrive`` that finds its peer's queue full waits in that
+    peer's line and is tried again at each flush: a dropped produce reply costs its
+    producer a request timeout and, once the log no longer remembers that sequence,
+    a DUPLICATE_SEQUENCE failure for a record that was stored. A flush tries the
+    head of each waiting line only until it finds no room, so a peer that stops
+    reading costs one attempt per turn, not one per reply it left waiting (with
+    every reply retried, one such client held tens of thousands and slowed every
+    other client of the actor a hundredfold). A line holds at most `retry_limit`
+    replies; past that its oldest are dropped and logged. Other replies (a fetch
+    can be sent again) are dropped at a full queue, which bounds what a peer that
+    never reads costs.
     """
 
-    __slots__ = ("_held", "_retry", "limit", "retry_limit")
+    __slots__ = ("_held", "_waiting", "limit", "retry_limit")
 
     def __init__(self, limit: int = 32, retry_limit: int = 100_000) -> None:
         self._held: list[tuple[zmq.Socket, bytes | None, list, bool]] = []
-        self._retry: collections.deque[tuple[zmq.Socket, bytes | None, list]] = collections.deque()
+        # (socket, peer identity) -> replies that must arrive, oldest first
+        self._waiting: dict[tuple[zmq.Socket, bytes | None], collections.deque[list]] = {}
         self.limit = limit
         self.retry_limit = retry_limit
 
@@ -236,25 +242,34 @@ class Outbox:
     @property
     def retrying(self) -> bool:
         """Replies are waiting for room: the shell should flush again soon, not sleep."""
-        return bool(self._retry)
+        return bool(self._waiting)
 
     def flush(self) -> None:
-        retry = self._retry
-        for _ in range(len(retry)):
-            sock, identity, frames = retry.popleft()
-            if not try_send(sock, identity, frames):
-                retry.append((sock, identity, frames))
+        waiting = self._waiting
+        for key in list(waiting):
+            self._drain(key, waiting[key])
         held, self._held = self._held, []
         for sock, identity, frames, must_arrive in held:
-            if try_send(sock, identity, frames):
-                continue
-            if not must_arrive:
+            line = waiting.get((sock, identity)) if must_arrive else None
+            if line is None:  # nothing of this peer's is waiting: this reply may go first
+                if try_send(sock, identity, frames):
+                    continue
+                if not must_arrive:
+                    _note_dropped("reply")
+                    continue
+                line = waiting[(sock, identity)] = collections.deque()
+            line.append(frames)  # behind the ones already waiting, in order
+            if len(line) > self.retry_limit:
+                line.popleft()
                 _note_dropped("reply")
-                continue
-            retry.append((sock, identity, frames))
-            if len(retry) > self.retry_limit:
-                retry.popleft()
-                _note_dropped("reply")
+
+    def _drain(self, key: tuple[zmq.Socket, bytes | None], line: collections.deque) -> None:
+        sock, identity = key
+        while line:
+            if not try_send(sock, identity, line[0]):
+                return  # still no room for this peer: its later replies wait too
+            line.popleft()
+        del self._waiting[key]
 
 
 def error_frames(op: str | None, corr_id: Any, err: ZBrokerError) -> list:

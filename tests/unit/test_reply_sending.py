@@ -89,3 +89,39 @@ def test_a_reply_that_must_arrive_waits_for_room_in_a_full_queue(router_and_peer
     outbox.flush()  # the peer read: now there is room
     assert not outbox.retrying
     assert received(peer, 1) == [[b"produce"]]
+
+
+def test_a_peer_that_stops_reading_costs_a_flush_one_attempt_not_one_per_waiting_reply(router_and_peer,
+                                                                                       monkeypatch):
+    # A reviewer's client pipelined 150,000 produces and read no reply: every flush
+    # retried every held reply, the actor spun at 100 % CPU and another client's
+    # produce took 40-105 ms instead of 0.3 ms.
+    router, deaf = router_and_peer
+    live = router.context.socket(zmq.DEALER)  # inproc: the router's own context
+    live.setsockopt(zmq.IDENTITY, b"live")
+    live.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    live.send(b"hello")
+    assert received(router, 1) == [[b"live", b"hello"]]
+    outbox = runtime.Outbox(limit=100_000, retry_limit=3000)
+    try:
+        for i in range(5000):
+            outbox.send(router, b"peer", [b"%d" % i], must_arrive=True)
+        outbox.flush()
+        assert outbox.retrying
+        attempts = []
+        real_try_send = runtime.try_send
+        monkeypatch.setattr(runtime, "try_send", lambda *a: attempts.append(a[1]) or real_try_send(*a))
+        outbox.send(router, b"live", [b"for-live"], must_arrive=True)
+        outbox.flush()
+        assert attempts == [b"peer", b"live"]  # one try for the deaf peer's line, one for the new reply
+        assert received(live, 1) == [[b"for-live"]]
+        got = []  # the deaf peer reads at last: what waited comes in order, the oldest past the cap dropped
+        deadline = time.monotonic() + 10
+        while outbox.retrying and time.monotonic() < deadline:
+            got += [int(f[0]) for f in received(deaf, 10, timeout=0.005)]
+            outbox.flush()
+        got += [int(f[0]) for f in received(deaf, 5000, timeout=0.5)]
+        assert got == sorted(got) and got[-1] == 4999
+        assert len([n for n in got if n >= 2000]) == 3000  # the line's cap: 3,000 newest kept in full
+    finally:
+        live.close(linger=0)
