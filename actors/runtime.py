@@ -51,6 +51,25 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def raise_open_file_limit() -> tuple[int, int]:
+    """Lift this process's soft limit on open files to its hard limit; returns (soft, hard).
+
+    A partition actor holds 2 descriptors per open partition and up to 8 more per
+    partition for reading closed segments; the usual soft default of 1024 runs out
+    at a few hundred partitions while the hard limit is often far higher.
+    """
+    import resource  # POSIX only, like the rest of the actors' process handling
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass  # e.g. an infinite hard limit the kernel caps lower: keep what we have
+    return soft, hard
+
+
 def now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 

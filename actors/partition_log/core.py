@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import heapq
 import itertools
 from typing import Any, Callable, Iterable
@@ -130,6 +131,14 @@ class OpenFailed(Exception):
     """The log could not be opened yet (e.g. its previous owner still holds the lock)."""
 
 
+class OutOfFiles(OpenFailed):
+    """No file descriptor left (the process's limit, or the system's): opening more
+    partitions cannot work now, but the ones already open go on serving."""
+
+
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
 LogOpener = Callable[[str, int, LogConfig, int], PartitionLog]
 
 
@@ -146,6 +155,7 @@ class PartitionActorCore:
         self.logs: dict[tuple[str, int], PartitionLog] = {}
         self._wanted: dict[tuple[str, int], LogConfig] = {}  # assigned but not open yet
         self._next_open_retry_ms = 0
+        self._out_of_files_retries = 0  # consecutive open retries that ran out of descriptors
         self._dirty_since_sync: set[tuple[str, int]] = set()
         self._held_replies: list[Reply | ReplyError] = []  # fsync=always: sent after end_turn's fsync
         self._changed: set[tuple[str, int]] = set()
@@ -180,23 +190,50 @@ class PartitionActorCore:
         return effects
 
     def _open_wanted(self, now_ms: int) -> None:
+        out_of_files = 0
         for key, config in list(self._wanted.items()):
+            if out_of_files:
+                out_of_files += 1  # the rest would fail the same way: wait for the next retry
+                continue
             try:
                 plog = self._open_log(key[0], key[1], config, now_ms)
+                if self.fsync.mode != "never":
+                    # What the previous owner wrote but had not yet fsynced when it died is
+                    # made durable before any of it is served or reported.
+                    self._make_durable(plog)
+            except OutOfFiles:
+                out_of_files = 1
+                continue
             except OpenFailed as exc:
                 log.info("partition.open_deferred", topic=key[0], partition=key[1], reason=str(exc))
                 continue
             del self._wanted[key]
-            if self.fsync.mode != "never":
-                # What the previous owner wrote but had not yet fsynced when it died is
-                # made durable before any of it is served or reported.
-                plog.make_durable()
             self.logs[key] = plog
             self._changed.add(key)
             rec = plog.recovery
             log.info("partition.opened", topic=key[0], partition=key[1], log_start=plog.log_start,
                      log_end=plog.log_end, truncated_bytes=getattr(rec, "truncated_bytes", 0))
+        self._out_of_files_retries = self._out_of_files_retries + 1 if out_of_files else 0
+        retries = self._out_of_files_retries
+        if retries & (retries - 1) == 0 and retries:
+            # Not one line per partition (a topic of thousands), nor one per second for ever.
+            log.error("partition.open_deferred_out_of_files", partitions=out_of_files, open=len(self.logs),
+                      retries=retries,
+                      hint="raise the open-file limit (ulimit -n): each open partition holds 2-10 descriptors")
         self._next_open_retry_ms = now_ms + RETRY_OPEN_MS
+
+    @staticmethod
+    def _make_durable(plog: PartitionLog) -> None:
+        try:
+            plog.make_durable()
+        except OSError as exc:
+            if exc.errno not in OUT_OF_FILES:
+                raise
+            try:
+                plog.close()  # its flush needs a descriptor too; the files are closed all the same
+            except OSError:
+                pass
+            raise OutOfFiles(exc.strerror) from None
 
     def _release(self, key: tuple[str, int], now_ms: int) -> list:
         plog = self.logs.pop(key)

@@ -20,8 +20,8 @@ import zmq
 
 from actors import runtime, security
 from actors.wire import recv_frames
-from actors.partition_log.core import (FsyncPolicy, Limits, OpenFailed, PartitionActorCore, Reply,
-                                       ReplyError)
+from actors.partition_log.core import (OUT_OF_FILES, FsyncPolicy, Limits, OpenFailed, OutOfFiles,
+                                       PartitionActorCore, Reply, ReplyError)
 from protocol import codec
 from protocol import messages as m
 from protocol.messages import validate_topic_name
@@ -62,6 +62,8 @@ class LockedLogOpener:
             fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             # Opening is retried; a running log's I/O error is what restarts the actor.
+            if exc.errno in OUT_OF_FILES:
+                raise OutOfFiles(exc.strerror) from None
             raise OpenFailed(f"cannot open the partition directory: {exc.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -70,6 +72,11 @@ class LockedLogOpener:
             raise OpenFailed("partition directory is locked by another actor") from None
         try:
             plog = PartitionLog.open(directory, config, now_ms=now_ms)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in OUT_OF_FILES:  # the partition waits; the others keep serving
+                raise OutOfFiles(exc.strerror) from None
+            raise
         except BaseException:
             os.close(fd)
             raise
@@ -77,10 +84,12 @@ class LockedLogOpener:
         original_close = plog.close
 
         def close_and_unlock() -> None:
-            original_close()
-            lock_fd = self._locks.pop((topic, partition), None)
-            if lock_fd is not None:
-                os.close(lock_fd)
+            try:
+                original_close()
+            finally:  # a close that failed to flush still closed its files: the lock goes too
+                lock_fd = self._locks.pop((topic, partition), None)
+                if lock_fd is not None:
+                    os.close(lock_fd)
         plog.close = close_and_unlock  # type: ignore[method-assign]
         return plog
 
@@ -112,6 +121,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         max_batch_bytes: int = Limits.max_batch_bytes, curve_dir: str | None = None) -> None:
     """Process main. Runs until SIGTERM/SIGINT, then drains and exits 0."""
     log = runtime.configure_logging(log_level, actor="partition-log", actor_id=actor_id)
+    open_files, _hard = runtime.raise_open_file_limit()
     stop = runtime.StopFlag().install()
     data = Path(data_dir)
     data.mkdir(parents=True, exist_ok=True)
@@ -147,7 +157,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
             endpoint = endpoint.replace("0.0.0.0", advertise_host).replace("127.0.0.1", advertise_host)
         dealer.connect(coordinator)
         log.info("actor.started", endpoint=endpoint, coordinator=coordinator, fsync=str(core.fsync),
-                 data_dir=str(data))
+                 data_dir=str(data), open_file_limit=open_files)
         # No runtime.tune_gc() here: this actor takes frames of up to 64 MiB from
         # clients, and one caught in a reference cycle lives until a collection (as
         # refused frames did through their errors' tracebacks, see core.handle): with

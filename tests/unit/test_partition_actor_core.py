@@ -284,3 +284,39 @@ def test_fsync_always_fetches_in_an_appending_turn_wait_for_the_sync(tmp_path):
     finally:
         core_module.MAX_PARKED_FETCHES = old_cap
     core.close()
+
+
+def test_out_of_file_descriptors_defers_the_partitions_and_the_open_ones_keep_serving(tmp_path, monkeypatch):
+    # A reviewer's topic of 1,000 partitions under `ulimit -n 1024`: EMFILE while
+    # opening (or making durable) a log crashed the actor, which restarted into the
+    # same crash for ever, taking every other topic on it down too.
+    import errno
+
+    from actors.partition_log.core import OutOfFiles
+
+    files_left = [3]
+
+    class ShortOfFiles(Opener):
+        def __call__(self, topic, partition, config, now_ms):
+            if files_left[0] == 0:
+                raise OutOfFiles("Too many open files")
+            files_left[0] -= 1
+            return super().__call__(topic, partition, config, now_ms)
+
+    core = PartitionActorCore("p0", open_log=ShortOfFiles(tmp_path), fsync=FsyncPolicy.parse("interval:1000"))
+    real_make_durable = PartitionLog.make_durable
+
+    def make_durable(plog):
+        if plog.directory.name == "2":  # the third partition gets its log but not the fds to sync it
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_make_durable(plog)
+
+    monkeypatch.setattr(PartitionLog, "make_durable", make_durable)
+    core.on_assign([["t", p, None] for p in range(6)], 0)
+    assert set(core.logs) == {("t", 0), ("t", 1)}
+    assert [e.msg.base_offset for e in produce(core, b"still", partition=1)] == [0]
+    monkeypatch.setattr(PartitionLog, "make_durable", real_make_durable)
+    files_left[0] = 100  # the limit was raised
+    core.tick(1000)
+    assert set(core.logs) == {("t", p) for p in range(6)}
+    core.close()
