@@ -90,8 +90,8 @@ from actors.group_coordinator.partition_state import (AHEAD, TIMEOUT, DeadLetter
                                                       Piece)
 from actors.group_coordinator.ranges import RangeSet
 from protocol import messages as m
-from protocol.errors import (Fenced, ProtocolError, StaleLease, Unavailable, UnknownGroup, UnknownMember,
-                             UnknownTopic)
+from protocol.errors import (ErrorCode, Fenced, ProtocolError, StaleLease, Unavailable, UnknownGroup,
+                             UnknownMember, UnknownTopic, ZBrokerError)
 
 __all__ = ["DEAD_LETTER_RETRY_MS", "GroupConfig", "GroupCoordinatorCore"]
 
@@ -144,8 +144,8 @@ class GroupCoordinatorCore:
         # Per-call scratch, emptied by _end().
         self._dirty: dict[tuple[str, Key], PartitionState] = {}
         self._wake: set[str] = set()
-        self._metrics = {"polls": 0, "holes_truncated": 0, "dead_letters_emitted": 0, "records_expired": 0,
-                         "rebalances": 0}
+        self._metrics = {"polls": 0, "holes_truncated": 0, "dead_letters_emitted": 0, "dead_letters_value_dropped": 0,
+                         "records_expired": 0, "rebalances": 0}
 
     # ==================================================================================
     # Topology and store
@@ -259,9 +259,17 @@ class GroupCoordinatorCore:
         """The record of `effect` is in the dead-letter topic (or gone through retention)."""
         return self._confirm_dead_letter(effect, now_ms, done=True)
 
-    def on_dead_letter_failed(self, effect: DeadLetter, now_ms: int) -> list:
-        """The copy of `effect` failed: it is tried again in DEAD_LETTER_RETRY_MS."""
-        return self._confirm_dead_letter(effect, now_ms, done=False)
+    def on_dead_letter_failed(self, effect: DeadLetter, now_ms: int, error: ZBrokerError | None = None) -> list:
+        """The copy of `effect` failed: `error` is the dead-letter topic's refusal of it
+        (None: no answer, or the copy failed before the append).
+
+        A full copy refused TOO_LARGE (the record fits max_batch_bytes, but not with
+        the zb-dlq-* headers) is made again at once without the value: a DeadLetter
+        with `drop_value`. Anything else is tried again in DEAD_LETTER_RETRY_MS, a
+        non-retriable error too (an operator may fix it); the shell logs that one as
+        an error every time.
+        """
+        return self._confirm_dead_letter(effect, now_ms, done=False, error=error)
 
     def cancel_parked(self, token) -> None:
         parked = self._parked.get(token)
@@ -862,9 +870,10 @@ class GroupCoordinatorCore:
                             info: DeadLettering) -> DeadLetter:
         self._metrics["dead_letters_emitted"] += 1
         return DeadLetter(group.name, state.topic, state.partition, offset, group.config.dlq_topic(state.topic),
-                          info.attempts, info.last_reason, info.id)
+                          info.attempts, info.last_reason, info.id, info.drop_value)
 
-    def _confirm_dead_letter(self, effect: DeadLetter, now: int, *, done: bool) -> list:
+    def _confirm_dead_letter(self, effect: DeadLetter, now: int, *, done: bool,
+                             error: ZBrokerError | None = None) -> list:
         group_name, key, offset = effect.group, (effect.topic, effect.partition), effect.offset
 
         def confirm(out: list) -> None:
@@ -878,9 +887,20 @@ class GroupCoordinatorCore:
             elif done:
                 state.dead_letter_done(offset)
                 self._dirty[(group_name, key)] = state
+            elif error is not None and error.code is ErrorCode.TOO_LARGE and not effect.drop_value:
+                # Retrying the same copy can never pass, and a record the broker accepted
+                # must be able to leave: the copy goes without its value, which stays
+                # readable at the source offset while retention keeps it.
+                info = state.dead_letter_drop_value(offset)
+                self._metrics["dead_letters_value_dropped"] += 1
+                out.append(Log("dead_letter_value_dropped", {**fields, "reason": error.message}))
+                out.append(self._dead_letter_effect(group, state, offset, info))
             elif state.dead_letter_failed(offset):
                 self._push(now + DEAD_LETTER_RETRY_MS, _DEAD_LETTER_RETRY, (group_name, key, offset))
-                out.append(Log("dead_letter_failed", {**fields, "retry_in_ms": DEAD_LETTER_RETRY_MS}))
+                out.append(Log("dead_letter_failed", {
+                    **fields, "retry_in_ms": DEAD_LETTER_RETRY_MS,
+                    "error": None if error is None else error.code.value,
+                    "retriable": error is None or error.retriable}))
         return self._event(now, confirm)
 
     # ==================================================================================

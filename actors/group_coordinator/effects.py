@@ -54,7 +54,11 @@ class PersistOffsets:
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
     """Copy record `offset` of topic/partition to `dlq_topic`, then give this effect
-    back to `core.on_dead_letter_done` (or `on_dead_letter_failed`)."""
+    back to `core.on_dead_letter_done` (or `on_dead_letter_failed`).
+
+    With `drop_value` the copy carries no value, only a `zb-dlq-value-dropped` header
+    with its size (and, if even that is too large, neither the original headers nor the
+    key): the full copy was refused TOO_LARGE."""
     group: str
     topic: str
     partition: int
@@ -63,6 +67,7 @@ class DeadLetter:
     attempts: int
     last_reason: str
     dead_lettering_id: int  # which dead-lettering of the offset this copy is for
+    drop_value: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,7 @@ class DeadLettering:
     since_ms: int
     id: int
     failed: bool = False  # the shell's copy failed; a retry is scheduled
+    drop_value: bool = False  # the full copy was refused TOO_LARGE: copy it without its value
 
 
 @dataclass(slots=True)
@@ -347,6 +348,16 @@ class PartitionState:
             return False
         self.dead_lettering.set(offset, offset + 1, replace(info, failed=True))
         return True
+
+    def dead_letter_drop_value(self, offset: int) -> DeadLettering | None:
+        """Copy the record without its value from now on (its retries too); None if the
+        record is not being dead-lettered."""
+        info = self.dead_lettering.get(offset)
+        if info is None:
+            return None
+        info = replace(info, drop_value=True, failed=False)
+        self.dead_lettering.set(offset, offset + 1, info)
+        return info
 
     def dead_letter_retry(self, offset: int) -> DeadLettering | None:
         """The record to copy again, if its copy failed. The mark, not the timer, decides:

@@ -16,7 +16,8 @@ the two multi-step effects that need other actors:
   advances are resent when the writer restarts or stays silent.
 * dead letters: fetch the record from its partition actor, append it with
   provenance headers to the DLQ topic (created on demand) with an idempotent
-  producer id, then tell the core it is done.
+  producer id, then tell the core it is done (or why it failed: a copy refused
+  TOO_LARGE is made again without its value when the core says so).
 """
 
 from __future__ import annotations
@@ -177,6 +178,11 @@ class CoordinatorShell:
         self.last_resend_ms = 0
         self.dead_letter_producer_id = random.getrandbits(62) | 1
         self.dead_letter_seq: dict[tuple[str, int], int] = {}
+        # A dead-letter topic's max_batch_bytes, from its TOO_LARGE refusals: how much of a
+        # record a copy without its value may keep (see dead_letter_payload).
+        self.dead_letter_limits: dict[str, int] = {}
+        # dead_lettering_id -> the record whose full copy was refused, while the core answers.
+        self.refused_copies: dict[int, Any] = {}
         self.open_polls: set[int] = set()
         self.tokens: dict[int, runtime.RouterToken] = {}
         # reset_group replies held until durable: token key -> (group, topic, reply, give up at)
@@ -439,11 +445,25 @@ class CoordinatorShell:
     # -- dead letters -----------------------------------------------------------------------
 
     def start_dead_letter(self, effect: fx.DeadLetter, now: int) -> None:
-        def failed(reason: str) -> None:
-            self.log.warning("dead_letter.retry", group=effect.group, topic=effect.topic,
-                             partition=effect.partition, offset=effect.offset, reason=reason)
-            self.apply(self.core.on_dead_letter_failed(effect, runtime.now_ms()), runtime.now_ms())
+        def failed(reason: str, error: ZBrokerError | None = None, *, refused: bool = False) -> None:
+            """`refused`: `error` is the dead-letter topic's answer to the copy (the core
+            decides on it); otherwise it failed before (fetch, topic creation)."""
+            # A retriable error (or no answer) may pass by itself; any other one needs an
+            # operator (or is a bug), so it is an error in the log at every retry. A full
+            # copy refused TOO_LARGE is the exception: the core has it copied without its value.
+            too_large = refused and error is not None and error.code is ErrorCode.TOO_LARGE and not effect.drop_value
+            log = self.log.warning if error is None or error.retriable or too_large else self.log.error
+            log("dead_letter.too_large" if too_large else "dead_letter.retry", group=effect.group,
+                topic=effect.topic, partition=effect.partition, offset=effect.offset, reason=reason,
+                code=None if error is None else error.code.value, drop_value=effect.drop_value)
+            self.apply(self.core.on_dead_letter_failed(effect, runtime.now_ms(), error if refused else None),
+                       runtime.now_ms())
 
+        # The record whose full copy was just refused: no need to fetch it again.
+        refused = self.refused_copies.pop(effect.dead_lettering_id, None) if effect.drop_value else None
+        if refused is not None:
+            self.append_dead_letter(effect, refused, failed)
+            return
         owner = self.topics.partitions.get((effect.topic, effect.partition))
         if owner is None or owner.owner is None:
             failed("source partition has no owner")
@@ -456,12 +476,12 @@ class CoordinatorShell:
             except ZBrokerError as err:
                 # A name the broker refuses (a configuration from an older version): the
                 # record stays dead-lettering and is retried, and the error is in the log.
-                failed(f"cannot create the dead-letter topic {effect.dlq_topic!r}: {err.message}")
+                failed(f"cannot create the dead-letter topic {effect.dlq_topic!r}: {err.message}", err)
                 return
 
         def on_fetched(env: codec.Envelope | None) -> None:
             if env is None or env.error is not None:
-                failed("fetch failed" if env is None else env.error.message)
+                failed("fetch failed" if env is None else env.error.message, None if env is None else env.error)
                 return
             records = decode_fetched(env.frames[0] if env.frames else b"", effect.topic, effect.partition,
                                      from_offset=effect.offset, until_offset=effect.offset + 1)
@@ -471,40 +491,72 @@ class CoordinatorShell:
                                  offset=effect.offset)
                 self.apply(self.core.on_dead_letter_done(effect, runtime.now_ms()), runtime.now_ms())
                 return
-            rec = records[0]
-            headers = dict(rec.headers or {})
-            headers.update({
-                "zb-dlq-source-topic": effect.topic.encode(),
-                "zb-dlq-source-partition": str(effect.partition).encode(),
-                "zb-dlq-source-offset": str(effect.offset).encode(),
-                "zb-dlq-attempts": str(effect.attempts).encode(),
-                "zb-dlq-reason": str(effect.last_reason).encode(),
-                "zb-dlq-group": effect.group.encode(),
-            })
-            payload = encode_records([[rec.timestamp_ms, rec.key, rec.value, headers]])
-            self.append_dead_letter(effect, payload, failed)
+            self.append_dead_letter(effect, records[0], failed)
 
         self.request(f"partition:{owner.owner}".encode(),
                      m.Fetch(topic=effect.topic, partition=effect.partition, offset=effect.offset,
                              max_bytes=1 << 20), now, on_fetched)
 
-    def append_dead_letter(self, effect: fx.DeadLetter, payload: bytes, failed: Callable) -> None:
+    def dead_letter_payload(self, effect: fx.DeadLetter, rec: Any) -> bytes:
+        """The batch that copies `rec` to the dead-letter topic, with provenance headers.
+
+        With `effect.drop_value` the value is empty (its size is in
+        `zb-dlq-value-dropped`); if the copy would still exceed the dead-letter
+        partition's max_batch_bytes (learnt from its TOO_LARGE refusal), the original
+        headers are left out too, then the key, each replaced by a header with its size.
+        """
+        provenance = {
+            "zb-dlq-source-topic": effect.topic.encode(),
+            "zb-dlq-source-partition": str(effect.partition).encode(),
+            "zb-dlq-source-offset": str(effect.offset).encode(),
+            "zb-dlq-attempts": str(effect.attempts).encode(),
+            "zb-dlq-reason": str(effect.last_reason).encode(),
+            "zb-dlq-group": effect.group.encode(),
+        }
+        if not effect.drop_value:
+            return encode_records([[rec.timestamp_ms, rec.key, rec.value, {**(rec.headers or {}), **provenance}]])
+        provenance["zb-dlq-value-dropped"] = str(len(rec.value or b"")).encode()
+        limit = self.dead_letter_limits.get(effect.dlq_topic)
+        key = rec.key
+        payload = encode_records([[rec.timestamp_ms, key, b"", {**(rec.headers or {}), **provenance}]])
+        if limit is not None and len(payload) > limit and rec.headers:
+            provenance["zb-dlq-headers-dropped"] = str(len(rec.headers)).encode()
+            payload = encode_records([[rec.timestamp_ms, key, b"", provenance]])
+        if limit is not None and len(payload) > limit and key is not None:
+            provenance["zb-dlq-key-dropped"] = str(len(key)).encode()
+            payload = encode_records([[rec.timestamp_ms, None, b"", provenance]])
+        return payload
+
+    def append_dead_letter(self, effect: fx.DeadLetter, rec: Any, failed: Callable) -> None:
         now = runtime.now_ms()
         dlq = self.topics.partitions.get((effect.dlq_topic, 0))
         if dlq is None or dlq.owner is None:
             failed("dead-letter topic has no owner yet")
             return
+        payload = self.dead_letter_payload(effect, rec)
         seq_key = (effect.dlq_topic, 0)
         seq = self.dead_letter_seq.get(seq_key, 0)
         self.dead_letter_seq[seq_key] = seq + 1
 
         def on_appended(env: codec.Envelope | None) -> None:
             if env is None or env.error is not None:
-                failed("append failed" if env is None else env.error.message)
+                error = None if env is None else env.error
+                if error is not None and error.code is ErrorCode.TOO_LARGE:
+                    limit = error.data.get("limit")
+                    if isinstance(limit, int):
+                        self.dead_letter_limits[effect.dlq_topic] = limit
+                    if not effect.drop_value:
+                        self.refused_copies[effect.dead_lettering_id] = rec
+                try:
+                    failed("append failed" if error is None else error.message, error, refused=True)
+                finally:
+                    # Kept only for the copy without value the core asks for at once.
+                    self.refused_copies.pop(effect.dead_lettering_id, None)
                 return
             self.log.info("dead_letter.appended", group=effect.group, topic=effect.topic,
                           partition=effect.partition, offset=effect.offset, dlq=effect.dlq_topic,
-                          dlq_offset=env.msg.base_offset, attempts=effect.attempts)
+                          dlq_offset=env.msg.base_offset, attempts=effect.attempts,
+                          value_dropped=effect.drop_value)
             self.apply(self.core.on_dead_letter_done(effect, runtime.now_ms()), runtime.now_ms())
 
         self.request(f"partition:{dlq.owner}".encode(),

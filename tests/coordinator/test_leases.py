@@ -1,9 +1,11 @@
 """Leases: polling, expiry, nack, extend, reject, dead letters, limits and waiting polls."""
 
+import pytest
+
 from actors.group_coordinator.core import DEAD_LETTER_RETRY_MS, GroupConfig
 from actors.group_coordinator.effects import DeadLetter
 from protocol import messages as m
-from protocol.errors import StaleLease
+from protocol.errors import StaleLease, TooLarge, Unauthorized, Unavailable
 from tests.coordinator import PARKED, Driver, deliveries_of
 
 
@@ -129,19 +131,49 @@ def test_reject_dead_letters_immediately():
     assert d.committed() == 5
 
 
-def test_a_failed_dead_letter_is_retried():
+@pytest.mark.parametrize("error", [None, Unauthorized("no produce right")], ids=["no-answer", "not-retriable"])
+def test_a_failed_dead_letter_is_retried(error):
+    # A non-retriable error is retried too (an operator may fix it); the Log says it is not retriable.
     d = Driver(logs={("t", 0): (0, 1)})
     a = d.join()
     d.settle("reject", a, [["t", 0, d.poll(a).deliveries[0][2], 0, 1]])
     mark = d.mark()
-    d.feed(d.core.on_dead_letter_failed(d.dead_letter(0), d.now))
+    d.feed(d.core.on_dead_letter_failed(d.dead_letter(0), d.now, error))
+    [log] = d.logs("dead_letter_failed", mark)
+    assert (log.fields["error"], log.fields["retriable"]) == (("UNAUTHORIZED", False) if error else (None, True))
     d.advance(DEAD_LETTER_RETRY_MS - 1)
     assert d.dead_letters(mark) == []
     d.advance(1)
-    assert [x.offset for x in d.dead_letters(mark)] == [0]
+    assert [(x.offset, x.drop_value) for x in d.dead_letters(mark)] == [(0, False)]
     # A confirmation for something that is not being dead-lettered is ignored.
     d.feed(d.core.on_dead_letter_done(DeadLetter("g", "t", 0, 7, "t.dlq", 1, "reject", 1), d.now))
     assert d.logs("dead_letter_confirmation_ignored")
+
+
+def test_a_copy_refused_too_large_is_made_again_at_once_without_its_value():
+    # Found by a reviewer: a record near max_batch_bytes plus the zb-dlq-* headers was
+    # refused TOO_LARGE, retried every second for ever, and the commit never passed it.
+    d = Driver(logs={("t", 0): (0, 2)})
+    a = d.join()
+    lease = d.poll(a, max_records=2).deliveries[0][2]
+    d.settle("reject", a, [["t", 0, lease, 0, 1]])
+    full = d.dead_letter(0)
+    assert not full.drop_value
+    mark = d.mark()
+    d.feed(d.core.on_dead_letter_failed(full, d.now, TooLarge("batch exceeds max_batch_bytes", limit=10)))
+    [stripped] = d.dead_letters(mark)  # at once, no retry delay
+    assert stripped.drop_value and stripped.dead_lettering_id == full.dead_lettering_id
+    assert d.logs("dead_letter_value_dropped", mark) and d.core.statistics()["dead_letters_value_dropped"] == 1
+    # A retriable failure of the copy without value is retried, still without the value.
+    d.feed(d.core.on_dead_letter_failed(stripped, d.now, Unavailable("restarting")))
+    mark = d.mark()
+    d.advance(DEAD_LETTER_RETRY_MS)
+    [retry] = d.dead_letters(mark)
+    assert retry.drop_value
+    d.feed(d.core.on_dead_letter_done(retry, d.now))
+    assert d.partition()["dead_letters"] == 1 and d.partition()["dead_lettering"] == 0
+    d.settle("ack", a, [["t", 0, lease, 1, 2]])
+    assert d.committed() == 2
 
 
 def test_a_retry_from_before_a_reset_does_not_copy_a_later_dead_letter_twice():

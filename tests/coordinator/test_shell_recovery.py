@@ -1,13 +1,16 @@
 """The coordinator's process shell where it decides alone: loading the stored offsets
-page by page, and dead letters whose topic cannot be created. No sockets: the
+page by page, dead letters whose topic cannot be created, and the copy without value
+of a record too large to dead-letter whole. No sockets: the
 shell's outgoing requests are captured."""
 
 import structlog
 
+from actors.group_coordinator.effects import DeadLetter
 from actors.group_coordinator.group_state import GroupConfig, default_dlq_topic
 from actors.group_coordinator.shell import LOAD_PAGE_ROWS, CoordinatorShell
 from protocol import codec
 from protocol import messages as m
+from protocol.batch import Record
 from protocol.errors import ErrorCode, TooLarge
 from protocol.messages import validate_topic_name
 
@@ -64,3 +67,23 @@ def test_default_dead_letter_topics_are_valid_names_for_every_valid_topic():
         assert name.endswith(".dlq")
     assert default_dlq_topic("b" * 199 + "1") != default_dlq_topic("b" * 199 + "2")
     assert GroupConfig(dlq="mine").dlq_topic("t") == "mine"
+
+
+def test_a_copy_without_value_keeps_the_key_and_headers_only_if_they_fit(tmp_path):
+    # The copy a TOO_LARGE refusal leads to must fit the dead-letter partition's limit
+    # (learnt from that refusal): the original headers go first, then the key.
+    shell, _sent = _shell(tmp_path)
+    effect = DeadLetter("g", "t", 0, 7, "t.dlq", 1, "reject:bad", 1, drop_value=True)
+    rec = Record("t", 0, 7, 1, b"k" * 300, b"v" * 5000, {"big": b"h" * 300})
+
+    def copy(limit):
+        shell.dead_letter_limits["t.dlq"] = limit
+        [(_ts, key, value, headers)] = codec.unpack_value(shell.dead_letter_payload(effect, rec))
+        return key, value, headers
+
+    key, value, headers = copy(5000)
+    assert (key, value, headers["big"], headers["zb-dlq-value-dropped"]) == (rec.key, b"", b"h" * 300, b"5000")
+    key, value, headers = copy(700)
+    assert key == rec.key and "big" not in headers and headers["zb-dlq-headers-dropped"] == b"1"
+    key, value, headers = copy(400)
+    assert key is None and headers["zb-dlq-key-dropped"] == b"300" and headers["zb-dlq-source-offset"] == b"7"

@@ -141,6 +141,46 @@ def test_reject_sends_a_record_to_the_dlq_at_once(broker):
         wait_committed(admin, "g", {("orders", 0): 2})
 
 
+def test_a_record_too_large_to_copy_whole_is_dead_lettered_without_its_value(broker):
+    """A record that fits max_batch_bytes (8 MiB, also the dead-letter topic's limit) but
+    not with the zb-dlq-* headers added: the copy is refused TOO_LARGE, so the DLQ gets
+    it without its value and the committed offset passes it (it used to be retried for ever)."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("blobs", partitions=1)
+    big = b"B" * ((8 << 20) - 64)  # the record's own batch fits; with the provenance headers it does not
+    with Producer(broker.url, linger_ms=1) as producer:
+        producer.send("blobs", big, key=b"blob-key", headers={"h": b"1"})
+        producer.flush()
+        producer.send("blobs", b"small")
+        producer.flush()
+    with Consumer(broker.url, group="g", topics=["blobs"]) as consumer:
+        recs = drain(consumer, 2, ack=False, max_records=1)
+        assert [(r.offset, len(r.value)) for r in recs] == [(0, len(big)), (1, 5)]
+        assert consumer.reject([recs[0]], reason="too big to handle") == 1
+        consumer.ack(recs[1])
+        consumer.flush_acks()
+    with Admin(broker.url) as admin:
+        wait_committed(admin, "g", {("blobs", 0): 2})
+        part = admin.describe_group("g")["partitions"][0]
+    assert part["dead_letters"] == 1 and part["dead_lettering"] == 0
+    conn = Connection(broker.url)
+    try:
+        conn.refresh()
+        dead, _s, end = fetch(conn, "blobs.dlq", 0, 0)
+        assert end == 1 and len(dead) == 1
+        copy = dead[0]
+        assert copy.value == b"" and copy.key == b"blob-key"
+        assert copy.headers["h"] == b"1"  # small original headers are kept
+        assert copy.headers["zb-dlq-value-dropped"] == str(len(big)).encode()
+        assert copy.headers["zb-dlq-source-topic"] == b"blobs"
+        assert copy.headers["zb-dlq-source-partition"] == b"0"
+        assert copy.headers["zb-dlq-source-offset"] == b"0"
+        assert copy.headers["zb-dlq-group"] == b"g"
+        assert b"too big to handle" in copy.headers["zb-dlq-reason"]
+    finally:
+        conn.close()
+
+
 def test_a_third_member_moves_partitions_without_loss_and_fencing_stops_stale_acks(broker):
     with Admin(broker.url) as admin:
         admin.create_topic("events", partitions=6)
