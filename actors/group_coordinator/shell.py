@@ -181,8 +181,8 @@ class CoordinatorShell:
         # A dead-letter topic's max_batch_bytes, from its TOO_LARGE refusals: how much of a
         # record a copy without its value may keep (see dead_letter_payload).
         self.dead_letter_limits: dict[str, int] = {}
-        # dead_lettering_id -> the record whose full copy was refused, while the core answers.
-        self.refused_copies: dict[int, Any] = {}
+        # (dead_lettering_id, offset) -> the record whose full copy was refused, while the core answers.
+        self.refused_copies: dict[tuple[int, int], Any] = {}
         self.open_polls: set[int] = set()
         self.tokens: dict[int, runtime.RouterToken] = {}
         # reset_group replies held until durable: token key -> (group, topic, reply, give up at)
@@ -460,7 +460,9 @@ class CoordinatorShell:
                        runtime.now_ms())
 
         # The record whose full copy was just refused: no need to fetch it again.
-        refused = self.refused_copies.pop(effect.dead_lettering_id, None) if effect.drop_value else None
+        # (id, offset): one dead-lettering id covers every record of a range settled together.
+        copy_key = (effect.dead_lettering_id, effect.offset)
+        refused = self.refused_copies.pop(copy_key, None) if effect.drop_value else None
         if refused is not None:
             self.append_dead_letter(effect, refused, failed)
             return
@@ -546,12 +548,12 @@ class CoordinatorShell:
                     if isinstance(limit, int):
                         self.dead_letter_limits[effect.dlq_topic] = limit
                     if not effect.drop_value:
-                        self.refused_copies[effect.dead_lettering_id] = rec
+                        self.refused_copies[(effect.dead_lettering_id, effect.offset)] = rec
                 try:
                     failed("append failed" if error is None else error.message, error, refused=True)
                 finally:
                     # Kept only for the copy without value the core asks for at once.
-                    self.refused_copies.pop(effect.dead_lettering_id, None)
+                    self.refused_copies.pop((effect.dead_lettering_id, effect.offset), None)
                 return
             self.log.info("dead_letter.appended", group=effect.group, topic=effect.topic,
                           partition=effect.partition, offset=effect.offset, dlq=effect.dlq_topic,

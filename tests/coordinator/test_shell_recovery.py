@@ -3,6 +3,8 @@ page by page, dead letters whose topic cannot be created, and the copy without v
 of a record too large to dead-letter whole. No sockets: the
 shell's outgoing requests are captured."""
 
+import dataclasses
+
 import structlog
 
 from actors.group_coordinator.effects import DeadLetter
@@ -87,3 +89,32 @@ def test_a_copy_without_value_keeps_the_key_and_headers_only_if_they_fit(tmp_pat
     assert key == rec.key and "big" not in headers and headers["zb-dlq-headers-dropped"] == b"1"
     key, value, headers = copy(400)
     assert key is None and headers["zb-dlq-key-dropped"] == b"300" and headers["zb-dlq-source-offset"] == b"7"
+
+
+def test_a_value_less_copy_takes_its_own_record_not_another_of_its_range(tmp_path):
+    # A reviewer's sequence: offsets 0 and 1 rejected together share one dead-lettering
+    # id. Offset 0's full copy is refused TOO_LARGE, and in the same core event offset
+    # 1's value-less retry comes due before offset 0's value-less copy: with the refused
+    # record kept under the id alone, offset 1's copy took record 0 and labelled it 1.
+    import types
+
+    shell, _sent = _shell(tmp_path)
+    shell.topics = types.SimpleNamespace(topics={"t": None, "t.dlq": None}, partitions={
+        ("t", 0): types.SimpleNamespace(owner="p0"), ("t.dlq", 0): types.SimpleNamespace(owner="p0")})
+    requests = []
+    shell.request = lambda identity, msg, now, on_reply, frames=(): requests.append((msg, on_reply, frames))
+    first, second = (DeadLetter("g", "t", 0, o, "t.dlq", 1, "reject:bad", 5) for o in (0, 1))
+
+    def the_core_answers(reason, error=None, refused=False):  # its order: the due retry first
+        shell.start_dead_letter(dataclasses.replace(second, drop_value=True), 0)
+        shell.start_dead_letter(dataclasses.replace(first, drop_value=True), 0)
+
+    shell.append_dead_letter(first, Record("t", 0, 0, 1, b"key-0", b"v" * 100, None), the_core_answers)
+    [(_produce, refuse, _frames)] = requests
+    requests.clear()
+    refuse(codec.Envelope(op="produce", corr_id=1, error=TooLarge("batch exceeds max_batch_bytes", limit=300)))
+    fetch, append = (msg for msg, _cb, _f in requests)
+    assert isinstance(fetch, m.Fetch) and fetch.offset == 1  # offset 1 fetches its own record
+    [(_ts, key, value, headers)] = codec.unpack_value(requests[1][2][0])
+    assert isinstance(append, m.Produce) and (key, value) == (b"key-0", b"")
+    assert headers["zb-dlq-source-offset"] == b"0"
