@@ -433,20 +433,28 @@ def run_sync_jobs(jobs: list[tuple]) -> None:
     An ("index", path, bytes) job follows the fsync of its segment's data, so
     an index file on disk means the data it describes is on disk too.
     """
-    for job in jobs:
-        if job[0] == "fd":
-            try:
-                os.fsync(job[1])
-            finally:
-                os.close(job[1])
-        elif job[0] == "index":
-            if job[1].with_suffix(DATA_SUFFIX).exists():  # not deleted by retention meanwhile
-                write_index_file(job[1], job[2], fsync=True)
-        else:
-            try:
-                _fsync_path(job[1], job[2])
-            except FileNotFoundError:
-                pass  # deleted by retention since: nothing left to make durable
+    for done, job in enumerate(jobs):
+        try:
+            if job[0] == "fd":
+                try:
+                    os.fsync(job[1])
+                finally:
+                    os.close(job[1])
+            elif job[0] == "index":
+                if job[1].with_suffix(DATA_SUFFIX).exists():  # not deleted by retention meanwhile
+                    write_index_file(job[1], job[2], fsync=True)
+            else:
+                try:
+                    _fsync_path(job[1], job[2])
+                except FileNotFoundError:
+                    pass  # deleted by retention since: nothing left to make durable
+        except BaseException:
+            # The dup()-ed descriptors of the jobs not reached would leak (one per failed
+            # flush: under EMFILE, the very thing that made the job fail).
+            for later in jobs[done + 1:]:
+                if later[0] == "fd":
+                    os.close(later[1])
+            raise
 
 
 def _fsync_path(path: Path, flags: int) -> None:

@@ -286,3 +286,24 @@ def test_a_crash_between_roll_and_flush_loses_nothing_and_writes_the_missing_ind
         assert [r.value for r in read_all(plog)] == values
     with open_log(tmp_path, **CONFIG) as plog:
         assert not plog.recovery.index_rebuilt
+
+
+def test_a_failed_sync_job_closes_the_descriptors_of_the_jobs_after_it(tmp_path):
+    # A reviewer's finding: make_durable and sync_jobs dup() the active segment's fd up
+    # front; when an earlier job failed (EMFILE, the very shortage), that dup leaked.
+    import errno
+    import os
+
+    from storage.log.partition_log import run_sync_jobs
+
+    (tmp_path / "f").write_bytes(b"x")
+    base = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        later = os.dup(base)
+        with pytest.raises(OSError):  # a directory cannot be opened for writing
+            run_sync_jobs([("path", tmp_path, os.O_WRONLY), ("fd", later)])
+        with pytest.raises(OSError) as closed:
+            os.fstat(later)
+        assert closed.value.errno == errno.EBADF
+    finally:
+        os.close(base)
