@@ -131,6 +131,18 @@ class OpenFailed(Exception):
     """The log could not be opened yet (e.g. its previous owner still holds the lock)."""
 
 
+def detached(err: ZBrokerError) -> ZBrokerError:
+    """`err` without its traceback, nor the exception it was raised from or during.
+
+    A traceback's frames hold the request's payload and reach back to the shell
+    frame that holds the ReplyError: a cycle that kept every refused frame (up to
+    64 MiB each) until a full collection. `raise ... from None` still sets
+    `__context__`, whose own traceback closes the same cycle.
+    """
+    err.__traceback__ = err.__context__ = err.__cause__ = None
+    return err
+
+
 class OutOfFiles(OpenFailed):
     """No file descriptor left (the process's limit, or the system's): opening more
     partitions cannot work now, but the ones already open go on serving."""
@@ -282,10 +294,7 @@ class PartitionActorCore:
             raise UnknownOp(f"op {op!r} is not served by a partition actor", op=op)
         except ZBrokerError as err:
             self.counters["errors"] += 1
-            # Without its traceback: the traceback's frames hold the request's payload,
-            # and reach back to the shell frame that holds this ReplyError, a cycle that
-            # kept every refused frame (up to 64 MiB each) until a full collection.
-            return [ReplyError(token, op, err.with_traceback(None))]
+            return [ReplyError(token, op, detached(err))]
 
     def produce(self, token: Any, msg: m.Produce, frames: list, now_ms: int) -> list:
         self.counters["produce_requests"] += 1

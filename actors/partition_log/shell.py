@@ -21,7 +21,7 @@ import zmq
 from actors import runtime, security
 from actors.wire import recv_frames
 from actors.partition_log.core import (OUT_OF_FILES, FsyncPolicy, Limits, OpenFailed, OutOfFiles,
-                                       PartitionActorCore, Reply, ReplyError)
+                                       PartitionActorCore, Reply, ReplyError, detached)
 from protocol import codec
 from protocol import messages as m
 from protocol.messages import validate_topic_name
@@ -252,7 +252,7 @@ def _handle(core: PartitionActorCore, route: tuple, frames: list, now: int, rout
             acl.check(user, env.op, env.msg)
         except ZBrokerError as err:
             log.warning("auth.denied", op=env.op, reason=err.message, data=err.data)
-            _apply(ReplyError(token, env.op, err.with_traceback(None)), router, dealer, log)  # see core.handle
+            _apply(ReplyError(token, env.op, detached(err)), router, dealer, log)
             return
     for effect in _guarded(core, token, env, now, log):
         _apply(effect, router, dealer, log)

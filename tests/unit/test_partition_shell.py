@@ -44,10 +44,13 @@ class _Payload(bytearray):
     """A payload frame that can be watched with a weak reference."""
 
 
-def test_a_refused_produce_frees_its_payload_without_the_cycle_collector(monkeypatch):
+@pytest.mark.parametrize("case", ["not owner", "not msgpack"])
+def test_a_refused_produce_frees_its_payload_without_the_cycle_collector(monkeypatch, tmp_path, case):
     # A reviewer's probe: 20 refused 60 MiB produces held 1.2 GB in the actor until a
     # rare full collection, through error -> traceback -> frames -> the shell frame
-    # holding the ReplyError -> error. Refcounting alone must free a refused payload.
+    # holding the ReplyError -> error; and a payload that is not msgpack through the
+    # decoder's error in `__context__` (`raise ... from None` keeps it). Refcounting
+    # alone must free a refused payload.
     import gc
     import weakref
 
@@ -56,9 +59,11 @@ def test_a_refused_produce_frees_its_payload_without_the_cycle_collector(monkeyp
     from protocol import messages as m
 
     monkeypatch.setattr(shell, "_send", lambda route, frames, must_arrive=False: None)  # no sockets
-    core = PartitionActorCore("x", open_log=lambda *a: None)
-    header = codec.encode_request(m.Produce(topic="not-here", partition=0), 1, [b""])[0]  # NOT_OWNER
-    payload = _Payload(b"\x91" + b"x" * (1 << 20))
+    core = PartitionActorCore("x", open_log=shell.LockedLogOpener(tmp_path))
+    core.on_assign([["t", 0, None]], 0)
+    topic, body = ("elsewhere", b"\x91" + b"x" * (1 << 20)) if case == "not owner" else ("t", b"\x91\xc1" + b"x" * (1 << 20))
+    header = codec.encode_request(m.Produce(topic=topic, partition=0), 1, [b""])[0]
+    payload = _Payload(body)
     alive = weakref.ref(payload)
     gc.disable()
     try:
@@ -68,4 +73,5 @@ def test_a_refused_produce_frees_its_payload_without_the_cycle_collector(monkeyp
         assert alive() is None
     finally:
         gc.enable()
+        core.close()
     assert core.counters["errors"] == 1
