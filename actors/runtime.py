@@ -238,19 +238,22 @@ class Outbox:
     reading costs one attempt per turn, not one per reply it left waiting (with
     every reply retried, one such client held tens of thousands and slowed every
     other client of the actor a hundredfold). A line holds at most `retry_limit`
-    replies; past that its oldest are dropped and logged. Other replies (a fetch
+    replies, and all lines together at most `total_limit` (many peers that stop
+    reading); past either, the oldest of the longest line are dropped and logged. Other replies (a fetch
     can be sent again) are dropped at a full queue, which bounds what a peer that
     never reads costs.
     """
 
-    __slots__ = ("_held", "_waiting", "limit", "retry_limit")
+    __slots__ = ("_held", "_waiting", "_waiting_total", "limit", "retry_limit", "total_limit")
 
-    def __init__(self, limit: int = 32, retry_limit: int = 100_000) -> None:
+    def __init__(self, limit: int = 32, retry_limit: int = 100_000, total_limit: int = 200_000) -> None:
         self._held: list[tuple[zmq.Socket, bytes | None, list, bool]] = []
         # (socket, peer identity) -> replies that must arrive, oldest first
         self._waiting: dict[tuple[zmq.Socket, bytes | None], collections.deque[list]] = {}
+        self._waiting_total = 0
         self.limit = limit
         self.retry_limit = retry_limit
+        self.total_limit = total_limit
 
     def send(self, sock: zmq.Socket, identity: bytes | None, frames: list, must_arrive: bool = False) -> None:
         held = self._held
@@ -278,9 +281,16 @@ class Outbox:
                     continue
                 line = waiting[(sock, identity)] = collections.deque()
             line.append(frames)  # behind the ones already waiting, in order
+            self._waiting_total += 1
             if len(line) > self.retry_limit:
-                line.popleft()
-                _note_dropped("reply")
+                self._drop_oldest(line)
+            elif self._waiting_total > self.total_limit:
+                self._drop_oldest(max(waiting.values(), key=len))  # the peer furthest behind
+
+    def _drop_oldest(self, line: collections.deque) -> None:
+        line.popleft()  # a line emptied here is removed by the next flush
+        self._waiting_total -= 1
+        _note_dropped("produce_reply")
 
     def _drain(self, key: tuple[zmq.Socket, bytes | None], line: collections.deque) -> None:
         sock, identity = key
@@ -288,6 +298,7 @@ class Outbox:
             if not try_send(sock, identity, line[0]):
                 return  # still no room for this peer: its later replies wait too
             line.popleft()
+            self._waiting_total -= 1
         del self._waiting[key]
 
 

@@ -125,3 +125,32 @@ def test_a_peer_that_stops_reading_costs_a_flush_one_attempt_not_one_per_waiting
         assert len([n for n in got if n >= 2000]) == 3000  # the line's cap: 3,000 newest kept in full
     finally:
         live.close(linger=0)
+
+
+def test_replies_held_for_many_deaf_peers_are_bounded_in_all(router_and_peer):
+    # A reviewer's point: with a cap per peer only, N peers that never read hold
+    # N x 100,000 produce replies. Past the total, the furthest behind gives way.
+    router, _peer = router_and_peer
+    deaf = []
+    for name in (b"deaf-1", b"deaf-2"):
+        sock = router.context.socket(zmq.DEALER)  # inproc: the router's own context
+        sock.setsockopt(zmq.IDENTITY, name)
+        sock.setsockopt(zmq.RCVHWM, 10)
+        sock.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+        sock.send(b"hello")
+        deaf.append(sock)
+    assert sorted(f[0] for f in received(router, 2)) == [b"deaf-1", b"deaf-2"]
+    outbox = runtime.Outbox(limit=100_000, retry_limit=1000, total_limit=1500)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for identity, count in ((b"peer", 1200), (b"deaf-1", 600), (b"deaf-2", 300)):
+                for i in range(count):
+                    outbox.send(router, identity, [b"%d" % i], must_arrive=True)
+                outbox.flush()
+        waiting = {identity: len(line) for (_sock, identity), line in outbox._waiting.items()}
+        assert sum(waiting.values()) <= 1500 and waiting[b"peer"] <= 1000
+        assert waiting[b"deaf-2"] >= 300 - 30  # the newest, shortest line kept (what the queues took aside)
+        assert any(entry["event"] == "produce_reply.dropped" for entry in logs)
+    finally:
+        for sock in deaf:
+            sock.close(linger=0)
