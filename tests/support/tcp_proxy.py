@@ -164,8 +164,9 @@ class TcpProxy:
     def _pump_thread(self, conn: _Conn, src: socket.socket, dst: socket.socket | None, upward: bool) -> None:
         t = threading.Thread(target=self._pump, args=(conn, src, dst, upward),
                              name=f"tcp-proxy-{conn.id}-{'up' if upward else 'down'}", daemon=True)
-        conn.threads.append(t)
-        t.start()
+        t.start()  # before it is listed: a cut that joins the listed threads must not meet an unstarted one
+        with self._lock:
+            conn.threads.append(t)
 
     def _pump(self, conn: _Conn, src: socket.socket, dst: socket.socket | None, upward: bool) -> None:
         try:
@@ -189,7 +190,9 @@ class TcpProxy:
             self._conns.pop(conn.id, None)
         conn.close()
         if join:
-            for t in conn.threads:
+            with self._lock:
+                threads = list(conn.threads)
+            for t in threads:
                 if t is not threading.current_thread():
                     t.join(timeout=5)
 
