@@ -51,8 +51,9 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def raise_open_file_limit() -> tuple[int, int]:
-    """Lift this process's soft limit on open files to its hard limit; returns (soft, hard).
+def raise_open_file_limit() -> int | None:
+    """Lift this process's soft limit on open files to its hard limit; returns the
+    soft limit now in force (None: unlimited).
 
     A partition actor holds 2 descriptors per open partition and up to 8 more per
     partition for reading closed segments; the usual soft default of 1024 runs out
@@ -61,13 +62,13 @@ def raise_open_file_limit() -> tuple[int, int]:
     import resource  # POSIX only, like the rest of the actors' process handling
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
+    if soft != hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             soft = hard
         except (ValueError, OSError):
             pass  # e.g. an infinite hard limit the kernel caps lower: keep what we have
-    return soft, hard
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def now_ms() -> int:

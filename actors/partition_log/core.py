@@ -149,6 +149,19 @@ class OutOfFiles(OpenFailed):
 
 
 OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+# What an open partition may hold: its lock, its active segment, and up to
+# storage.log.partition_log.OPEN_READ_FDS (8) for reading closed segments.
+FDS_PER_PARTITION = 10
+# Left for everything else: sockets, the background fsync's dup()s and directory
+# opens, segment rolls, the interpreter's own files.
+RESERVED_FDS = 256
+
+
+def partitions_for_open_files(limit: int) -> int:
+    """How many partitions an actor may open under an open-file limit and still serve
+    them all: opening until EMFILE would leave none for a fetch of an old segment,
+    a segment roll or an fsync, each of which is an I/O error that stops the actor."""
+    return max(1, (limit - RESERVED_FDS) // FDS_PER_PARTITION)
 
 
 LogOpener = Callable[[str, int, LogConfig, int], PartitionLog]
@@ -156,8 +169,10 @@ LogOpener = Callable[[str, int, LogConfig, int], PartitionLog]
 
 class PartitionActorCore:
     def __init__(self, actor_id: str, *, open_log: LogOpener, fsync: FsyncPolicy = FsyncPolicy(),
-                 limits: Limits = Limits(), background_sync: Callable[[list], None] | None = None) -> None:
+                 limits: Limits = Limits(), background_sync: Callable[[list], None] | None = None,
+                 max_open_partitions: int | None = None) -> None:
         self.actor_id = actor_id
+        self.max_open_partitions = max_open_partitions  # see partitions_for_open_files
         # With interval fsync nothing waits for the fsync, so the shell may run it on a
         # thread (a slow disk then stalls no request); `always` syncs here, before replying.
         self._background_sync = background_sync
@@ -207,6 +222,9 @@ class PartitionActorCore:
             if out_of_files:
                 out_of_files += 1  # the rest would fail the same way: wait for the next retry
                 continue
+            if self.max_open_partitions is not None and len(self.logs) >= self.max_open_partitions:
+                out_of_files = 1
+                continue
             try:
                 plog = self._open_log(key[0], key[1], config, now_ms)
                 if self.fsync.mode != "never":
@@ -230,7 +248,7 @@ class PartitionActorCore:
         if retries & (retries - 1) == 0 and retries:
             # Not one line per partition (a topic of thousands), nor one per second for ever.
             log.error("partition.open_deferred_out_of_files", partitions=out_of_files, open=len(self.logs),
-                      retries=retries,
+                      retries=retries, max_open_partitions=self.max_open_partitions,
                       hint="raise the open-file limit (ulimit -n): each open partition holds 2-10 descriptors")
         self._next_open_retry_ms = now_ms + RETRY_OPEN_MS
 

@@ -21,7 +21,7 @@ import zmq
 from actors import runtime, security
 from actors.wire import recv_frames
 from actors.partition_log.core import (OUT_OF_FILES, FsyncPolicy, Limits, OpenFailed, OutOfFiles,
-                                       PartitionActorCore, Reply, ReplyError, detached)
+                                       PartitionActorCore, Reply, ReplyError, detached, partitions_for_open_files)
 from protocol import codec
 from protocol import messages as m
 from protocol.messages import validate_topic_name
@@ -121,7 +121,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         max_batch_bytes: int = Limits.max_batch_bytes, curve_dir: str | None = None) -> None:
     """Process main. Runs until SIGTERM/SIGINT, then drains and exits 0."""
     log = runtime.configure_logging(log_level, actor="partition-log", actor_id=actor_id)
-    open_files, _hard = runtime.raise_open_file_limit()
+    open_files = runtime.raise_open_file_limit()
     stop = runtime.StopFlag().install()
     data = Path(data_dir)
     data.mkdir(parents=True, exist_ok=True)
@@ -133,7 +133,8 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         syncer.submit(run_sync_jobs, jobs).add_done_callback(_log_sync_failure(log, sync_failures))
 
     core = PartitionActorCore(actor_id, open_log=LockedLogOpener(data), fsync=FsyncPolicy.parse(fsync),
-                              limits=Limits(max_batch_bytes=max_batch_bytes), background_sync=background_sync)
+                              limits=Limits(max_batch_bytes=max_batch_bytes), background_sync=background_sync,
+                              max_open_partitions=None if open_files is None else partitions_for_open_files(open_files))
     ctx = zmq.Context()
     keys = security.KeyRing(curve_dir) if curve_dir else None
     auth = security.start_authenticator(ctx, keys, log) if keys else None
@@ -157,7 +158,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
             endpoint = endpoint.replace("0.0.0.0", advertise_host).replace("127.0.0.1", advertise_host)
         dealer.connect(coordinator)
         log.info("actor.started", endpoint=endpoint, coordinator=coordinator, fsync=str(core.fsync),
-                 data_dir=str(data), open_file_limit=open_files)
+                 data_dir=str(data), open_file_limit=open_files, max_open_partitions=core.max_open_partitions)
         # No runtime.tune_gc() here: this actor takes frames of up to 64 MiB from
         # clients, and one caught in a reference cycle lives until a collection (as
         # refused frames did through their errors' tracebacks, see core.handle): with

@@ -320,3 +320,18 @@ def test_out_of_file_descriptors_defers_the_partitions_and_the_open_ones_keep_se
     core.tick(1000)
     assert set(core.logs) == {("t", p) for p in range(6)}
     core.close()
+
+
+def test_an_actor_opens_no_more_partitions_than_its_descriptors_can_serve(tmp_path):
+    # A reviewer's point: opening until EMFILE left no descriptor for a fetch of an old
+    # segment, a roll or an fsync, each an I/O error that stops the actor; it restarted
+    # and opened up to the limit again. The budget defers the rest instead.
+    from actors.partition_log.core import partitions_for_open_files
+
+    assert partitions_for_open_files(1024) == 76 and partitions_for_open_files(100) == 1
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), max_open_partitions=3)
+    core.on_assign([["t", p, None] for p in range(5)], 0)
+    assert len(core.logs) == 3
+    core.on_assign([["t", p, None] for p in range(2, 5)], 1000)  # two moved away: room for the rest
+    assert set(core.logs) == {("t", 2), ("t", 3), ("t", 4)}
+    core.close()
