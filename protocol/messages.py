@@ -194,6 +194,8 @@ def check_lease_ranges(op: str, ranges: list, limit: int = 100_000) -> None:
             raise ProtocolError("range has wrong element types", op=op, index=i)
         if partition < 0 or start < 0 or end <= start:
             raise ProtocolError("range must have partition >= 0 and 0 <= start < end", op=op, index=i)
+        if not 0 <= lease < 1 << 64:  # a uint64 (PROTOCOL.md); no lease has any other id
+            raise ProtocolError("range's lease_id must be a uint64", op=op, index=i, field="lease_id", got=lease)
         if len(topic.encode()) > MAX_TOPIC_NAME_CHARS:
             # No topic has such a name; and a stale range is echoed back in the reply, whose
             # size the coordinator budgets with topics no longer than this.

@@ -513,3 +513,14 @@ def test_a_twelve_hour_lease_is_accepted():
                 m.Extend(group="g", member_id="m", generation=1, ranges=[], extend_ms=m.MAX_LEASE_MS),
                 m.ConfigureGroup(group="g", ack_timeout_ms=m.MAX_LEASE_MS)):
         assert codec.decode_request(codec.encode_request(msg, 1)).msg == msg
+
+
+@pytest.mark.parametrize("lease_id", [-1, -(1 << 63)])  # (msgpack cannot carry 2**64 or more)
+def test_a_lease_id_outside_uint64_is_a_bad_request_not_a_stale_lease(lease_id):
+    # Found by a newcomer's raw-protocol probe: -1 was answered STALE_LEASE, as if it
+    # had once been a lease; PROTOCOL.md types lease_id as uint64.
+    for msg in (m.Ack(group="g", member_id="m", generation=1, ranges=[["t", 0, lease_id, 0, 1]]),
+                m.Poll(group="g", member_id="m", generation=1, acks=[["t", 0, lease_id, 0, 1]])):
+        with pytest.raises(ProtocolError) as caught:
+            codec.decode_request(codec.encode_request(msg, 1))
+        assert caught.value.code is ErrorCode.BAD_REQUEST and caught.value.data["field"] == "lease_id"
