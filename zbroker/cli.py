@@ -2,7 +2,8 @@
 
 Every command that talks to a broker takes ``--broker URL`` (default
 ``$ZBROKER_URL`` or tcp://127.0.0.1:7400). ``--json`` prints machine-readable
-output. Errors print ``error: CODE: message`` on stderr and exit 1.
+output: a record's key, value and headers as text when they are UTF-8, else as
+``{"hex": "..."}``. Errors print ``error: CODE: message`` on stderr and exit 1.
 """
 
 from __future__ import annotations
@@ -21,13 +22,21 @@ from protocol.errors import ZBrokerError
 DEFAULT_URL = os.environ.get("ZBROKER_URL", "tcp://127.0.0.1:7400")
 
 
-def _b(value: bytes | None) -> str | None:
+def _b(value: bytes | None) -> str | dict | None:
+    """Bytes for --json: the text if they are UTF-8, else {"hex": "..."}. A bare hex
+    string would read the same as a text value that happens to look like hex."""
     if value is None:
         return None
     try:
         return value.decode()
     except UnicodeDecodeError:
-        return value.hex()
+        return {"hex": value.hex()}
+
+
+def _shown(value: bytes | None) -> str | None:
+    """Bytes for a person: the text if they are UTF-8, else <hex:...>."""
+    b = _b(value)
+    return f"<hex:{b['hex']}>" if isinstance(b, dict) else b
 
 
 def _record_json(rec: Any) -> dict:
@@ -158,7 +167,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
                 if args.max is not None and printed >= args.max:
                     break
                 print(json.dumps(_record_json(rec)) if args.json else
-                      f"{rec.partition}@{rec.offset} key={_b(rec.key)} value={_b(rec.value)}")
+                      f"{rec.partition}@{rec.offset} key={_shown(rec.key)} value={_shown(rec.value)}")
                 printed += 1
                 offset = rec.offset + 1
             if offset >= end:
@@ -189,7 +198,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
                 idle_deadline = time.monotonic() + args.timeout
             for rec in records:
                 print(json.dumps(_record_json(rec)) if args.json else
-                      f"{rec.partition}@{rec.offset} key={_b(rec.key)} value={_b(rec.value)}", flush=True)
+                      f"{rec.partition}@{rec.offset} key={_shown(rec.key)} value={_shown(rec.value)}", flush=True)
                 consumer.ack(rec)  # acked once printed
                 consumed += 1
                 if terminated:

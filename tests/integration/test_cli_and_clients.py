@@ -27,6 +27,18 @@ def cli(broker_url: str, *args: str, stdin: str | None = None, check: bool = Tru
     return proc
 
 
+def test_cli_json_tells_bytes_that_are_not_utf8_from_text(broker):
+    # A newcomer's point: b"\xca\xfe" printed as "cafe", the same as the text value "cafe".
+    with Admin(broker.url) as admin:
+        admin.create_topic("bytes", partitions=1)
+    with Producer(broker.url) as producer:
+        producer.produce("bytes", [b"\xca\xfe", b"cafe"], partition=0)
+    lines = cli(broker.url, "fetch", "bytes", "--partition", "0", "--offset", "0", "--max", "2", "--json").stdout
+    assert [json.loads(line)["value"] for line in lines.splitlines()] == [{"hex": "cafe"}, "cafe"]
+    text = cli(broker.url, "fetch", "bytes", "--partition", "0", "--offset", "0", "--max", "2").stdout
+    assert "value=<hex:cafe>" in text and "value=cafe" in text
+
+
 def test_cli_topics_produce_fetch_consume_groups_and_status(broker):
     assert "created topic logs" in cli(broker.url, "topics", "create", "logs", "--partitions", "2").stdout
     assert cli(broker.url, "topics", "list", "--json").stdout.strip() == '["logs"]'
