@@ -14,7 +14,8 @@ order is:
     latency            paced publisher in another process -> consumer here
 
 then, for zbroker only, scale_out and redelivery; then the raw-ZeroMQ
-ceiling for the payload shapes the selected workloads used; then
+ceiling for the payload shapes the selected workloads used (and, with latency,
+the same paced schedule through a bare relay process); then
 bench.commit_absorption if it exists.
 
 Every measured interval is a `Phase`: it carries the progress bar, the time
@@ -306,7 +307,22 @@ class Harness:
             out[key] = self._measure("zmq_ceiling", key, self.config.counts.records, lambda: [os.getpid()],
                                      lambda phase, mode=mode, size=size: run_ceiling(
                                          mode, self.config.counts.records, size, phase))
+        if "latency" in self.config.workloads:
+            out["latency"] = self._latency_ceiling()
         return out
+
+    def _latency_ceiling(self) -> dict[str, Any]:
+        """The latency workload's schedule through a bare relay: the floor of its p99 here."""
+        from bench.zmq_ceiling import run_latency_ceiling
+
+        counts = self.config.counts
+        relay_pids: list[int] = []
+        phase = self._measure(
+            "zmq_ceiling", "latency", int(counts.latency_rate * counts.latency_seconds), lambda: list(relay_pids),
+            lambda phase: run_latency_ceiling(counts.latency_rate, counts.latency_seconds, 100, phase, relay_pids),
+            timeout_s=min(self.config.phase_timeout_s, counts.latency_seconds + LATENCY_GRACE_S))
+        phase.update(rate=counts.latency_rate, paced_seconds=counts.latency_seconds)
+        return phase
 
 
 def run_commits(scale: float, timeout_s: float, name: str = "bench.commit_absorption") -> dict[str, Any]:

@@ -111,6 +111,8 @@ def _latency_status(phase: dict[str, Any] | None, text: str) -> str:
 
 def latency_title(series: str, row: dict[str, Any] | None) -> str:
     """`zbroker`, or `zbroker (publisher linger_ms=1)` when the run says how its publisher lingered."""
+    if series == "zmq_ceiling":
+        return "raw pyzmq: publisher -> bare relay -> receiver"
     system = LATENCY_VARIANTS.get(series, (series,))[0]
     linger = (row or {}).get("publisher_linger_ms")
     return system if linger is None else f"{system} (publisher linger_ms={linger:g})"
@@ -156,6 +158,14 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
         variants_ms[variant], cdf = _latency_entry(phase)
         if cdf is not None:
             variants_cdf[variant] = cdf
+    ceiling_latency = ceiling.get("latency")
+    if ceiling_latency is not None:
+        # The same schedule through a bare relay: the transport's floor, beside the systems.
+        status.setdefault("zmq_ceiling", {})["latency"] = _latency_status(ceiling_latency,
+                                                                          _status_text(ceiling_latency))
+        latency_ms["zmq_ceiling"], cdf = _latency_entry(ceiling_latency)
+        if cdf is not None:
+            latency_cdf["zmq_ceiling"] = cdf
     workloads["latency_p99_ms"] = {s: (v or {}).get("p99") for s, v in latency_ms.items()}
     workloads["latency_ms"] = latency_ms
     workloads["latency_variants_ms"] = variants_ms
@@ -177,6 +187,9 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     zb_ratio["latency_p99"] = {peer: ratio(complete_p99.get("zbroker"), complete_p99.get(peer)) for peer in PEERS}
     workloads["zbroker_over_peer"] = zb_ratio
     workloads["zbroker_fraction_of_ceiling"] = {row: complete_ratio(row, "zmq_ceiling") for row in THROUGHPUT_ROWS}
+    # Latency the other way round: how many times the bare relay's p99 zbroker's is.
+    workloads["zbroker_latency_p99_over_ceiling"] = ratio(complete_p99.get("zbroker"),
+                                                          complete_p99.get("zmq_ceiling"))
 
     zb = results.get("systems", {}).get("zbroker")
     bulk = (zb or {}).get("phases", {}).get("produce_send_many")
@@ -296,6 +309,9 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
         rows += [(variant, w.get("latency_variants_ms", {}).get(variant),
                   status[system].get(LATENCY_VARIANTS[variant][1], "not run"))
                  for variant in w.get("latency_variants_ms", {}) if LATENCY_VARIANTS.get(variant, ("",))[0] == system]
+    if "zmq_ceiling" in w["latency_ms"]:
+        rows.append(("zmq_ceiling", w["latency_ms"]["zmq_ceiling"],
+                     status.get("zmq_ceiling", {}).get("latency", "not run")))
     for series, lat, text in rows:
         title = latency_title(series, lat)
         if lat is not None and text != "ok":
@@ -306,6 +322,14 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
         out.append(f"| {title} | {_num(lat['p50'], 2)} | {_num(lat['p99'], 2)} | {_num(lat['p99_9'], 2)} | "
                    f"{_num(lat['max'], 2)} | {_num(lat.get('received'))} / {_num(lat.get('sent'))} | "
                    f"{_num(lat.get('publisher_max_lag_ms'), 1)} ms |")
+    over_ceiling = w.get("zbroker_latency_p99_over_ceiling")
+    if "zmq_ceiling" in w["latency_ms"]:
+        out.append("\nThe raw-pyzmq row runs the same schedule and payloads through three processes, as "
+                   "zbroker's path has (publisher, partition actor, consumer), with a relay that forwards "
+                   "each frame and does nothing else: no broker can be a Python process between two "
+                   "others here and do better. "
+                   + ("zbroker's p99 is " + f"{over_ceiling:.2f}× the relay's." if over_ceiling is not None
+                      else "No ratio: a row is missing or incomplete."))
 
     out.append("\n### Server CPU per record (µs of utime+stime; all server processes)\n")
     out.append("| workload | zbroker | rabbitmq | nats | redis | zmq ceiling (receiver) |")

@@ -214,3 +214,32 @@ def test_write_run_writes_json_png_markdown_and_latest_copies(results, tmp_path)
     full = json.loads(paths["json"].read_text())
     assert full["systems"]["nats"]["reason"] == "NATS not reachable" and "summary" in full
     assert "](out/latest.png)" in paths["results_md"].read_text()
+
+
+def test_the_latency_ceiling_is_a_row_beside_the_systems_and_never_a_peer(results):
+    results["ceiling"]["latency"] = latency(0.5)
+    s = report.summarize(results)
+    w = s["workloads"]
+    assert w["latency_p99_ms"]["zmq_ceiling"] == 0.5
+    assert set(w["zbroker_over_peer"]["latency_p99"]) == set(report.PEERS)  # the floor is no peer to beat
+    assert w["zbroker_latency_p99_over_ceiling"] == 4.0  # zbroker's 2.0 ms over the relay's 0.5
+    assert "zmq_ceiling" in s["latency_cdf"]
+    md = report.render_markdown(s, chart="latest.png")
+    row = next(line for line in md.splitlines() if line.startswith("| raw pyzmq: publisher -> bare relay"))
+    assert "| 0.50 |" in row
+    assert "zbroker's p99 is 4.00× the relay's." in md
+
+
+def test_a_latency_ceiling_that_lost_records_is_flagged_and_not_compared(results):
+    results["ceiling"]["latency"] = latency(0.5)
+    results["ceiling"]["latency"]["received"] = 4000  # of 5,000 sent
+    s = report.summarize(results)
+    assert s["status"]["zmq_ceiling"]["latency"].startswith("timed_out: 4,000 of the 5,000")
+    assert s["workloads"]["zbroker_latency_p99_over_ceiling"] is None
+    assert "No ratio: a row is missing or incomplete." in report.render_markdown(s, chart="latest.png")
+
+
+def test_no_latency_ceiling_row_when_the_run_had_none(results):
+    s = report.summarize(results)
+    assert "zmq_ceiling" not in s["workloads"]["latency_p99_ms"]
+    assert "bare relay" not in report.render_markdown(s, chart="latest.png")
