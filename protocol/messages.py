@@ -51,6 +51,11 @@ MAX_WAIT_MS = 60_000
 # park a record, and the committed offset behind it, for years.
 MAX_LEASE_MS = 12 * 60 * 60 * 1000
 
+# A registration names at most this many of the partitions its actor could not
+# open (with the count of all of them): a topic of thousands deferred for lack of
+# descriptors must not make every once-a-second registration that large.
+MAX_NOT_OPEN_LISTED = 100
+
 REQUESTS: dict[str, type["Message"]] = {}
 REPLIES: dict[str, type["Message"]] = {}
 # Ops for which the sender expects no reply (fire and forget, "tell").
@@ -609,12 +614,26 @@ class ResetGroupReply(Message):
 
 @request("register")
 class Register(Message):
-    """A partition actor announces itself. partitions: [[topic, partition, log_start, log_end, bytes]]"""
+    """A partition actor announces itself. partitions: [[topic, partition, log_start, log_end, bytes]];
+    not_open: [[topic, partition, reason]], the first MAX_NOT_OPEN_LISTED of the not_open_count
+    partitions assigned to it that it has not opened (no descriptors left, locked, ...)."""
     actor_id: str
     endpoint: str
     storage_id: str
     pid: int
     partitions: list
+    not_open: list = dataclasses.field(default_factory=list)
+    not_open_count: int = 0
+
+    def check(self) -> None:
+        if len(self.not_open) > MAX_NOT_OPEN_LISTED:
+            raise ProtocolError("register lists too many partitions not open", op=self.op,
+                                limit=MAX_NOT_OPEN_LISTED, got=len(self.not_open))
+        for i, item in enumerate(self.not_open):
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                    and isinstance(item[1], int) and not isinstance(item[1], bool) and isinstance(item[2], str)):
+                raise ProtocolError("not_open items must be [topic, partition, reason]", op=self.op, index=i)
+        _nonneg(self.op, not_open_count=self.not_open_count)
 
 
 def check_assignment(op: str, assignment: list) -> None:

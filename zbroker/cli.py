@@ -258,9 +258,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status))
         return 0
     rows = [{"kind": a["kind"], "actor_id": a.get("actor_id"), "pid": a.get("pid"), "endpoint": a.get("endpoint") or "",
-             "healthy": a.get("healthy"), "partitions": len(a.get("partitions", []) or [])} for a in status["actors"]]
-    print(f"broker {'healthy' if status['healthy'] else 'UNHEALTHY'}")
-    _print_table(rows, ["kind", "actor_id", "pid", "endpoint", "healthy", "partitions"])
+             "healthy": a.get("healthy"), "partitions": len(a.get("partitions", []) or []),
+             "not_open": a.get("not_open_count", "")} for a in status["actors"]]
+    # Unhealthy too when some partition cannot be served: its actor is dead and still
+    # owns it, or alive and unable to open it. A dead actor that owns nothing (stopped
+    # on purpose) is listed until it is forgotten, but harms no one.
+    unserved = [a for a in status["actors"] if a["kind"] == "partition-log"
+                and (a.get("not_open_count") or (not a.get("alive", a.get("healthy")) and a.get("partitions")))]
+    print(f"broker {'healthy' if status['healthy'] and not unserved else 'UNHEALTHY'}")
+    _print_table(rows, ["kind", "actor_id", "pid", "endpoint", "healthy", "partitions", "not_open"])
+    for a in status["actors"]:
+        listed = a.get("not_open") or []
+        if not a.get("not_open_count"):
+            continue
+        print(f"\n{a.get('actor_id')} has not opened {a['not_open_count']} of its partitions "
+              f"(their clients get NOT_OWNER until it does):")
+        for topic, partition, reason in listed:
+            print(f"  {topic}/{partition}: {reason}")
+        if a["not_open_count"] > len(listed):
+            print(f"  ... and {a['not_open_count'] - len(listed)} more")
     return 0
 
 

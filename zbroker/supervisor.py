@@ -448,7 +448,7 @@ def wait_ready(url: str, *, partition_actors: int = 1, timeout: float = 30.0,
                 last = status
                 actors = status["actors"]
                 coord = next(a for a in actors if a["kind"] == "group-coordinator")
-                parts = [a for a in actors if a["kind"] == "partition-log" and a["healthy"]]
+                parts = [a for a in actors if a["kind"] == "partition-log" and a.get("alive", a["healthy"])]
                 if status["healthy"] and coord.get("offsets_loaded") and len(parts) >= partition_actors:
                     return status
             except ZBrokerError as err:

@@ -229,7 +229,7 @@ class CoordinatorShell:
                 self.group_request(token, op, msg, now)
             elif op == "register":
                 self.apply(self.topics.register(msg.actor_id, msg.endpoint, msg.storage_id, msg.pid,
-                                                msg.partitions, now), now)
+                                                msg.partitions, now, msg.not_open, msg.not_open_count), now)
                 self.feed_ranges(self.topics.on_report(msg.actor_id, msg.partitions, now), now)
                 self.reply(token, m.RegisterReply(assignment=self.topics.assignment_for(msg.actor_id)))
             elif op == "report":

@@ -53,6 +53,9 @@ class ActorInfo:
     pid: int
     last_seen_ms: int
     alive: bool = True
+    # From its latest registration: assigned partitions it has not opened, and why.
+    not_open: list = dataclasses.field(default_factory=list)
+    not_open_count: int = 0
 
 
 @dataclasses.dataclass
@@ -126,7 +129,7 @@ class TopicRegistry:
     # -- actors -----------------------------------------------------------------------------
 
     def register(self, actor_id: str, endpoint: str, storage_id: str, pid: int, reported: list,
-                 now_ms: int) -> list:
+                 now_ms: int, not_open: list | None = None, not_open_count: int = 0) -> list:
         """A partition actor's (re-)registration, once a second. Returns effects."""
         info = self.actors.get(actor_id)
         if info is None and len(self.actors) >= MAX_ACTORS:
@@ -134,7 +137,8 @@ class TopicRegistry:
             if len(self.actors) >= MAX_ACTORS:
                 raise Unavailable("too many partition actors registered", actor_id=actor_id, limit=MAX_ACTORS)
         is_new = info is None or not info.alive or info.endpoint != endpoint or info.pid != pid
-        self.actors[actor_id] = ActorInfo(actor_id, endpoint, storage_id, pid, now_ms, True)
+        self.actors[actor_id] = ActorInfo(actor_id, endpoint, storage_id, pid, now_ms, True,
+                                          list(not_open or []), not_open_count)
         self.on_report(actor_id, reported, now_ms)
         if not is_new:
             return []
@@ -289,9 +293,13 @@ class TopicRegistry:
     def actor_status(self, now_ms: int) -> list[dict]:
         out = []
         for a in sorted(self.actors.values(), key=lambda x: x.actor_id):
+            # Alive but unable to open some of its partitions (their clients get
+            # UNAVAILABLE) is not healthy: the actor's log says why, and so does this.
             out.append({"kind": "partition-log", "actor_id": a.actor_id, "pid": a.pid, "endpoint": a.endpoint,
-                        "storage_id": a.storage_id, "healthy": a.alive,
-                        "last_seen_ms_ago": now_ms - a.last_seen_ms,
+                        "storage_id": a.storage_id, "healthy": a.alive and a.not_open_count == 0,
+                        "alive": a.alive, "last_seen_ms_ago": now_ms - a.last_seen_ms,
                         "partitions": [[t, p] for (t, p), info in sorted(self.partitions.items())
-                                       if info.owner == a.actor_id]})
+                                       if info.owner == a.actor_id],
+                        "not_open_count": a.not_open_count if a.alive else 0,
+                        "not_open": a.not_open if a.alive else []})
         return out

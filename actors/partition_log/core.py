@@ -57,6 +57,8 @@ REPORT_INTERVAL_MS = 1000
 # them instead of one per loop turn (at one record per request that was one
 # coordinator wake-up per record: bench/PROFILE.md).
 REPORT_PACE_MS = 1
+# Why an assigned partition is not open, when the actor is short of descriptors.
+NO_FILES_LEFT = "out of file descriptors: raise the open-file limit (ulimit -n)"
 RETENTION_CHECK_MS = 30_000
 RETRY_OPEN_MS = 1000
 # Fetches waiting at the log end, across all partitions; one more answers the oldest (empty).
@@ -181,6 +183,7 @@ class PartitionActorCore:
         self._open_log = open_log
         self.logs: dict[tuple[str, int], PartitionLog] = {}
         self._wanted: dict[tuple[str, int], LogConfig] = {}  # assigned but not open yet
+        self._why_not_open: dict[tuple[str, int], str] = {}  # of those, why the last try failed
         self._next_open_retry_ms = 0
         self._out_of_files_retries = 0  # consecutive open retries that ran out of descriptors
         self._dirty_since_sync: set[tuple[str, int]] = set()
@@ -213,6 +216,7 @@ class PartitionActorCore:
             if key not in wanted:
                 effects += self._release(key, now_ms)
         self._wanted = {k: c for k, c in wanted.items() if k not in self.logs}
+        self._why_not_open = {k: why for k, why in self._why_not_open.items() if k in self._wanted}
         self._open_wanted(now_ms)
         return effects
 
@@ -221,9 +225,11 @@ class PartitionActorCore:
         for key, config in list(self._wanted.items()):
             if out_of_files:
                 out_of_files += 1  # the rest would fail the same way: wait for the next retry
+                self._why_not_open[key] = NO_FILES_LEFT
                 continue
             if self.max_open_partitions is not None and len(self.logs) >= self.max_open_partitions:
                 out_of_files = 1
+                self._why_not_open[key] = NO_FILES_LEFT
                 continue
             try:
                 plog = self._open_log(key[0], key[1], config, now_ms)
@@ -233,11 +239,14 @@ class PartitionActorCore:
                     self._make_durable(plog)
             except OutOfFiles:
                 out_of_files = 1
+                self._why_not_open[key] = NO_FILES_LEFT
                 continue
             except OpenFailed as exc:
                 log.info("partition.open_deferred", topic=key[0], partition=key[1], reason=str(exc))
+                self._why_not_open[key] = str(exc)
                 continue
             del self._wanted[key]
+            self._why_not_open.pop(key, None)
             self.logs[key] = plog
             self._changed.add(key)
             rec = plog.recovery
@@ -517,8 +526,13 @@ class PartitionActorCore:
         return True
 
     def registration(self, *, endpoint: str, storage_id: str, pid: int) -> m.Register:
+        # The partitions it was given but could not open go too, with why, so that
+        # `zbroker status` says what only this actor's log would otherwise say.
+        not_open = [[t, p, self._why_not_open.get((t, p), "opening")]
+                    for (t, p) in sorted(self._wanted)[:m.MAX_NOT_OPEN_LISTED]]
         return m.Register(actor_id=self.actor_id, endpoint=endpoint, storage_id=storage_id, pid=pid,
-                          partitions=self.partition_reports(self.logs))
+                          partitions=self.partition_reports(self.logs), not_open=not_open,
+                          not_open_count=len(self._wanted))
 
     def take_report(self, now_ms: int) -> m.Report | None:
         """Log ends of the partitions that changed since the last report, if any and if the

@@ -200,3 +200,44 @@ def test_zbroker_partition_scales_out_and_takes_over_partitions(broker, tmp_path
         if extra.poll() is None:
             extra.send_signal(signal.SIGTERM)
             assert extra.wait(20) == 0
+
+
+def test_status_shows_an_actor_that_cannot_open_its_partitions(broker):
+    # An actor short of file descriptors defers partitions and keeps serving the rest;
+    # `zbroker status` called it healthy while their clients got NOT_OWNER.
+    import resource
+
+    pid = broker.pids()["partition-0"]
+    old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir(f"/proc/{pid}/fd"))
+    # Room for a few partitions (a lock and two segment files each), not for twenty.
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (in_use + 10, old[1]))
+    try:
+        with Admin(broker.url) as admin:
+            admin.create_topic("crowded", partitions=20)
+            deadline = time.monotonic() + 15
+            while True:
+                (actor,) = [a for a in admin.status()["actors"] if a["kind"] == "partition-log"]
+                if actor.get("not_open_count") or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        assert actor["alive"] is True and actor["healthy"] is False
+        assert 0 < actor["not_open_count"] < 20
+        assert all("file descriptors" in reason for _, _, reason in actor["not_open"])
+        text = cli(broker.url, "status").stdout
+        assert text.startswith("broker UNHEALTHY")
+        assert f"{actor['actor_id']} has not opened {actor['not_open_count']} of its partitions" in text
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+    deadline = time.monotonic() + 15  # opening is retried every second
+    with Admin(broker.url) as admin:
+        while True:
+            (actor,) = [a for a in admin.status()["actors"] if a["kind"] == "partition-log"]
+            if actor["healthy"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert actor["healthy"] is True and actor["not_open_count"] == 0 and len(actor["partitions"]) == 20
+    assert cli(broker.url, "status").stdout.startswith("broker healthy")
+    with Producer(broker.url) as producer:
+        for p in range(20):  # every one of them serves now
+            producer.produce("crowded", [b"x"], partition=p)

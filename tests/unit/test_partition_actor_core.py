@@ -335,3 +335,38 @@ def test_an_actor_opens_no_more_partitions_than_its_descriptors_can_serve(tmp_pa
     core.on_assign([["t", p, None] for p in range(2, 5)], 1000)  # two moved away: room for the rest
     assert set(core.logs) == {("t", 2), ("t", 3), ("t", 4)}
     core.close()
+
+
+def test_the_registration_names_the_partitions_not_open_and_why(tmp_path):
+    from actors.partition_log.core import NO_FILES_LEFT
+
+    class LockedThree(Opener):
+        def __call__(self, topic, partition, config, now_ms):
+            if partition == 3:
+                raise OpenFailed("partition directory is locked by another actor")
+            return super().__call__(topic, partition, config, now_ms)
+
+    core = PartitionActorCore("p0", open_log=LockedThree(tmp_path), max_open_partitions=2)
+    core.on_assign([["t", p, None] for p in range(4)], 0)
+    reg = core.registration(endpoint="tcp://x", storage_id="s", pid=1)
+    assert [r[:2] for r in reg.partitions] == [["t", 0], ["t", 1]]
+    assert reg.not_open == [["t", 2, NO_FILES_LEFT], ["t", 3, NO_FILES_LEFT]] and reg.not_open_count == 2
+    core.max_open_partitions = 3  # the limit was raised
+    core.on_assign([["t", p, None] for p in range(1, 4)], 1000)  # and 0 moved away
+    reg = core.registration(endpoint="tcp://x", storage_id="s", pid=1)
+    assert reg.not_open == [["t", 3, "partition directory is locked by another actor"]]
+    assert codec.decode_request(codec.encode_request(reg, 1)).msg == reg  # it crosses the wire as it is
+    core.close()
+
+
+@pytest.mark.parametrize("not_open", [
+    [["t", 1]], [["t", "1", "why"]], [["t", True, "why"]], [[1, 1, "why"]], "t",
+    [["t", p, "why"] for p in range(m.MAX_NOT_OPEN_LISTED + 1)],
+])
+def test_a_registration_with_a_malformed_not_open_list_is_refused(not_open):
+    from protocol.errors import ProtocolError
+
+    fields = {"actor_id": "a", "endpoint": "tcp://x", "storage_id": "s", "pid": 1, "partitions": [],
+              "not_open": not_open}
+    with pytest.raises(ProtocolError):
+        m.build(m.Register, fields)

@@ -134,3 +134,20 @@ def test_the_actor_registry_is_bounded_and_forgets_long_dead_actors():
     reg.tick(later)
     assert set(reg.actors) == {"real", "late"}
     assert owners(reg, "t") == ["real", "real"]  # an owner is never forgotten
+
+
+def test_an_actor_with_partitions_it_could_not_open_is_alive_but_not_healthy():
+    # A partition actor short of file descriptors kept serving its other partitions
+    # and `zbroker status` called it healthy; only its log said otherwise.
+    reg = TopicRegistry()
+    reg.register("a", "tcp://a", "s1", 1, [], 0)
+    reg.create_topic("t", 3, None, 0)
+    why = "out of file descriptors: raise the open-file limit (ulimit -n)"
+    reg.register("a", "tcp://a", "s1", 1, [["t", 0, 0, 0, 0]], 1000,
+                 not_open=[["t", 1, why], ["t", 2, why]], not_open_count=2)
+    (actor,) = reg.actor_status(1000)
+    assert actor["alive"] is True and actor["healthy"] is False
+    assert actor["not_open_count"] == 2 and actor["not_open"] == [["t", 1, why], ["t", 2, why]]
+    reg.register("a", "tcp://a", "s1", 1, [["t", p, 0, 0, 0] for p in range(3)], 2000)  # the limit was raised
+    (actor,) = reg.actor_status(2000)
+    assert actor["healthy"] is True and actor["not_open_count"] == 0 and actor["not_open"] == []
