@@ -346,7 +346,7 @@ class GroupCoordinatorCore:
                     self._unpark(group, parked)
                     member.last_seen_ms = now
                     out.append(Reply(parked.token, self._poll_reply(group, deliveries, parked.acked,
-                                                                    parked.stale)))
+                                                                    parked.stale, parked.stale_omitted)))
         for (group_name, key), state in self._dirty.items():
             group = self._groups[group_name]
             holes, truncated = state.holes(self._max_holes)
@@ -499,22 +499,23 @@ class GroupCoordinatorCore:
             return
         group, member = found
         # Acks first: what they finish frees capacity this poll may lease at once.
-        acked, stale, _omitted = (self._settle_ranges("ack", msg, group, member, msg.acks, now, out)
-                                  if msg.acks else (0, [], 0))
+        acked, stale, omitted = (self._settle_ranges("ack", msg, group, member, msg.acks, now, out)
+                                 if msg.acks else (0, [], 0))
         deliveries = self._lease_records(group, member, msg.max_records, now)
         if not deliveries and msg.ahead and group.config.mode == "exclusive":
             deliveries = self._lease_ahead(group, member, min(msg.ahead, msg.max_records))
         if deliveries or msg.max_wait_ms == 0:
-            out.append(Reply(token, self._poll_reply(group, deliveries, acked, stale)))
+            out.append(Reply(token, self._poll_reply(group, deliveries, acked, stale, omitted)))
             return
         if member.parked >= MAX_PARKED_PER_MEMBER:
             # A client that keeps polling without waiting for answers must not be able
             # to grow this list without bound: its oldest wait ends, empty.
             oldest = next(p for p in group.parked if p.member_id == member.member_id)
             self._unpark(group, oldest)
-            out.append(Reply(oldest.token, self._poll_reply(group, [], oldest.acked, oldest.stale)))
+            out.append(Reply(oldest.token, self._poll_reply(group, [], oldest.acked, oldest.stale,
+                                                            oldest.stale_omitted)))
         parked = ParkedPoll(token, group.name, member.member_id, msg.max_records, now + msg.max_wait_ms,
-                            acked, stale)
+                            acked, stale, omitted)
         group.parked.append(parked)
         self._parked[token] = parked
         member.parked += 1
@@ -638,10 +639,11 @@ class GroupCoordinatorCore:
                                                                                         record.end):
             del self._leases[lease_id]  # nothing of it ever existed (or all of it is over): no timer will
 
-    def _poll_reply(self, group: Group, deliveries: list, acked: int = 0, stale: list | None = None
-                    ) -> m.PollReply:
+    def _poll_reply(self, group: Group, deliveries: list, acked: int = 0, stale: list | None = None,
+                    stale_omitted: int = 0) -> m.PollReply:
         return m.PollReply(generation=group.generation, deliveries=deliveries,
-                           ack_timeout_ms=group.config.ack_timeout_ms, acked=acked, stale=stale or [])
+                           ack_timeout_ms=group.config.ack_timeout_ms, acked=acked, stale=stale or [],
+                           stale_omitted=stale_omitted)
 
     def _unpark(self, group: Group, parked: ParkedPoll) -> None:
         del self._parked[parked.token]
@@ -660,7 +662,8 @@ class GroupCoordinatorCore:
             out.append(ReplyError(parked.token, Fenced(
                 f"group {group.name!r} moved to generation {group.generation} while the poll waited",
                 group=group.name, generation=group.generation, member_id=parked.member_id,
-                member_known=parked.member_id in group.members, acked=parked.acked, stale=parked.stale)))
+                member_known=parked.member_id in group.members, acked=parked.acked, stale=parked.stale,
+                **({"stale_omitted": parked.stale_omitted} if parked.stale_omitted else {}))))
 
     # ==================================================================================
     # Settling leases: ack, nack, extend, reject
@@ -826,7 +829,8 @@ class GroupCoordinatorCore:
                     group = self._groups[payload.group]
                     self._unpark(group, payload)
                     group.members[payload.member_id].last_seen_ms = now
-                    out.append(Reply(payload.token, self._poll_reply(group, [], payload.acked, payload.stale)))
+                    out.append(Reply(payload.token, self._poll_reply(group, [], payload.acked, payload.stale,
+                                                                     payload.stale_omitted)))
             else:  # _DEAD_LETTER_RETRY
                 group_name, key, offset = payload
                 group = self._groups[group_name]

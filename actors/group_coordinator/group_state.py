@@ -95,6 +95,7 @@ class ParkedPoll:
     # What the acks the poll carried came to; its reply, whenever it goes, reports them.
     acked: int = 0
     stale: list = field(default_factory=list)
+    stale_omitted: int = 0
 
 
 @dataclass(eq=False)

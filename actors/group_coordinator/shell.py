@@ -196,8 +196,10 @@ class CoordinatorShell:
         try:
             is_reply, env = codec.decode_any(frames)
         except ProtocolError as err:
-            self.log.warning("actor.bad_frame", peer=identity.decode(errors="replace"), reason=err.message)
-            runtime.send_reply(self.internal, identity, codec.encode_error(err.op, err.corr_id, err))
+            self.log.warning("actor.bad_frame", peer=identity.decode(errors="replace"), reason=err.message,
+                             op=err.op)
+            if err.op not in m.TELLS:  # a tell is never answered, not even with an error (PROTOCOL.md s.16)
+                runtime.send_reply(self.internal, identity, codec.encode_error(err.op, err.corr_id, err))
             return
         if is_reply:
             self.outbound.resolve(identity, env)
@@ -258,7 +260,10 @@ class CoordinatorShell:
             else:
                 raise UnknownOp(f"op {op!r} is not served by the coordinator", op=op)
         except ZBrokerError as err:
-            self.reply_error(token, err)
+            if op in m.TELLS and sock is self.internal:
+                self.log.warning("actor.tell_refused", op=op, code=err.code.value, reason=err.message)
+            else:
+                self.reply_error(token, err)
         except OSError:
             self.log.exception("meta.io_error", op=op)
             raise

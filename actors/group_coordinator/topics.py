@@ -30,6 +30,7 @@ from typing import Any
 
 from protocol.errors import ProtocolError, TopicExists, Unavailable, UnknownTopic
 from protocol.messages import validate_topic_name
+from storage.log.config import InvalidSetting
 from storage.log.partition_log import LogConfig
 
 Key = tuple[str, int]
@@ -111,7 +112,8 @@ class TopicRegistry:
         try:
             log_config = LogConfig.from_dict(config)
         except (ValueError, TypeError) as exc:
-            raise ProtocolError(f"invalid topic config: {exc}", topic=name) from None
+            where = {"field": f"config.{exc.field}", "got": exc.got} if isinstance(exc, InvalidSetting) else {}
+            raise ProtocolError(f"invalid topic config: {exc}", topic=name, **where) from None
         self.topics[name] = {"partitions": partitions, "config": log_config.to_dict()}
         for p in range(partitions):
             self.partitions[(name, p)] = PartitionInfo()

@@ -17,6 +17,15 @@ from typing import Any
 MAX_SEGMENT_BYTES = 0xFFFFFFFF
 
 
+class InvalidSetting(ValueError):
+    """A known log setting with a bad value: which one, and what it was."""
+
+    def __init__(self, field: str, got: Any, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.got = got
+
+
 @dataclass(frozen=True)
 class LogConfig:
     segment_bytes: int = 64 * 1024 * 1024      # roll when the active segment would exceed this
@@ -30,17 +39,23 @@ class LogConfig:
             value = getattr(self, field.name)
             # bool is an int subclass; True as a segment size is a bug, not a setting.
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"log config {field.name} must be an integer, got {value!r}")
+                raise InvalidSetting(field.name, repr(value)[:100],
+                                     f"log config {field.name} must be an integer, got {repr(value)[:100]}")
         if not 1 <= self.segment_bytes <= MAX_SEGMENT_BYTES:
-            raise ValueError(f"segment_bytes must be in 1..{MAX_SEGMENT_BYTES}, got {self.segment_bytes}")
+            raise InvalidSetting("segment_bytes", self.segment_bytes,
+                                 f"segment_bytes must be in 1..{MAX_SEGMENT_BYTES}, got {self.segment_bytes}")
         if self.index_interval_bytes < 1:
-            raise ValueError(f"index_interval_bytes must be >= 1, got {self.index_interval_bytes}")
+            raise InvalidSetting("index_interval_bytes", self.index_interval_bytes,
+                                 f"index_interval_bytes must be >= 1, got {self.index_interval_bytes}")
         if self.retention_bytes < -1:
-            raise ValueError(f"retention_bytes must be -1 (unlimited) or >= 0, got {self.retention_bytes}")
+            raise InvalidSetting("retention_bytes", self.retention_bytes,
+                                 f"retention_bytes must be -1 (unlimited) or >= 0, got {self.retention_bytes}")
         if self.retention_ms < -1:
-            raise ValueError(f"retention_ms must be -1 (unlimited) or >= 0, got {self.retention_ms}")
+            raise InvalidSetting("retention_ms", self.retention_ms,
+                                 f"retention_ms must be -1 (unlimited) or >= 0, got {self.retention_ms}")
         if self.producer_window_segments < 1:
-            raise ValueError(f"producer_window_segments must be >= 1, got {self.producer_window_segments}")
+            raise InvalidSetting("producer_window_segments", self.producer_window_segments,
+                                 f"producer_window_segments must be >= 1, got {self.producer_window_segments}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "LogConfig":

@@ -115,3 +115,17 @@ def test_a_poll_carrying_stale_acks_still_fits_beside_the_records_it_leases():
     reply = d.call("poll", poll_with_stale_acks("z" * 200))
     assert reply.deliveries and len(reply.stale) == STALE_REPORT_LIMIT
     assert codec.decode_reply(codec.encode_reply(reply, 1)).error is None
+
+
+def test_a_poll_counts_the_stale_acks_it_does_not_list():
+    # A reviewer's point: an ack said how many stale ranges it left out of its reply,
+    # a poll carrying the same acks cut the list at 1,000 and said nothing.
+    d = Driver()
+    d.log_range("t", 0, 0, 10)
+    a = d.join()
+    unknown = [["t", 0, 10**9 + i, 2 * i, 2 * i + 1] for i in range(STALE_REPORT_LIMIT + 250)]
+    reply = d.call("poll", m.Poll(group="g", member_id=a.member_id, generation=a.generation, max_records=10,
+                                  acks=unknown))
+    assert len(reply.stale) == STALE_REPORT_LIMIT and reply.stale_omitted == 250
+    assert reply.deliveries  # the stale acks did not fail the poll
+    assert codec.decode_reply(codec.encode_reply(reply, 1)).msg.stale_omitted == 250

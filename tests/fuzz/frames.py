@@ -312,7 +312,7 @@ class FrameMutator:
             item.append(self.junk()) if rng.random() < 0.5 else item.pop()
         elif choice == 6 and isinstance(item[3], int):
             item[4] = _bounded(item[3] + rng.randint(1, 1 << 40), item[4])  # beyond the lease
-        elif choice == 7:  # many ranges (the limit is 100,000; the header must stay under 1 MiB anyway)
+        elif choice == 7:  # many ranges (the limit is 10,000: past it, BAD_REQUEST)
             ranges = ranges * max(1, min(rng.randint(2, 5000), MAX_RANGES // len(ranges)))
         return ranges
 

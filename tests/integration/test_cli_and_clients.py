@@ -241,3 +241,32 @@ def test_status_shows_an_actor_that_cannot_open_its_partitions(broker):
     with Producer(broker.url) as producer:
         for p in range(20):  # every one of them serves now
             producer.produce("crowded", [b"x"], partition=p)
+
+
+def test_a_malformed_tell_on_the_internal_endpoint_gets_no_reply(broker):
+    # PROTOCOL.md s.16: a tell is never answered, not even with an error. A reviewer's
+    # malformed `report` and `writer_status` were answered BAD_REQUEST.
+    import msgpack  # malformed frames are built by hand: the codec would refuse them
+    import zmq
+
+    from protocol import codec
+    from protocol import messages as m
+    from tests.fuzz.harness import actor_endpoint
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"partition:not-an-actor")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(actor_endpoint(broker.url))
+    try:
+        for header in [{"v": 1, "op": "report", "id": 1, "actor_id": 7},
+                       {"v": 1, "op": "writer_status", "id": 2, "pid": "one"},
+                       {"v": 1, "op": "report", "id": 3}]:
+            sock.send_multipart([msgpack.packb(header)])
+        sock.send_multipart(codec.encode_request(m.Hello(versions=[1]), 4))
+        assert sock.poll(10_000)
+        assert codec.decode_reply(sock.recv_multipart()).corr_id == 4  # the first and only reply
+        assert not sock.poll(300)
+    finally:
+        sock.close()
+        ctx.term()

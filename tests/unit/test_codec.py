@@ -524,3 +524,27 @@ def test_a_lease_id_outside_uint64_is_a_bad_request_not_a_stale_lease(lease_id):
         with pytest.raises(ProtocolError) as caught:
             codec.decode_request(codec.encode_request(msg, 1))
         assert caught.value.code is ErrorCode.BAD_REQUEST and caught.value.data["field"] == "lease_id"
+
+
+@pytest.mark.parametrize("member_id", ["m" * (m.MAX_MEMBER_ID_CHARS + 1), "m" * 1_000_000, "a\x00b"])
+def test_a_member_id_the_coordinator_would_keep_and_show_is_bounded(member_id):
+    # A reviewer joined with a 1,000,000-character id: from then on describe_group of the
+    # whole group was TOO_LARGE for every client, and each log line of it 1 MB.
+    with pytest.raises(ProtocolError) as caught:
+        codec.decode_request(codec.encode_request(m.Join(group="g", topics=["t"], member_id=member_id), 1))
+    assert caught.value.code is ErrorCode.BAD_REQUEST and caught.value.data["field"] == "member_id"
+    longest = "m" * m.MAX_MEMBER_ID_CHARS
+    assert codec.decode_request(codec.encode_request(m.Join(group="g", topics=["t"], member_id=longest),
+                                                     1)).msg.member_id == longest
+
+
+def test_one_request_settles_at_most_max_ranges_per_request():
+    # 100,000 ranges under distinct leases cost the coordinator 240 ms, every other client waiting.
+    ranges = [["t", 0, 10**9 + i, i, i + 1] for i in range(m.MAX_RANGES_PER_REQUEST + 1)]
+    for msg in (m.Ack(group="g", member_id="a", generation=1, ranges=ranges),
+                m.Poll(group="g", member_id="a", generation=1, acks=ranges)):
+        with pytest.raises(ProtocolError) as caught:
+            codec.decode_request(codec.encode_request(msg, 1))
+        assert caught.value.data["limit"] == m.MAX_RANGES_PER_REQUEST
+    ok = m.Ack(group="g", member_id="a", generation=1, ranges=ranges[:-1])
+    assert len(codec.decode_request(codec.encode_request(ok, 1)).msg.ranges) == m.MAX_RANGES_PER_REQUEST

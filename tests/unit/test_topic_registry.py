@@ -151,3 +151,13 @@ def test_an_actor_with_partitions_it_could_not_open_is_alive_but_not_healthy():
     reg.register("a", "tcp://a", "s1", 1, [["t", p, 0, 0, 0] for p in range(3)], 2000)  # the limit was raised
     (actor,) = reg.actor_status(2000)
     assert actor["healthy"] is True and actor["not_open_count"] == 0 and actor["not_open"] == []
+
+
+def test_a_bad_topic_setting_names_the_field_and_the_value():
+    reg = TopicRegistry()
+    with pytest.raises(ProtocolError) as caught:
+        reg.create_topic("t", 1, {"segment_bytes": 1 << 32}, 0)
+    assert caught.value.data == {"topic": "t", "field": "config.segment_bytes", "got": 1 << 32}
+    with pytest.raises(ProtocolError) as caught:
+        reg.create_topic("t", 1, {"retention_ms": "soon"}, 0)
+    assert caught.value.data["field"] == "config.retention_ms"
