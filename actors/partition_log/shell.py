@@ -169,6 +169,11 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         for effect in core.close():
             _apply(effect, router, dealer, log)
         _outbox.flush()
+        if _outbox.waiting:
+            # Their records are stored and synced (close() above); the producers time out
+            # and retry, and the log deduplicates them. Said, not left to be guessed.
+            log.warning("produce_reply.unsent_at_shutdown", replies=_outbox.waiting,
+                        hint="their peers were not reading; the records are stored")
         # The logs are closed and unlocked: the coordinator may give the partitions to
         # another actor now rather than after the registrations lapse (seconds of
         # UNAVAILABLE for their clients). Given a moment to leave, not waited for.
