@@ -26,7 +26,7 @@ from protocol import codec
 from protocol import messages as m
 from protocol.messages import validate_topic_name
 from protocol.errors import ErrorCode, ProtocolError, ZBrokerError
-from storage.log.partition_log import LogConfig, PartitionLog, run_sync_jobs
+from storage.log.partition_log import LogConfig, PartitionLog, make_directories_durably, run_sync_jobs
 
 TURN_BUDGET = 512
 REGISTER_RETRY_MS = 1000
@@ -58,7 +58,7 @@ class LockedLogOpener:
         validate_topic_name(topic)  # never a path outside the data directory
         directory = partition_dir(self.data_dir, topic, partition)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            make_directories_durably(directory)
             fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             # Opening is retried; a running log's I/O error is what restarts the actor.
@@ -124,7 +124,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     open_files = runtime.raise_open_file_limit()
     stop = runtime.StopFlag().install()
     data = Path(data_dir)
-    data.mkdir(parents=True, exist_ok=True)
+    make_directories_durably(data)
     # One thread for interval fsyncs: the loop keeps serving while the disk syncs.
     syncer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
     sync_failures: list[BaseException] = []

@@ -75,6 +75,9 @@ class PartitionLog:
         self._active = segments[-1]
         self._producers = producers
         self._size_bytes = sum(segment.size for segment in segments)
+        # Append times never go down within a partition (see `append`).
+        self._last_append_time_ms = max((segment.newest_append_time_ms for segment in segments
+                                         if segment.newest_append_time_ms is not None), default=0)
         self._read_fds: OrderedDict[int, Segment] = OrderedDict()  # base offset -> closed segment with an fd
         self._read_cache: dict[int, tuple[Segment, int]] = {}     # next offset -> (segment, position)
         self._read_cache_hits = 0
@@ -125,10 +128,18 @@ class PartitionLog:
 
         For an idempotent producer call `check_sequence` first: append records
         the sequence without judging it.
+
+        `append_time_ms` is the wall clock, which can step back; a batch is stamped
+        no earlier than the one before it. Recovery reads a closed segment's newest
+        append time off its last batches only, so with a time that went down it
+        took the segment for older than it was and age retention deleted it early.
         """
         self._check_open()
         if not 1 <= record_count <= MAX_U32:
             raise ValueError(f"record_count must be in 1..{MAX_U32}, got {record_count}")
+        if append_time_ms < self._last_append_time_ms:
+            append_time_ms = self._last_append_time_ms
+        self._last_append_time_ms = append_time_ms
         segment = self._active
         base_offset = segment.next_offset
         header = build_batch_header(payload, base_offset=base_offset, record_count=record_count,
@@ -463,3 +474,26 @@ def _fsync_path(path: Path, flags: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_directories_durably(path: Path) -> None:
+    """`mkdir -p path`, then fsync the parent of every directory it created.
+
+    A new partition's directory entry (and its topic's, and the logs directory's)
+    lives in its parent directory: until that is synced, a machine crash can take
+    the directory back with every segment in it, acknowledged batches included,
+    even though the segments themselves were fsynced (`make_durable` syncs the
+    partition directory itself, not its ancestors).
+    """
+    created = []
+    probe = Path(path)
+    while not probe.exists():
+        created.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not created:
+        return
+    Path(path).mkdir(parents=True, exist_ok=True)
+    for directory in created:  # deepest first; each entry is in the directory above it
+        _fsync_path(directory.parent, os.O_RDONLY | os.O_DIRECTORY)

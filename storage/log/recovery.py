@@ -30,6 +30,9 @@ last segment. Recovery therefore:
   `producer_window_segments` segments (a header walk seeks over payloads).
 - deletes an `.index` that has no `.log`, and starts an empty directory with
   segment 0.
+- when the last segment is empty and the one before it is damaged and ends
+  below it, renames the empty one to start where the damaged one ends, so
+  that the log never ends above offsets it cannot serve.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ def recover(directory: Path, config: LogConfig, *, now_ms: int) -> RecoveredLog:
         else:
             _recover_closed(segment, window_producers, report)
         segments.append(segment)
+    if len(segments) > 1 and segments[-1].size == 0 and segments[-2].next_offset < segments[-1].base_offset:
+        segments[-1] = _rebase_empty_last(directory, segments[-1], segments[-2].next_offset, config, report)
+        directory_changed = True
     if window_start > 0 or bases[0] != 0:
         # Batches in segments not scanned (or deleted by retention) are not remembered.
         producers.only_remembered_is_known()
@@ -168,6 +174,30 @@ def _recover_last(segment: Segment, producers: ProducerStates | None, report: Re
     log.warning("log.truncated", directory=report.directory, segment=segment.name,
                 position=result.end_position, dropped_bytes=dropped, reason=result.stop_reason,
                 offset=result.next_offset)
+
+
+def _rebase_empty_last(directory: Path, segment: Segment, next_offset: int, config: LogConfig,
+                       report: RecoveryReport) -> Segment:
+    """Start the empty last segment where the damaged one before it now ends.
+
+    A machine crash between a roll and its sync can leave the rolled segment
+    broken at its tail and the new one with nothing intact: the log would end
+    at the new segment's base, above offsets it can never serve, and a fetch
+    there returned nothing although PROTOCOL.md promises a batch below the log
+    end. The offsets in between were not acknowledged under `--fsync always`;
+    under `interval` or `never` a machine crash takes back the unsynced tail
+    anyway (docs/SEMANTICS.md), so they are written again, as after any cut.
+    """
+    segment.close_fd()
+    rebased = Segment(directory, next_offset, OffsetIndex(config.index_interval_bytes))
+    os.rename(segment.data_path, rebased.data_path)
+    if segment.index_path.exists():
+        segment.index_path.unlink()
+    _recover_last(rebased, None, report)
+    report.truncated_at_offset = next_offset
+    log.warning("log.empty_segment_rebased", directory=report.directory, from_offset=segment.base_offset,
+                to_offset=next_offset, reason="the segment before it is damaged at its tail")
+    return rebased
 
 
 def _recover_closed(segment: Segment, producers: ProducerStates | None, report: RecoveryReport) -> None:

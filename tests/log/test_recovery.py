@@ -307,3 +307,38 @@ def test_a_failed_sync_job_closes_the_descriptors_of_the_jobs_after_it(tmp_path)
         assert closed.value.errno == errno.EBADF
     finally:
         os.close(base)
+
+
+def test_an_empty_last_segment_above_a_damaged_one_starts_where_the_damage_does(tmp_path):
+    # A reviewer's power loss right after a roll (nothing of it acknowledged under
+    # --fsync always): the rolled segment's last batch is garbage and the new segment
+    # holds only a torn batch. The log ended at the new segment's base, above offsets
+    # it could not serve, and a fetch there returned nothing below the log end.
+    config = {"segment_bytes": 400, "index_interval_bytes": 60}
+    plog = open_log(tmp_path, **config)
+    for tag in range(8):
+        plog.append(make_payload(tag, 2, 20), 2, append_time_ms=tag)
+    plog.flush()
+    while len(plog._segments) < 3:
+        plog.append(make_payload(99, 2, 20), 2, append_time_ms=99)
+    for segment in plog._segments:
+        segment.close_fd()  # the machine stops before the end-of-turn fsync
+    rolled, last = sorted(tmp_path.glob("*.log"))[-2:]
+    data = bytearray(rolled.read_bytes())
+    spans = batch_spans(bytes(data))
+    data[spans[-1][1] - 3] ^= 0x5A
+    rolled.write_bytes(bytes(data))
+    last.write_bytes(last.read_bytes()[:30])
+    with capture_logs() as logs:
+        plog = open_log(tmp_path, **config)
+    with plog:
+        damaged_end = spans[-1][2]
+        assert plog.log_end == damaged_end
+        assert any(e["event"] == "log.empty_segment_rebased" for e in logs)
+        assert not last.exists()
+        records = read_all(plog)  # every offset below the log end is served
+        assert records[-1].offset == damaged_end - 1
+        assert plog.append(make_payload(7, 1, 20), 1, append_time_ms=100) == damaged_end
+        assert [r.value for r in read_records(plog, damaged_end)] == [record_value(7, 0, 20)]
+    with open_log(tmp_path, **config) as plog:  # and it opens the same way again
+        assert plog.log_end == damaged_end + 1

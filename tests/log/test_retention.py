@@ -98,3 +98,23 @@ def test_producer_batches_in_deleted_segments_are_forgotten_as_a_reopen_would(tm
         assert [base for _, base, _ in live[3]] == [25, 30]
     with open_log(tmp_path, **config) as plog:
         assert plog.producer_snapshot() == live
+
+
+def test_a_clock_step_back_does_not_make_a_reopened_segment_look_older(tmp_path):
+    # A reviewer's point: the running log kept a segment's newest append time as the
+    # maximum over its batches, a reopen read it off the batches after the last index
+    # entry only; with the wall clock stepped back in between, age retention then
+    # deleted, 500 ms after it was appended, a record it had to keep for 1,000.
+    config = {"segment_bytes": 1000, "index_interval_bytes": 100, "retention_ms": 1000,
+              "producer_window_segments": 1}
+    plog = open_log(tmp_path, **config)
+    for i, t in enumerate([100] * 5 + [5000] + [4000] * 5):  # the clock stepped back after the 6th batch
+        plog.append(make_payload(i, 1, 40), 1, append_time_ms=t)
+    while len(plog._segments) < 3:
+        plog.append(make_payload(99, 1, 40), 1, append_time_ms=6000)
+    live_newest = plog._segments[0].newest_append_time_ms
+    plog.close()
+    with open_log(tmp_path, **config) as reopened:
+        assert reopened._segments[0].newest_append_time_ms == live_newest == 5000
+        assert reopened.enforce_retention(5500) == 0  # 500 ms old: kept
+        assert reopened.enforce_retention(6001) > 0

@@ -75,3 +75,35 @@ def test_a_refused_produce_frees_its_payload_without_the_cycle_collector(monkeyp
         gc.enable()
         core.close()
     assert core.counters["errors"] == 1
+
+
+def test_a_new_partition_directory_is_durable_in_its_parents_before_it_is_served(tmp_path, monkeypatch):
+    # A reviewer traced the fsyncs before the first produce to a new topic was
+    # acknowledged under --fsync always: the segment and the partition directory, but
+    # not the directories holding the new entries (logs/<topic>, logs, the data dir).
+    import os
+
+    from storage.log import partition_log
+    from storage.log.partition_log import LogConfig
+
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(partition_log.os, "fsync", recording_fsync)
+    data = tmp_path / "data"
+    data.mkdir()
+    opener = shell.LockedLogOpener(data)
+    plog = opener("orders", 0, LogConfig(), 0)
+    try:
+        for directory in (data / "logs" / "orders", data / "logs", data):
+            assert str(directory) in synced, f"{directory} holds a new entry and was never synced"
+        synced.clear()
+        plog2 = opener("orders", 1, LogConfig(), 0)  # only the topic directory gained an entry
+        assert synced == [str(data / "logs" / "orders")]
+        plog2.close()
+    finally:
+        plog.close()
