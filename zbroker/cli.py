@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+import zmq
+
 from protocol.errors import ZBrokerError
 
 DEFAULT_URL = os.environ.get("ZBROKER_URL", "tcp://127.0.0.1:7400")
@@ -178,7 +180,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
+    from protocol.errors import ZBrokerError
     from zbroker.client import Consumer
+    from zbroker.client.sync import RetryBackoff
     # SIGTERM (a service manager, `timeout`) stops it after the record in hand: the
     # acks of what was printed go, and the member leaves the group instead of holding
     # its partitions until its session times out.
@@ -186,10 +190,17 @@ def cmd_consume(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
     consumed = 0
     idle_deadline = time.monotonic() + args.timeout if args.timeout else None
+    backoff = RetryBackoff()
     with Consumer(args.broker, group=args.group, topics=[args.topic]) as consumer:
         while (args.max is None or consumed < args.max) and not terminated:
             want = 500 if args.max is None else min(500, args.max - consumed)
-            records = consumer.poll(max_records=want, timeout=0.5)
+            try:
+                records = consumer.poll(max_records=want, timeout=0.5)
+            except ZBrokerError as err:  # the coordinator restarting: wait for it, as a service would
+                backoff.wait_or_raise(err, "poll", group=args.group)
+                records = []
+            else:
+                backoff.reset()
             if not records:
                 if idle_deadline is not None and time.monotonic() > idle_deadline:
                     break
@@ -251,21 +262,23 @@ def _print_group(group: dict) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """Exit status 0 when the broker is healthy, 1 when not: usable as a health check."""
     from zbroker.client import Admin
     with Admin(args.broker) as admin:
         status = admin.status()
-    if args.json:
-        print(json.dumps(status))
-        return 0
-    rows = [{"kind": a["kind"], "actor_id": a.get("actor_id"), "pid": a.get("pid"), "endpoint": a.get("endpoint") or "",
-             "healthy": a.get("healthy"), "partitions": len(a.get("partitions", []) or []),
-             "not_open": a.get("not_open_count", "")} for a in status["actors"]]
     # Unhealthy too when some partition cannot be served: its actor is dead and still
     # owns it, or alive and unable to open it. A dead actor that owns nothing (stopped
     # on purpose) is listed until it is forgotten, but harms no one.
     unserved = [a for a in status["actors"] if a["kind"] == "partition-log"
                 and (a.get("not_open_count") or (not a.get("alive", a.get("healthy")) and a.get("partitions")))]
-    print(f"broker {'healthy' if status['healthy'] and not unserved else 'UNHEALTHY'}")
+    healthy = bool(status["healthy"]) and not unserved
+    if args.json:
+        print(json.dumps(status))
+        return 0 if healthy else 1
+    rows = [{"kind": a["kind"], "actor_id": a.get("actor_id"), "pid": a.get("pid"), "endpoint": a.get("endpoint") or "",
+             "healthy": a.get("healthy"), "partitions": len(a.get("partitions", []) or []),
+             "not_open": a.get("not_open_count", "")} for a in status["actors"]]
+    print(f"broker {'healthy' if healthy else 'UNHEALTHY'}")
     _print_table(rows, ["kind", "actor_id", "pid", "endpoint", "healthy", "partitions", "not_open"])
     for a in status["actors"]:
         listed = a.get("not_open") or []
@@ -277,7 +290,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {topic}/{partition}: {reason}")
         if a["not_open_count"] > len(listed):
             print(f"  ... and {a['not_open_count'] - len(listed)} more")
-    return 0
+    return 0 if healthy else 1
 
 
 # -- parser ---------------------------------------------------------------------------------------
@@ -403,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--to", required=True, type=_reset_target, help="earliest | latest | OFFSET")
     groups.set_defaults(func=cmd_groups)
 
-    status = client_cmd("status", "list the actors with their pids, endpoints, partitions and health")
+    status = client_cmd("status", "list the actors with their pids, endpoints, partitions and health; "
+                                  "exit status 1 when the broker is unhealthy")
     status.set_defaults(func=cmd_status)
     return parser
 
@@ -429,6 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         code = 0
     except (OSError, ValueError) as err:  # a key file that is missing or not a key, say
+        print(f"error: CONFIG: {err}", file=sys.stderr)
+        code = 1
+    except zmq.ZMQError as err:  # `zbroker partition --bind` to an address in use, say
         print(f"error: CONFIG: {err}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ that operators, tests and the benchmark can find (and kill) them.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import multiprocessing
@@ -194,6 +195,28 @@ class Supervisor:
                 KeyRing(self.config.curve_dir)
             except (OSError, ValueError) as err:
                 return f"cannot load the CurveZMQ keys in {self.config.curve_dir}: {err}"
+        from protocol.errors import ZBrokerError
+        from storage.offsets.base import open_offset_store
+        try:
+            open_offset_store(self.config.resolved_offsets_url())  # builds it; connects to nothing
+        except ZBrokerError as err:
+            return f"--offsets: {err.message}"
+        return None
+
+    def _offsets_file_error(self) -> str | None:
+        """A SQLite offsets file the commit writer could not create or write. It would
+        retry for ever (a database that is down comes back; a directory that is missing
+        does not), and the broker would never become healthy."""
+        url = self.config.resolved_offsets_url()
+        if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+            return None
+        path = Path(url[len("sqlite:///"):].split("?", 1)[0])
+        if path.exists():
+            return None if os.access(path, os.R_OK | os.W_OK) else f"--offsets: cannot write {path}"
+        if not path.parent.is_dir():
+            return f"--offsets: the directory {path.parent} does not exist"
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            return f"--offsets: cannot create {path}: the directory {path.parent} is not writable"
         return None
 
     def _ports_error(self) -> str | None:
@@ -201,7 +224,7 @@ class Supervisor:
         second broker on the same data hears that rather than about its ports."""
         ports = [self.config.port, self.config.port + 1] + [self.config.port + 2 + i
                                                            for i in range(self.config.partition_actors)]
-        if not 0 < ports[0] and ports[-1] <= 65535:
+        if not (0 < ports[0] and ports[-1] <= 65535):
             return f"the broker needs ports {ports[0]}-{ports[-1]}, outside 1-65535: choose another --port"
         for port in ports:
             with socket.socket() as probe:
@@ -209,6 +232,8 @@ class Supervisor:
                 try:
                     probe.bind((self.config.host, port))
                 except OSError as err:
+                    if isinstance(err, socket.gaierror) or err.errno == errno.EADDRNOTAVAIL:
+                        return f"cannot bind {self.config.host} ({err.strerror}): choose another --host"
                     return (f"cannot bind {self.config.host}:{port} ({err.strerror}); the broker uses ports "
                             f"{ports[0]}-{ports[-1]}: choose another --port")
         return None
@@ -221,7 +246,7 @@ class Supervisor:
             Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
             if not self._lock_data_dir():
                 return 1
-            problem = self._ports_error()
+            problem = self._offsets_file_error() or self._ports_error()
         if problem is not None:
             self.log.error("broker.bad_config", reason=problem)
             print(f"error: CONFIG: {problem}", file=sys.stderr)

@@ -33,6 +33,7 @@ Recovery on open lives in `recovery.py`; idempotent-producer state in
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from bisect import bisect_right
@@ -493,6 +494,8 @@ def make_directories_durably(path: Path) -> None:
             break
         probe = probe.parent
     if not created:
+        if not probe.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(probe))
         return
     Path(path).mkdir(parents=True, exist_ok=True)
     for directory in created:  # deepest first; each entry is in the directory above it

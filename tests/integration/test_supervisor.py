@@ -85,6 +85,7 @@ def test_a_second_broker_on_the_same_data_directory_is_refused(start, tmp_path):
 @pytest.mark.parametrize("args, expected", [
     (["--fsync", "bogus"], "--fsync must be"),
     (["--curve", "/nonexistent/keys"], "cannot load the CurveZMQ keys"),
+    (["--offsets", "nosuchdb://nowhere"], "--offsets: unknown offsets backend"),
 ])
 def test_a_setting_an_actor_cannot_start_with_fails_at_once(tmp_path, args, expected):
     result = _up("--data", str(tmp_path / "data"), "--port", str(free_port_block(4)), *args)
@@ -92,17 +93,34 @@ def test_a_setting_an_actor_cannot_start_with_fails_at_once(tmp_path, args, expe
     assert not (tmp_path / "data").exists()  # refused before anything was created
 
 
+def test_an_offsets_file_that_cannot_be_created_fails_at_once(tmp_path):
+    # A reviewer's sqlite:///nonexist/dir/o.db: the commit writer retried it for ever
+    # and the broker never became healthy, nor said why on its way out.
+    missing = tmp_path / "nonexist" / "o.db"
+    result = _up("--data", str(tmp_path / "data"), "--port", str(free_port_block(4)),
+                 "--offsets", f"sqlite:///{missing}")
+    assert result.returncode == 1
+    assert f"error: CONFIG: --offsets: the directory {missing.parent} does not exist" in result.stderr
+
+
 def test_a_port_in_use_fails_at_once(broker, tmp_path):
     result = _up("--data", str(tmp_path / "other"), "--port", str(broker.config.port))
     assert result.returncode == 1 and "choose another --port" in result.stderr
 
 
+def test_ports_past_65535_are_a_clear_error_not_a_traceback(tmp_path):
+    result = _up("--data", str(tmp_path / "data"), "--port", "65534")  # needs 65534-65536
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "outside 1-65535: choose another --port" in result.stderr
+
+
 def test_an_actor_that_keeps_failing_at_start_stops_the_broker(tmp_path):
-    # Past the checks made up front: an offsets store the commit writer cannot open.
-    result = _up("--data", str(tmp_path / "data"), "--port", str(free_port_block(4)),
-                 "--offsets", "nosuchdb://nowhere", "--log-level", "warning")
+    # Past the checks made up front: the partition actors' directory is a file.
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "partitions").write_text("not a directory")
+    result = _up("--data", str(tmp_path / "data"), "--port", str(free_port_block(4)), "--log-level", "warning")
     assert result.returncode == 1
-    assert "the commit-writer actor cannot start" in result.stderr
+    assert "the partition-0 actor cannot start" in result.stderr
 
 
 def test_options_before_a_sub_subcommand_are_kept():
@@ -129,3 +147,11 @@ def test_a_malformed_broker_url_is_a_clear_error_not_a_hang():
     result = subprocess.run([sys.executable, "-m", "zbroker", "status", "--broker", "localhost:7400"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1 and "error: BAD_REQUEST" in result.stderr and "tcp://HOST:PORT" in result.stderr
+
+
+def test_zbroker_partition_on_an_address_in_use_is_a_clear_error(broker, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "zbroker", "partition", "--broker", broker.url,
+                             "--data", str(tmp_path / "more"), "--bind", broker.url],  # the coordinator's port
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "error: CONFIG: Address already in use" in result.stderr

@@ -252,3 +252,20 @@ def test_a_failed_read_ahead_fetch_under_an_ahead_lease_is_sent_again(monkeypatc
     for _ in range(5):
         got += c.poll(max_records=100, timeout=0.01)
     assert [(r.offset, r.lease_id) for r in got] == [(o, 21) for o in range(5)]
+
+
+def test_a_consumer_loop_waits_out_retriable_errors_and_raises_the_others():
+    from protocol.errors import ProtocolError, RequestTimeout, Unavailable
+    from zbroker.client.sync import RetryBackoff
+
+    slept = []
+    backoff = RetryBackoff(sleep=slept.append)
+    for _ in range(8):
+        backoff.wait_or_raise(Unavailable("coordinator is loading offsets"), "poll")
+    backoff.wait_or_raise(RequestTimeout("no reply"), "poll")
+    assert slept == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0, 5.0]  # doubling, capped
+    backoff.reset()
+    backoff.wait_or_raise(Unavailable("again"), "poll")
+    assert slept[-1] == 0.1
+    with pytest.raises(ProtocolError):
+        backoff.wait_or_raise(ProtocolError("bad request"), "poll")

@@ -560,6 +560,31 @@ def fetch(conn: Connection, topic: str, partition: int, offset: int, *, max_byte
     return records, env.msg.log_start, env.msg.log_end
 
 
+class RetryBackoff:
+    """What a consumer loop does with an error: a retriable one is logged and waited out
+    (0.1 s, doubling up to 5 s, back to 0.1 after a success), any other is raised."""
+
+    START_S, MAX_S = 0.1, 5.0
+
+    def __init__(self, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.delay = self.START_S
+        self._sleep = sleep
+
+    def reset(self) -> None:
+        self.delay = self.START_S
+
+    def log_or_raise(self, err: ZBrokerError, what: str, **context: Any) -> None:
+        if not err.retriable:
+            raise err
+        log.warning(f"{what}.retrying", error=str(getattr(err.code, "value", err.code)), reason=err.message,
+                    retry_in_s=self.delay, **context)
+
+    def wait_or_raise(self, err: ZBrokerError, what: str, **context: Any) -> None:
+        self.log_or_raise(err, what, **context)
+        self._sleep(self.delay)
+        self.delay = min(self.MAX_S, self.delay * 2)
+
+
 class Consumer:
     """A member of a consumer group: poll leases, fetch their records, ack each one.
 
@@ -1224,13 +1249,28 @@ class Consumer:
 
     def run(self, handler: Callable[[ConsumedRecord], Any], *, max_records: int = 1000,
             stop: Callable[[], bool] = lambda: False) -> None:
-        """Call ``handler`` per record: ack when it returns, nack (with the error) when it raises."""
+        """Call ``handler`` per record: ack when it returns, nack (with the error) when it raises.
+
+        Runs until ``stop()`` says so. A retriable error (the coordinator restarting
+        or reloading offsets, a request timeout) is logged and retried with a backoff
+        of up to a few seconds, as the protocol says to; any other error is raised.
+        """
+        backoff = RetryBackoff()
         while not stop():
-            for record in self.poll(max_records):
+            try:
+                records = self.poll(max_records)
+            except ZBrokerError as err:
+                backoff.wait_or_raise(err, "poll", group=self.group)
+                continue
+            backoff.reset()
+            for record in records:
                 try:
                     handler(record)
                 except Exception as exc:  # the handler's failure is the record's nack reason
-                    self.nack([record], reason=f"{type(exc).__name__}: {exc}"[:200])
+                    try:
+                        self.nack([record], reason=f"{type(exc).__name__}: {exc}"[:200])
+                    except ZBrokerError as err:  # not settled: its lease expires and it comes back
+                        backoff.log_or_raise(err, "nack", group=self.group)
                 else:
                     self.ack(record)
 
