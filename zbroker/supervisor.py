@@ -109,12 +109,14 @@ def _stop_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _spawn_target(target: str, kwargs: dict, parent_pid: int | None = None) -> None:
+def _spawn_target(target: str, kwargs: dict, parent_pid: int | None = None, wait_for: Any = None) -> None:
     if parent_pid is not None:
         os.setpgrp()  # the terminal's Ctrl-C goes to the supervisor, which stops actors in order
         _stop_with_parent(parent_pid)
     module_name, func_name = target.rsplit(":", 1)
     module = __import__(module_name, fromlist=[func_name])
+    if wait_for is not None:
+        wait_for.wait()  # imported meanwhile: the wait costs the start nothing
     getattr(module, func_name)(**kwargs)
 
 
@@ -129,11 +131,16 @@ class Supervisor:
         data = Path(config.data_dir).resolve()
         self.pid_file = data / "run" / "actors.json"
         coordinator = config.internal_endpoint
+        # Set by our coordinator once it has bound its ports. The other actors wait for it:
+        # two brokers started at once on the same ports both passed the port check, and
+        # one's commit writer dialled the other's coordinator, which loaded the wrong
+        # offsets. Now the loser's coordinator cannot bind, and nothing of it dials out.
+        self.coordinator_bound = self.ctx.Event()
         self.children: list[_Child] = [
             _Child("coordinator", "actors.group_coordinator.shell:run",
                    {"endpoint": config.coordinator_endpoint, "internal_endpoint": config.internal_endpoint,
                     "data_dir": str(data / "coordinator"), "log_level": config.log_level,
-                    "curve_dir": config.curve_dir}),
+                    "curve_dir": config.curve_dir, "bound_event": self.coordinator_bound}),
             _Child("commit-writer", "actors.commit_writer.shell:run",
                    {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
                     "log_level": config.log_level, "curve_dir": config.curve_dir}),
@@ -146,7 +153,9 @@ class Supervisor:
                  "curve_dir": config.curve_dir}))
 
     def _start(self, child: _Child) -> None:
-        child.process = self.ctx.Process(target=_spawn_target, args=(child.target, child.kwargs, os.getpid()),
+        wait_for = None if child.name == "coordinator" else self.coordinator_bound
+        child.process = self.ctx.Process(target=_spawn_target,
+                                         args=(child.target, child.kwargs, os.getpid(), wait_for),
                                          name=f"zbroker-{child.name}", daemon=False)
         child.process.start()
         child.started_at = time.monotonic()

@@ -1,6 +1,7 @@
 """`zbroker up` as an operator meets it: Ctrl-C, a supervisor that dies, a second broker on
 the same data directory, settings an actor cannot start with, and the CLI's own checks."""
 
+import json
 import os
 import signal
 import subprocess
@@ -155,3 +156,42 @@ def test_zbroker_partition_on_an_address_in_use_is_a_clear_error(broker, tmp_pat
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "error: CONFIG: Address already in use" in result.stderr
+
+
+def test_two_brokers_started_at_once_on_the_same_ports_never_wire_into_each_other(tmp_path):
+    # A reviewer started two brokers at the same moment on the same ports (different
+    # data directories): both passed the port check, one's commit writer dialled the
+    # other's coordinator, which then loaded the wrong broker's offsets. The actors now
+    # wait until their own coordinator holds the ports; the loser's never does.
+    port = free_port_block(3)
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in "ab"}
+    runs = {name: subprocess.Popen([sys.executable, "-m", "zbroker", "up", "--data", str(tmp_path / name),
+                                    "--port", str(port)], stdout=logs[name], stderr=subprocess.STDOUT)
+            for name in "ab"}
+    try:
+        deadline = time.monotonic() + 60
+        while all(run.poll() is None for run in runs.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        losers = [name for name, run in runs.items() if run.poll() is not None]
+        assert len(losers) == 1, "one of them must give up"
+        loser, winner = losers[0], "b" if losers[0] == "a" else "a"
+        said = (tmp_path / f"{loser}.log").read_text()
+        assert runs[loser].returncode == 1 and "the coordinator actor cannot start" in said
+        assert "Address already in use" in said
+        own = json.loads((tmp_path / winner / "run" / "actors.json").read_text())
+        with Admin(f"tcp://127.0.0.1:{port}") as admin:
+            status = admin.status()
+        writer = next(a for a in status["actors"] if a["kind"] == "commit-writer")
+        assert writer["pid"] == own["commit-writer"], "the winner's coordinator heard another broker's writer"
+        assert "offset store ready" not in said, "the loser's commit writer ran"
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.send_signal(signal.SIGTERM)
+                try:
+                    run.wait(30)
+                except subprocess.TimeoutExpired:
+                    run.kill()
+                    run.wait(5)
+        for log in logs.values():
+            log.close()
