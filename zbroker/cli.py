@@ -210,11 +210,19 @@ def cmd_consume(args: argparse.Namespace) -> int:
             for rec in records:
                 print(json.dumps(_record_json(rec)) if args.json else
                       f"{rec.partition}@{rec.offset} key={_shown(rec.key)} value={_shown(rec.value)}", flush=True)
-                consumer.ack(rec)  # acked once printed
+                try:
+                    consumer.ack(rec)  # acked once printed
+                except ZBrokerError as err:  # held, and sent again with the next request
+                    backoff.log_or_raise(err, "ack", group=args.group)
                 consumed += 1
                 if terminated:
                     break  # the rest of this poll's records are redelivered
-        consumer.flush_acks()
+        for _attempt in range(5):  # the last acks: a coordinator restarting gets a few seconds
+            try:
+                consumer.flush_acks()
+                break
+            except ZBrokerError as err:
+                backoff.wait_or_raise(err, "flush_acks", group=args.group)
     return 128 + signal.SIGTERM if terminated else 0
 
 

@@ -50,6 +50,7 @@ STOP_TIMEOUT_S = 10.0
 # An actor that never stayed up this long, and died this many times, cannot start.
 STARTED_AFTER_S = 2.0
 START_ATTEMPTS = 5
+BOUND_POLL_S = 0.02  # how often a starting actor looks whether its coordinator holds the ports
 
 
 @dataclasses.dataclass
@@ -109,14 +110,18 @@ def _stop_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _spawn_target(target: str, kwargs: dict, parent_pid: int | None = None, wait_for: Any = None) -> None:
+def _spawn_target(target: str, kwargs: dict, parent_pid: int | None = None, wait_for: str | None = None) -> None:
     if parent_pid is not None:
         os.setpgrp()  # the terminal's Ctrl-C goes to the supervisor, which stops actors in order
         _stop_with_parent(parent_pid)
     module_name, func_name = target.rsplit(":", 1)
     module = __import__(module_name, fromlist=[func_name])
     if wait_for is not None:
-        wait_for.wait()  # imported meanwhile: the wait costs the start nothing
+        # Imported meanwhile, so the wait costs the start little. A file, not a
+        # multiprocessing.Event: a process killed inside Event.wait() leaves the
+        # Event's condition counting it, and the next set() blocks for ever.
+        while not os.path.exists(wait_for):
+            time.sleep(BOUND_POLL_S)
     getattr(module, func_name)(**kwargs)
 
 
@@ -131,16 +136,16 @@ class Supervisor:
         data = Path(config.data_dir).resolve()
         self.pid_file = data / "run" / "actors.json"
         coordinator = config.internal_endpoint
-        # Set by our coordinator once it has bound its ports. The other actors wait for it:
-        # two brokers started at once on the same ports both passed the port check, and
-        # one's commit writer dialled the other's coordinator, which loaded the wrong
+        # Written by our coordinator once it has bound its ports. The other actors wait for
+        # it: two brokers started at once on the same ports both passed the port check,
+        # and one's commit writer dialled the other's coordinator, which loaded the wrong
         # offsets. Now the loser's coordinator cannot bind, and nothing of it dials out.
-        self.coordinator_bound = self.ctx.Event()
+        self.coordinator_bound = str(data / "run" / "coordinator.bound")
         self.children: list[_Child] = [
             _Child("coordinator", "actors.group_coordinator.shell:run",
                    {"endpoint": config.coordinator_endpoint, "internal_endpoint": config.internal_endpoint,
                     "data_dir": str(data / "coordinator"), "log_level": config.log_level,
-                    "curve_dir": config.curve_dir, "bound_event": self.coordinator_bound}),
+                    "curve_dir": config.curve_dir, "bound_file": self.coordinator_bound}),
             _Child("commit-writer", "actors.commit_writer.shell:run",
                    {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
                     "log_level": config.log_level, "curve_dir": config.curve_dir}),
@@ -252,7 +257,8 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         problem = self._settings_error()
         if problem is None:
-            Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
+            from storage.log.partition_log import make_directories_durably
+            make_directories_durably(Path(self.config.data_dir), Path(self.config.data_dir))
             if not self._lock_data_dir():
                 return 1
             problem = self._offsets_file_error() or self._ports_error()
@@ -260,6 +266,7 @@ class Supervisor:
             self.log.error("broker.bad_config", reason=problem)
             print(f"error: CONFIG: {problem}", file=sys.stderr)
             return 1
+        Path(self.coordinator_bound).unlink(missing_ok=True)  # a run before this one's (we hold the lock)
         self.log.info("broker.starting", url=self.config.coordinator_endpoint, data_dir=self.config.data_dir,
                       partition_actors=self.config.partition_actors, fsync=self.config.fsync,
                       offsets=_redact(self.config.resolved_offsets_url()))

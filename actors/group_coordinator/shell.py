@@ -624,15 +624,14 @@ class CoordinatorShell:
 
 
 def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0.1:0", log_level: str = "info",
-        curve_dir: str | None = None, bound_event: Any = None) -> None:
+        curve_dir: str | None = None, bound_file: str | None = None) -> None:
     """Process main for the group coordinator.
 
     Two ROUTER sockets: ``endpoint`` for clients and ``internal_endpoint`` for
     the broker's own actors, so a client can never pose as one (with
-    ``--curve`` the internal one admits only the broker's key). ``bound_event``
-    (a multiprocessing Event) is set once both are bound: the supervisor starts
-    the other actors only then, so that they never dial another broker's
-    coordinator on the same ports.
+    ``--curve`` the internal one admits only the broker's key). ``bound_file``
+    is written (with this pid) once both are bound: the other actors start only
+    then, so that they never dial another broker's coordinator on the same ports.
     """
     log = runtime.configure_logging(log_level, actor="group-coordinator")
     stop = runtime.StopFlag().install()
@@ -652,8 +651,10 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
     try:
         bound = runtime.bind_endpoint(router, endpoint)
         bound_internal = runtime.bind_endpoint(internal, internal_endpoint)
-        if bound_event is not None:
-            bound_event.set()
+        if bound_file is not None:
+            tmp = Path(bound_file).with_suffix(".tmp")
+            tmp.write_text(str(os.getpid()))
+            os.replace(tmp, bound_file)
         shell = CoordinatorShell(router, internal, data, log, keys.acl() if keys else None)
         shell.endpoint, shell.internal_endpoint = bound, bound_internal
         log.info("actor.started", endpoint=bound, internal_endpoint=bound_internal, data_dir=str(data),

@@ -58,7 +58,7 @@ class LockedLogOpener:
         validate_topic_name(topic)  # never a path outside the data directory
         directory = partition_dir(self.data_dir, topic, partition)
         try:
-            make_directories_durably(directory)
+            make_directories_durably(directory, self.data_dir)
             fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             # Opening is retried; a running log's I/O error is what restarts the actor.
@@ -124,7 +124,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     open_files = runtime.raise_open_file_limit()
     stop = runtime.StopFlag().install()
     data = Path(data_dir)
-    make_directories_durably(data)
+    make_directories_durably(data, data)
     # One thread for interval fsyncs: the loop keeps serving while the disk syncs.
     syncer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
     sync_failures: list[BaseException] = []

@@ -477,26 +477,34 @@ def _fsync_path(path: Path, flags: int) -> None:
         os.close(fd)
 
 
-def make_directories_durably(path: Path) -> None:
-    """`mkdir -p path`, then fsync the parent of every directory it created.
+# Directories whose entry in their parent this process has synced (see make_directories_durably).
+_durable_directories: set[Path] = set()
 
-    A new partition's directory entry (and its topic's, and the logs directory's)
-    lives in its parent directory: until that is synced, a machine crash can take
-    the directory back with every segment in it, acknowledged batches included,
-    even though the segments themselves were fsynced (`make_durable` syncs the
-    partition directory itself, not its ancestors).
+
+def make_directories_durably(path: Path, root: Path) -> None:
+    """`mkdir -p path`, then make the entry of every directory from `path` up to `root`
+    (both included) durable in its parent, once per process.
+
+    A new partition's directory entry (and its topic's, the logs directory's and the
+    data directory's) lives in the directory above it: until that is synced, a
+    machine crash can take the directory back with every segment in it,
+    acknowledged batches included, even though the segments themselves were
+    fsynced (`make_durable` syncs the partition directory itself, not what is
+    above it). A directory counts as done only after its parent's fsync succeeded,
+    so a retry after a failed fsync syncs it again, and a directory someone else
+    created (the supervisor's data directory) is synced too.
     """
-    created = []
-    probe = Path(path)
-    while not probe.exists():
-        created.append(probe)
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not created:
-        if not probe.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(probe))
-        return
-    Path(path).mkdir(parents=True, exist_ok=True)
-    for directory in created:  # deepest first; each entry is in the directory above it
-        _fsync_path(directory.parent, os.O_RDONLY | os.O_DIRECTORY)
+    path, root = Path(path).absolute(), Path(root).absolute()
+    if path != root and root not in path.parents:
+        raise ValueError(f"{path} is not inside {root}")
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    directory = path
+    while True:
+        if directory not in _durable_directories:
+            _fsync_path(directory.parent, os.O_RDONLY | os.O_DIRECTORY)
+            _durable_directories.add(directory)
+        if directory == root:
+            return
+        directory = directory.parent

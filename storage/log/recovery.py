@@ -116,7 +116,10 @@ def recover(directory: Path, config: LogConfig, *, now_ms: int) -> RecoveredLog:
         else:
             _recover_closed(segment, window_producers, report)
         segments.append(segment)
-    if len(segments) > 1 and segments[-1].size == 0 and segments[-2].next_offset < segments[-1].base_offset:
+    if (len(segments) > 1 and segments[-1].size == 0
+            and segments[-2].base_offset < segments[-2].next_offset < segments[-1].base_offset):
+        # (A segment before it that serves nothing at all is left as it was: the empty
+        # one would take its file name, and with it the damaged data kept for inspection.)
         segments[-1] = _rebase_empty_last(directory, segments[-1], segments[-2].next_offset, config, report)
         directory_changed = True
     if window_start > 0 or bases[0] != 0:
@@ -190,6 +193,8 @@ def _rebase_empty_last(directory: Path, segment: Segment, next_offset: int, conf
     """
     segment.close_fd()
     rebased = Segment(directory, next_offset, OffsetIndex(config.index_interval_bytes))
+    if rebased.data_path.exists():  # no segment starts inside another's range; never replace one
+        raise FileExistsError(f"cannot rebase {segment.data_path.name}: {rebased.data_path.name} exists")
     os.rename(segment.data_path, rebased.data_path)
     if segment.index_path.exists():
         segment.index_path.unlink()

@@ -342,3 +342,30 @@ def test_an_empty_last_segment_above_a_damaged_one_starts_where_the_damage_does(
         assert [r.value for r in read_records(plog, damaged_end)] == [record_value(7, 0, 20)]
     with open_log(tmp_path, **config) as plog:  # and it opens the same way again
         assert plog.log_end == damaged_end + 1
+
+
+def test_an_empty_last_segment_is_never_renamed_onto_a_segment_that_serves_nothing(tmp_path):
+    # A reviewer's case: the segment before the empty one broke at its first batch, so it
+    # ended at its own base, and the rebase renamed the empty segment onto its file:
+    # the damaged data was gone and two segments shared a file, one of which retention
+    # then deleted, live data and all.
+    config = {"segment_bytes": 100, "index_interval_bytes": 60}
+    plog = open_log(tmp_path, **config)
+    plog.append(make_payload(0, 2, 20), 2, append_time_ms=1)
+    plog.flush()
+    plog.append(make_payload(1, 2, 20), 2, append_time_ms=2)  # rolls: segment 2
+    plog.flush()
+    plog.append(make_payload(2, 2, 20), 2, append_time_ms=3)  # rolls: segment 4, segment 2 unsynced
+    for segment in plog._segments:
+        segment.close_fd()  # the machine stops
+    middle, last = sorted(tmp_path.glob("*.log"))[-2:]
+    damaged = bytearray(middle.read_bytes())
+    damaged[-3] ^= 0x5A  # its only batch
+    middle.write_bytes(bytes(damaged))
+    last.write_bytes(b"")
+    with open_log(tmp_path, **config) as plog:
+        assert middle.read_bytes() == bytes(damaged), "the damaged segment is kept for inspection"
+        names = [segment.data_path.name for segment in plog._segments]
+        assert len(names) == len(set(names)), names
+        offset = plog.append(make_payload(7, 1, 20), 1, append_time_ms=10)
+        assert [r.offset for r in read_records(plog, offset)] == [offset]

@@ -107,3 +107,61 @@ def test_a_new_partition_directory_is_durable_in_its_parents_before_it_is_served
         plog2.close()
     finally:
         plog.close()
+
+
+def test_directory_entries_are_synced_up_to_the_root_even_when_someone_else_made_them(tmp_path, monkeypatch):
+    # A reviewer's points: the supervisor made the data directory with a plain mkdir, so
+    # the actor found it there and never synced its parent; and after a failed fsync the
+    # opener's retry found every directory there and synced nothing.
+    from storage.log import partition_log
+
+    synced, failures = [], [OSError(5, "Input/output error")]
+    real = partition_log._fsync_path
+
+    def fsync_path(path, flags):
+        if failures:
+            raise failures.pop()
+        synced.append(path)
+        return real(path, flags)
+
+    monkeypatch.setattr(partition_log, "_fsync_path", fsync_path)
+    monkeypatch.setattr(partition_log, "_durable_directories", set())
+    data = tmp_path / "data"
+    data.mkdir()  # made by someone else
+    target = data / "logs" / "t" / "0"
+    with pytest.raises(OSError):
+        partition_log.make_directories_durably(target, data)
+    partition_log.make_directories_durably(target, data)  # the retry
+    assert synced == [data / "logs" / "t", data / "logs", data, tmp_path]
+    synced.clear()
+    partition_log.make_directories_durably(data / "logs" / "t" / "1", data)
+    assert synced == [data / "logs" / "t"]  # only the new entry: the rest is durable already
+    with pytest.raises(ValueError):
+        partition_log.make_directories_durably(tmp_path / "elsewhere", data)
+
+
+def test_an_actor_waiting_for_its_coordinator_can_be_killed_without_stalling_the_next(tmp_path):
+    # A reviewer's point: a process killed inside multiprocessing.Event.wait() left the
+    # Event's condition counting it, and the coordinator's set() then blocked for ever.
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from zbroker.supervisor import _spawn_target
+
+    bound = tmp_path / "coordinator.bound"
+    marker = tmp_path / "ran"
+    ctx = multiprocessing.get_context("spawn")
+    victim = ctx.Process(target=_spawn_target, args=("os:mkdir", {"path": str(marker)}, None, str(bound)))
+    victim.start()
+    time.sleep(0.5)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(5)
+    waiter = ctx.Process(target=_spawn_target, args=("os:mkdir", {"path": str(marker)}, None, str(bound)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not marker.exists()  # still waiting
+    bound.write_text("1")
+    waiter.join(10)
+    assert waiter.exitcode == 0 and marker.exists()

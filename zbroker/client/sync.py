@@ -1272,7 +1272,10 @@ class Consumer:
                     except ZBrokerError as err:  # not settled: its lease expires and it comes back
                         backoff.log_or_raise(err, "nack", group=self.group)
                 else:
-                    self.ack(record)
+                    try:
+                        self.ack(record)
+                    except ZBrokerError as err:  # the acks are held and go with the next request
+                        backoff.log_or_raise(err, "ack", group=self.group)
 
     # -- acks -------------------------------------------------------------------------------
 
