@@ -59,6 +59,9 @@ def validate_member_id(member_id: str, op: str) -> None:
 # Long polls wait at most this long; a client wanting more simply polls again.
 MAX_WAIT_MS = 60_000
 
+# Replies one fetch may get after its first (`follow`); a client reserves that many ids.
+MAX_FETCH_FOLLOW = 1024
+
 # The longest a lease may run (ack_timeout_ms, extend_ms) or a nacked record wait
 # (delay_ms), as SQS caps its visibility timeout: a typo of a few digits must not
 # park a record, and the committed offset behind it, for years.
@@ -366,12 +369,16 @@ class Fetch(Message):
     offset: int
     max_bytes: int = 1 << 20
     max_wait_ms: int = 0
+    follow: int = 0  # further replies, pushed as records are appended (PROTOCOL.md, `fetch`)
 
     def check(self) -> None:
         _nonneg("fetch", partition=self.partition, offset=self.offset, max_bytes=self.max_bytes,
-                max_wait_ms=self.max_wait_ms)
+                max_wait_ms=self.max_wait_ms, follow=self.follow)
         if self.max_wait_ms > MAX_WAIT_MS:
             raise ProtocolError(f"'max_wait_ms' must be at most {MAX_WAIT_MS}", op="fetch", field="max_wait_ms")
+        if self.follow > MAX_FETCH_FOLLOW:
+            raise ProtocolError(f"'follow' must be at most {MAX_FETCH_FOLLOW}", op="fetch", field="follow",
+                                got=self.follow, limit=MAX_FETCH_FOLLOW)
 
 
 @reply("fetch")
@@ -379,6 +386,7 @@ class FetchReply(Message):
     """Frame 1 holds zero or more stored batches back to back."""
     log_start: int
     log_end: int
+    more: bool = False  # a followed fetch stays open: another reply will come
 
 
 # ======================================================================================

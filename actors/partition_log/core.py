@@ -23,6 +23,9 @@ fetch
     append to that partition, or empty at its deadline. With
     ``fsync=always`` no fetch reply carries records before their fsync: one
     answered in a turn that appended to its partition waits for `end_turn`.
+    A fetch with ``follow`` that caught up is parked again after each reply,
+    so a consumer at the log end gets every append without fetching again;
+    the shell sends its nth reply with the request's id + n (`Reply.nth`).
 opening a log
     A log is fsynced whole when it is opened (unless ``fsync=never``): the
     previous owner may have died between a write and its fsync.
@@ -44,7 +47,7 @@ from typing import Any, Callable, Iterable
 import structlog
 
 from protocol import messages as m
-from protocol.batch import validate_payload
+from protocol.batch import stored_range, validate_payload
 from protocol.errors import (NotOwner, OffsetOutOfRange, ProtocolError, TooLarge, Unauthorized, UnknownOp,
                              ZBrokerError)
 from storage.log.partition_log import LogConfig, PartitionLog
@@ -103,11 +106,15 @@ class Limits:
 
 # -- effects -------------------------------------------------------------------------------
 
+# `nth` is 0 for the one reply of a request. A fetch that follows the log end gets
+# further replies (PROTOCOL.md, `fetch`): the shell sends the nth with the request's
+# correlation id + nth, so that a client can tell them apart without looking inside.
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reply:
     token: Any
     msg: m.Message
     frames: tuple = ()
+    nth: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,6 +122,7 @@ class ReplyError:
     token: Any
     op: str | None
     error: ZBrokerError
+    nth: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -124,6 +132,11 @@ class _ParkedFetch:
     token: Any
     msg: m.Fetch
     done: bool = False
+    # Where the next reply reads from, which reply it is, and what is left of the
+    # fetch's byte budget: a followed fetch is parked again after each reply.
+    offset: int = 0
+    nth: int = 0
+    bytes_left: int = 0
 
     def __lt__(self, other: "_ParkedFetch") -> bool:
         return (self.deadline_ms, self.seq) < (other.deadline_ms, other.seq)
@@ -283,7 +296,7 @@ class PartitionActorCore:
             if not parked.done:
                 self._finish(parked)
                 effects.append(ReplyError(parked.token, "fetch", NotOwner(
-                    "partition moved to another actor", topic=key[0], partition=key[1])))
+                    "partition moved to another actor", topic=key[0], partition=key[1]), parked.nth))
         log.info("partition.released", topic=key[0], partition=key[1])
         return effects
 
@@ -308,7 +321,7 @@ class PartitionActorCore:
             if op == "produce":
                 return self.produce(token, env.msg, env.frames, now_ms)
             if op == "fetch":
-                return self.fetch(token, env.msg, now_ms)
+                return self.fetch(token, env.msg, now_ms, env.corr_id)
             if op == "hello":
                 return [Reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
                                                    actor=f"partition-log:{self.actor_id}",
@@ -352,7 +365,7 @@ class PartitionActorCore:
             # consumer may hold bytes that a crash before the sync could still take back.
             self._wake_after_sync.add(key)
             return reply
-        return reply + self._wake_parked(key)
+        return self._wake_parked(key, now_ms) + reply
 
     def _produce_reply(self, token: Any, reply: m.ProduceReply) -> list:
         effect = Reply(token, reply)
@@ -363,25 +376,56 @@ class PartitionActorCore:
             return []
         return [effect]
 
-    def fetch(self, token: Any, msg: m.Fetch, now_ms: int) -> list:
+    def fetch(self, token: Any, msg: m.Fetch, now_ms: int, corr_id: Any = None) -> list:
         self.counters["fetch_requests"] += 1
         key = (msg.topic, msg.partition)
         plog = self._owned_log(key)
+        if msg.follow and not (isinstance(corr_id, int) and corr_id + msg.follow < 1 << 64):
+            raise ProtocolError("a fetch with 'follow' needs an integer id that stays below 2^64 + follow",
+                                op="fetch", field="follow", got=msg.follow)
+        budget = self._fetch_bytes(msg)
         if msg.offset == plog.log_end and msg.max_wait_ms > 0:
-            effects = self._make_room_for_a_parked_fetch()
-            parked = _ParkedFetch(now_ms + msg.max_wait_ms, next(self._seq), token, msg)
-            self._parked.setdefault(key, {})[parked.seq] = parked
-            heapq.heappush(self._parked_heap, parked)
-            self._parked_fifo.append(parked)
-            self._parked_count += 1
-            if len(self._parked_heap) > 2 * self._parked_count + 1024:
-                # Answered fetches stay in the heap until their deadline; drop them now.
-                self._parked_heap = [p for p in self._parked_heap if not p.done]
-                heapq.heapify(self._parked_heap)
-            if len(self._parked_fifo) > 2 * self._parked_count + 1024:
-                self._parked_fifo = collections.deque(p for p in self._parked_fifo if not p.done)
-            return effects
-        return self._after_sync(key, self._read_reply(token, plog, msg))
+            return self._park(token, msg, now_ms, msg.offset, 0, budget)
+        return self._answer(token, msg, plog, msg.offset, 0, budget, now_ms)
+
+    def _fetch_bytes(self, msg: m.Fetch) -> int:
+        return min(max(msg.max_bytes, 1), self.limits.max_fetch_bytes)
+
+    def _park(self, token: Any, msg: m.Fetch, now_ms: int, offset: int, nth: int, bytes_left: int) -> list:
+        key = (msg.topic, msg.partition)
+        effects = self._make_room_for_a_parked_fetch()
+        parked = _ParkedFetch(now_ms + msg.max_wait_ms, next(self._seq), token, msg,
+                              offset=offset, nth=nth, bytes_left=bytes_left)
+        self._parked.setdefault(key, {})[parked.seq] = parked
+        heapq.heappush(self._parked_heap, parked)
+        self._parked_fifo.append(parked)
+        self._parked_count += 1
+        if len(self._parked_heap) > 2 * self._parked_count + 1024:
+            # Answered fetches stay in the heap until their deadline; drop them now.
+            self._parked_heap = [p for p in self._parked_heap if not p.done]
+            heapq.heapify(self._parked_heap)
+        if len(self._parked_fifo) > 2 * self._parked_count + 1024:
+            self._parked_fifo = collections.deque(p for p in self._parked_fifo if not p.done)
+        return effects
+
+    def _answer(self, token: Any, msg: m.Fetch, plog: PartitionLog, offset: int, nth: int, bytes_left: int,
+                now_ms: int | None) -> list:
+        """The `nth` reply of a fetch, read from `offset`; with `now_ms`, a followed fetch
+        that still has replies and bytes left and caught up with the log end is parked
+        again (its reply says `more`). `now_ms=None` ends it (deadline, shutdown)."""
+        data = plog.read(offset, bytes_left)
+        next_offset = offset
+        if data:
+            span = stored_range(data)
+            next_offset = offset if span is None else span[1]
+        bytes_left -= len(data)
+        more = (now_ms is not None and nth < msg.follow and bytes_left > 0 and msg.max_wait_ms > 0
+                and next_offset == plog.log_end)
+        reply = Reply(token, m.FetchReply(log_start=plog.log_start, log_end=plog.log_end, more=more), (data,), nth)
+        effects = self._after_sync((msg.topic, msg.partition), reply)
+        if more:
+            effects += self._park(token, msg, now_ms, next_offset, nth + 1, bytes_left)
+        return effects
 
     def _after_sync(self, key: tuple[str, int], effect: Any) -> list:
         """With fsync=always, a fetch answered in a turn that appended to its partition
@@ -410,25 +454,27 @@ class PartitionActorCore:
             oldest = self._parked_fifo.popleft()
         self._finish(oldest)
         key = (oldest.msg.topic, oldest.msg.partition)
-        return self._after_sync(key, self._read_reply(oldest.token, self.logs[key], oldest.msg))
+        return self._last_reply(oldest, self.logs[key])
 
-    def _read_reply(self, token: Any, plog: PartitionLog, msg: m.Fetch) -> Reply:
-        max_bytes = min(max(msg.max_bytes, 1), self.limits.max_fetch_bytes)
-        data = plog.read(msg.offset, max_bytes)
-        return Reply(token, m.FetchReply(log_start=plog.log_start, log_end=plog.log_end), (data,))
+    def _last_reply(self, parked: _ParkedFetch, plog: PartitionLog) -> list:
+        """A waiting fetch answered with what there is, and ended (deadline, room, shutdown)."""
+        return self._answer(parked.token, parked.msg, plog, parked.offset, parked.nth, parked.bytes_left, None)
 
-    def _wake_parked(self, key: tuple[str, int]) -> list:
+    def _wake_parked(self, key: tuple[str, int], now_ms: int) -> list:
         waiting = self._parked.pop(key, None)
         if not waiting:
             return []
         plog = self.logs[key]
         effects = []
         for parked in list(waiting.values()):
+            if parked.done:  # answered meanwhile, to make room for a fetch parked again below
+                continue
             self._finish(parked)
             try:
-                effects.append(self._read_reply(parked.token, plog, parked.msg))
+                effects += self._answer(parked.token, parked.msg, plog, parked.offset, parked.nth,
+                                        parked.bytes_left, now_ms)
             except OffsetOutOfRange as err:
-                effects.append(ReplyError(parked.token, "fetch", err))
+                effects.append(ReplyError(parked.token, "fetch", err, parked.nth))
         return effects
 
     def _owned_log(self, key: tuple[str, int]) -> PartitionLog:
@@ -448,7 +494,7 @@ class PartitionActorCore:
         self.sync_dirty()
         held, self._held_replies = self._held_replies, []
         for key in self._wake_after_sync:
-            held += self._wake_parked(key)
+            held += self._wake_parked(key, now_ms)
         self._wake_after_sync.clear()
         return held
 
@@ -471,9 +517,9 @@ class PartitionActorCore:
             plog = self.logs.get(key)
             if plog is None:
                 effects.append(ReplyError(parked.token, "fetch", NotOwner("partition moved", topic=key[0],
-                                                                          partition=key[1])))
+                                                                          partition=key[1]), parked.nth))
             else:
-                effects += self._after_sync(key, self._read_reply(parked.token, plog, parked.msg))
+                effects += self._last_reply(parked, plog)
         if self.fsync.mode == "interval" and self._dirty_since_sync:
             if self._next_fsync_ms is None:
                 self._next_fsync_ms = now_ms + self.fsync.interval_ms
@@ -558,9 +604,9 @@ class PartitionActorCore:
             for parked in list(waiting.values()):
                 if not parked.done:
                     self._finish(parked)
-                    effects.append(Reply(parked.token, m.FetchReply(
-                        log_start=self.logs[(parked.msg.topic, parked.msg.partition)].log_start,
-                        log_end=self.logs[(parked.msg.topic, parked.msg.partition)].log_end), (b"",)))
+                    plog = self.logs[(parked.msg.topic, parked.msg.partition)]
+                    effects.append(Reply(parked.token, m.FetchReply(log_start=plog.log_start, log_end=plog.log_end),
+                                         (b"",), parked.nth))
         self._parked.clear()
         self._parked_heap.clear()
         self._parked_fifo.clear()

@@ -309,6 +309,8 @@ def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int
 
 def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> None:
     route, corr_id, op = effect.token
+    if effect.nth:  # a followed fetch's later reply: the core checked the id is an int that stays in range
+        corr_id += effect.nth
     if isinstance(effect, Reply):
         frames = codec.encode_reply(effect.msg, corr_id, effect.frames)
     elif isinstance(effect, ReplyError):

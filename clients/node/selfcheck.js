@@ -334,13 +334,14 @@ const commands = {
       await attempt("badType", () => client.call("fetch", { topic: "live", partition: 0, offset: -1 }));
       await attempt("unknownOpAtCoordinator", () => client.call("produce", { topic: "live", partition: 0 }));
 
-      // Out-of-order replies from a real partition actor: a waiting fetch at log_end is
-      // answered after a produce sent later on the same DEALER.
+      // Out-of-order replies from a real partition actor: a fetch waiting at log_end is
+      // answered after a fetch sent later on the same DEALER, and woken by a produce.
       const order = [];
       const end = (await client.fetch("live", 0, 0)).logEnd;
-      const waiting = client.fetch("live", 0, end, { maxWaitMs: 3_000 }).then((x) => { order.push("fetch"); return x; });
+      const waiting = client.fetch("live", 0, end, { maxWaitMs: 3_000 }).then((x) => { order.push("waiting"); return x; });
       await sleep(200);
-      await client.produce("live", [{ value: "wake" }], { partition: 0 }).then(() => order.push("produce"));
+      await client.fetch("live", 0, 0).then(() => order.push("immediate"));
+      await client.produce("live", [{ value: "wake" }], { partition: 0 });
       const woke = await waiting;
       r.outOfOrder = { order, values: woke.records.map((x) => x.value.toString()) };
 

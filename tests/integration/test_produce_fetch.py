@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Iterator
 
 import msgpack
 import pytest
@@ -13,7 +15,7 @@ import zmq
 
 from protocol import codec
 from protocol import messages as m
-from protocol.batch import encode_records
+from protocol.batch import decode_fetched, encode_records
 from protocol.errors import ErrorCode, UnknownTopic
 from zbroker.client import Admin, Connection, Producer, fetch
 from zbroker.client.sync import ProduceError
@@ -254,16 +256,26 @@ def test_a_torn_tail_is_recovered_on_restart(start, tmp_path):
     assert "log.truncated" in (tmp_path / "broker.log").read_text()
 
 
-def test_a_retried_produce_is_not_duplicated(broker):
+@contextlib.contextmanager
+def actor_socket(broker, topic: str) -> Iterator[zmq.Socket]:
+    """A bare DEALER to the partition actor of a new one-partition `topic`, once it serves it."""
     with Admin(broker.url) as admin:
-        admin.create_topic("idem", partitions=1)
-        endpoint = admin.metadata(["idem"])[0]["partitions"][0]["endpoint"]
+        admin.create_topic(topic, partitions=1)
+        endpoint = admin.metadata([topic])[0]["partitions"][0]["endpoint"]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
-        wait_until_owned(sock, "idem")
+        wait_until_owned(sock, topic)
+        yield sock
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_a_retried_produce_is_not_duplicated(broker):
+    with actor_socket(broker, "idem") as sock:
         payload = encode_records([[1, None, b"once", None], [1, None, b"twice?", None]])
         request = m.Produce(topic="idem", partition=0, producer_id=4242, sequence=0)
         replies = []
@@ -273,9 +285,6 @@ def test_a_retried_produce_is_not_duplicated(broker):
             replies.append(codec.decode_reply(sock.recv_multipart()).msg)
         assert [r.base_offset for r in replies] == [0, 0, 0]
         assert [r.duplicate for r in replies] == [False, True, True]
-    finally:
-        sock.close(linger=0)
-        ctx.term()
     with Admin(broker.url) as admin:
         assert admin.describe_topic("idem")["partitions"][0]["log_end"] == 2
 
@@ -320,6 +329,22 @@ def test_malformed_frames_get_error_replies_while_the_actor_keeps_serving(broker
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def test_a_followed_fetch_gets_a_reply_per_append_with_consecutive_ids(broker):
+    # What a client in any language sees on the wire (PROTOCOL.md, `fetch`, `follow`).
+    with actor_socket(broker, "follow") as sock:
+        sock.send_multipart(codec.encode_request(
+            m.Fetch(topic="follow", partition=0, offset=0, max_wait_ms=10_000, follow=2), 500))
+        replies = []
+        with Producer(broker.url, linger_ms=0) as producer:
+            for value in (b"one", b"two", b"three", b"four"):
+                producer.produce("follow", [value])  # acknowledged: stored before the next
+                if sock.poll(1000 if len(replies) < 3 else 300):
+                    replies.append(codec.decode_reply(sock.recv_multipart()))
+        assert [(r.corr_id, r.msg.more) for r in replies] == [(500, True), (501, True), (502, False)]
+        assert [[rec.value for rec in decode_fetched(r.frames[0], "follow", 0)] for r in replies] == [
+            [b"one"], [b"two"], [b"three"]]  # "four" came after the fetch ended: nothing more
 
 
 def test_sigterm_stops_everything_cleanly_and_loses_nothing(start, tmp_path):

@@ -100,7 +100,7 @@ def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
     assert error("badType")["code"] == "BAD_REQUEST" and error("badType")["data"]["field"] == "offset"
     assert error("unknownOpAtCoordinator")["code"] == "UNKNOWN_OP"
     # s.4: replies out of order on one DEALER.
-    assert r["outOfOrder"] == {"order": ["produce", "fetch"], "values": ["wake"]}
+    assert r["outOfOrder"] == {"order": ["immediate", "waiting"], "values": ["wake"]}
     # s.8.4, 14: leases, STALE_LEASE data, redelivery, FENCED re-sync.
     assert ok("configure") == {"mode": "shared", "ack_timeout_ms": 300, "max_deliveries": 5,
                                "max_in_flight": 1000, "dlq": None, "start": "earliest"}

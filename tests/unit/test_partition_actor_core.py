@@ -370,3 +370,88 @@ def test_a_registration_with_a_malformed_not_open_list_is_refused(not_open):
               "not_open": not_open}
     with pytest.raises(ProtocolError):
         m.build(m.Register, fields)
+
+
+# -- a fetch that follows the log end (`follow`) -------------------------------------------
+
+def follow_fetch(core, *, offset=0, follow=2, max_bytes=1 << 20, max_wait_ms=500, now=10, token="reader", corr=7):
+    request = codec.decode_request(codec.encode_request(
+        m.Fetch(topic="t", partition=0, offset=offset, max_bytes=max_bytes, max_wait_ms=max_wait_ms,
+                follow=follow), corr))
+    return core.handle(token, request, now)
+
+
+def replies_to(effects, token="reader"):
+    return [e for e in effects if e.token == token]
+
+
+def values(reply):
+    return [r.value for r in decode_fetched(reply.frames[0], "t", 0)]
+
+
+def test_a_followed_fetch_gets_one_reply_per_append_until_its_follow_is_used(core):
+    assert follow_fetch(core, follow=2) == []
+    [first] = replies_to(produce(core, b"a", now=11))
+    [second] = replies_to(produce(core, b"b", now=12))
+    [third] = replies_to(produce(core, b"c", now=13))
+    assert [(r.nth, r.msg.more, values(r)) for r in (first, second, third)] == [
+        (0, True, [b"a"]), (1, True, [b"b"]), (2, False, [b"c"])]
+    assert replies_to(produce(core, b"d", now=14)) == []  # ended: the client fetches again
+
+
+def test_a_followed_fetch_answered_at_once_stays_open_only_if_it_reached_the_log_end(core):
+    produce(core, b"a", b"b")
+    [reply] = follow_fetch(core, offset=0, follow=3)
+    assert (values(reply), reply.msg.more) == ([b"a", b"b"], True)
+    [pushed] = replies_to(produce(core, b"c", now=11))
+    assert (pushed.nth, values(pushed)) == (1, [b"c"])
+    # Behind the log end after its reply (a small byte budget): it ends, and says so.
+    produce(core, b"x" * 300)
+    produce(core, b"y" * 300)
+    [partial] = follow_fetch(core, offset=3, follow=3, max_bytes=100, token="behind")
+    assert (values(partial), partial.msg.more) == ([b"x" * 300], False)
+
+
+def test_a_followed_fetch_ends_when_its_byte_budget_is_used(core):
+    follow_fetch(core, follow=100, max_bytes=800)  # a 300-byte record is about 350 stored
+    sent = [replies_to(produce(core, b"v" * 300, now=11 + i)) for i in range(4)]
+    assert [[(r.nth, r.msg.more) for r in rs] for rs in sent] == [[(0, True)], [(1, True)], [(2, False)], []]
+
+
+def test_a_followed_fetch_ends_empty_at_its_deadline_counted_from_its_last_reply(core):
+    follow_fetch(core, follow=5, max_wait_ms=100, now=10)
+    [pushed] = replies_to(produce(core, b"a", now=50))
+    assert pushed.msg.more
+    assert core.tick(120) == []  # the deadline moved to 150 with the reply at 50
+    [last] = core.tick(150)
+    assert (last.nth, last.msg.more, last.frames) == (1, False, (b"",))
+
+
+def test_a_followed_fetch_of_a_released_partition_ends_with_not_owner_in_its_next_reply(core):
+    follow_fetch(core, follow=5)
+    produce(core, b"a", now=11)
+    [moved] = core.on_assign([["t", 1, None]], 12)
+    assert isinstance(moved, ReplyError) and moved.error.code is ErrorCode.NOT_OWNER and moved.nth == 1
+
+
+def test_follow_needs_an_integer_id_with_room_for_its_replies(core):
+    [no_id] = follow_fetch(core, corr=None)
+    [no_room] = follow_fetch(core, corr=(1 << 64) - 2, follow=2)
+    assert no_id.error.code is no_room.error.code is ErrorCode.BAD_REQUEST
+    assert follow_fetch(core, corr=(1 << 64) - 3, follow=2) == []  # the last reply's id is 2^64 - 1
+    with pytest.raises(Exception) as too_many:
+        codec.decode_request(codec.encode_request(
+            m.Fetch(topic="t", partition=0, offset=0, follow=m.MAX_FETCH_FOLLOW + 1), 1))
+    assert too_many.value.code is ErrorCode.BAD_REQUEST
+
+
+def test_followed_fetches_stay_within_the_cap_on_waiting_fetches(core, monkeypatch):
+    import actors.partition_log.core as core_module
+    monkeypatch.setattr(core_module, "MAX_PARKED_FETCHES", 2)
+    follow_fetch(core, follow=5, token="one")
+    follow_fetch(core, follow=5, token="two")
+    effects = produce(core, b"a", now=11)  # both answered and parked again: never more than two wait
+    assert sorted(e.token for e in effects if e.token != "tok") == ["one", "two"]
+    assert core._parked_count == 2
+    [evicted] = replies_to(follow_fetch(core, follow=5, token="three", now=12), "one")
+    assert (evicted.nth, evicted.msg.more) == (1, False)
