@@ -25,11 +25,11 @@ def count_sends(consumer: Consumer) -> Counter:
     sent: Counter = Counter()
     send = consumer.conn.send
 
-    def counting(endpoint, msg, frames=()):
+    def counting(endpoint, msg, frames=(), **options):
         sent[type(msg).__name__] += 1
         if isinstance(msg, m.Poll) and msg.acks:
             sent["poll_with_acks"] += 1
-        return send(endpoint, msg, frames)
+        return send(endpoint, msg, frames, **options)
 
     consumer.conn.send = counting
     return sent

@@ -40,10 +40,12 @@ class FakeConn:
             self.refresh([topic])
         return self.metadata.endpoint(topic, partition)
 
-    def send(self, endpoint, msg, frames=()):
+    def send(self, endpoint, msg, frames=(), replies=1):
         if endpoint in self.dead:
             raise Unavailable(f"no connection to {endpoint}")
         corr = next(self._ids)
+        for _ in range(replies - 1):  # ids reserved for a followed fetch's later replies
+            next(self._ids)
         self.sent.append((corr, endpoint, msg))
         if isinstance(msg, m.Fetch):
             p, off = msg.partition, msg.offset

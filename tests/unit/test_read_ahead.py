@@ -135,3 +135,46 @@ def test_in_flight_lists_the_fetches_out():
     assert ahead.in_flight() == [(KEY, 3)]
     ahead.arrived(KEY, 3, b"")
     assert ahead.in_flight() == []
+
+
+# -- a fetch that follows the log end: one reply per append, ids id, id + 1, ... -------------
+
+def test_a_followed_fetch_stays_out_while_its_replies_say_more():
+    ahead = ReadAhead()
+    ahead.leased(KEY, 0, 10)
+    ahead.sent(KEY, 40, 10, follow=3)  # replies may come as 40, 41, 42, 43
+    assert ahead.arrived(KEY, 40, stored(10, 2), more=True) == 41
+    assert ahead.in_flight() == [(KEY, 41)] and ahead.awaited(KEY, 12) == 41 and ahead.awaited(KEY, 11) is None
+    assert ahead.wanted() == []  # no second fetch while this one follows
+    assert ahead.arrived(KEY, 41, stored(12, 1), more=True) == 42
+    assert ahead.arrived(KEY, 42, stored(13, 4), more=False) is None  # it ended: fetch again
+    assert ahead.in_flight() == [] and [w[1] for w in ahead.wanted()] == [17]
+    assert [(c[0], c[1]) for c in ahead._slots[KEY].chunks] == [(10, 12), (12, 13), (13, 17)]
+
+
+def test_the_last_reserved_id_ends_a_followed_fetch_even_if_it_says_more():
+    ahead = ReadAhead()
+    ahead.leased(KEY, 0, 10)
+    ahead.sent(KEY, 40, 10, follow=1)
+    assert ahead.arrived(KEY, 40, stored(10, 1), more=True) == 41
+    assert ahead.arrived(KEY, 41, stored(11, 1), more=True) is None
+    assert ahead.in_flight() == []
+
+
+def test_dropping_a_followed_fetch_orphans_every_id_it_may_still_get():
+    ahead = ReadAhead()
+    ahead.leased(KEY, 0, 10)
+    ahead.sent(KEY, 40, 10, follow=3)
+    ahead.arrived(KEY, 40, stored(10, 1), more=True)
+    assert ahead.drop(KEY) == [41, 42, 43]
+    assert ahead.drop(KEY) == []
+
+
+def test_a_reply_overtaken_by_a_later_one_of_its_fetch_was_dropped():
+    ahead = ReadAhead()
+    ahead.leased(KEY, 0, 10)
+    ahead.sent(KEY, 40, 10, follow=3)
+    assert not ahead.overtaken(KEY, {40, 41})  # the awaited one is there
+    assert ahead.overtaken(KEY, {41}) and ahead.overtaken(KEY, {42})
+    ahead.sent(KEY, 50, 10, follow=0)
+    assert not ahead.overtaken(KEY, {51, 52})  # ids past the fetch's last belong to other requests

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from operator import itemgetter
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 from protocol.batch import Record, encode_columns, encode_values, stored_range
 from protocol.errors import StaleLease, UnknownPartition, UnknownTopic
@@ -462,7 +462,10 @@ class _AheadSlot:
     def __init__(self, next_offset: int, fetch_bytes: int) -> None:
         self.next = next_offset  # where this partition's next fresh lease should start
         self.chunks: list[tuple[int, int, Any]] = []  # (first, end, frame), in offset order
-        self.in_flight: tuple[int, int] | None = None  # (correlation id, offset) of the fetch out
+        # (correlation id of the reply awaited, offset it starts at, id of the fetch's last
+        # possible reply): a fetch that follows the log end gets a reply per append, the
+        # nth with the fetch's id + n, and stays out until one says it has no `more`.
+        self.in_flight: tuple[int, int, int] | None = None
         self.fetch_bytes = fetch_bytes
 
 
@@ -518,19 +521,26 @@ class ReadAhead:
             return None
         return slot.in_flight[0]
 
-    def arrived(self, key: tuple[str, int], corr: int, frame: Any) -> None:
-        """The fetch ``corr`` came back with ``frame`` (None: it failed; b"": nothing new yet)."""
+    def arrived(self, key: tuple[str, int], corr: int, frame: Any, more: bool = False) -> int | None:
+        """The reply ``corr`` came back with ``frame`` (None: it failed; b"": nothing new yet).
+        With ``more`` the fetch stays out; returns the id of its next reply, if one is awaited."""
         slot = self._slots.get(key)
         if slot is None or slot.in_flight is None or slot.in_flight[0] != corr:
-            return
+            return None
+        _corr, offset, last = slot.in_flight
         slot.in_flight = None
         if frame is None:
             del self._slots[key]  # the partition moved or failed: start over from the next lease
-            return
+            return None
         span = stored_range(frame)
         if span is not None and span[1] > slot.next:
             slot.chunks.append((span[0], span[1], frame))
-            slot.chunks.sort(key=lambda c: c[0])
+            if len(slot.chunks) > 1 and slot.chunks[-2][0] > span[0]:
+                slot.chunks.sort(key=lambda c: c[0])
+        if more and corr < last:
+            slot.in_flight = (corr + 1, offset if span is None else max(offset, span[1]), last)
+            return corr + 1
+        return None
 
     def wanted(self) -> list[tuple[tuple[str, int], int, int]]:
         """Fetches to send now: (partition key, offset, max_bytes). Drops frames behind every lease."""
@@ -557,22 +567,34 @@ class ReadAhead:
         """(partition key, correlation id) of every fetch out."""
         return [(key, slot.in_flight[0]) for key, slot in self._slots.items() if slot.in_flight is not None]
 
-    def sent(self, key: tuple[str, int], corr: int, offset: int) -> None:
+    def overtaken(self, key: tuple[str, int], arrived: Container[int]) -> bool:
+        """A later reply of the fetch out for ``key`` has arrived and the awaited one has not:
+        the actor dropped it (replies of one fetch come in order). Two are looked at, so
+        that two dropped in a row are noticed too."""
+        slot = self._slots.get(key)
+        if slot is None or slot.in_flight is None:
+            return False
+        corr, _offset, last = slot.in_flight
+        return corr not in arrived and any(c in arrived for c in range(corr + 1, min(last, corr + 2) + 1))
+
+    def sent(self, key: tuple[str, int], corr: int, offset: int, follow: int = 0) -> None:
         slot = self._slots.get(key)
         if slot is not None:
-            slot.in_flight = (corr, offset)
+            slot.in_flight = (corr, offset, corr + follow)
             self.stats["fetches"] += 1
 
-    def drop(self, key: tuple[str, int]) -> int | None:
-        """Forget a partition; returns the correlation id of its fetch still out, if any."""
+    def drop(self, key: tuple[str, int]) -> list[int]:
+        """Forget a partition; returns the correlation ids of the replies its fetch may still get."""
         slot = self._slots.pop(key, None)
-        return None if slot is None or slot.in_flight is None else slot.in_flight[0]
+        if slot is None or slot.in_flight is None:
+            return []
+        corr, _offset, last = slot.in_flight
+        return list(range(corr, last + 1))
 
     def retain(self, keys: Iterable[tuple[str, int]]) -> list[int]:
-        """Keep only ``keys`` (the partitions still assigned); returns orphaned fetch ids."""
+        """Keep only ``keys`` (the partitions still assigned); returns orphaned reply ids."""
         keep = set(keys)
-        orphans = [self.drop(k) for k in [k for k in self._slots if k not in keep]]
-        return [c for c in orphans if c is not None]
+        return [c for k in [k for k in self._slots if k not in keep] for c in self.drop(k)]
 
     def clear(self) -> list[int]:
         return self.retain(())

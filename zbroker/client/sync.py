@@ -38,6 +38,10 @@ _time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once
 DEFAULT_URL = "tcp://127.0.0.1:7400"
 READ_AHEAD_WAIT_S = 1.0
 MAX_ORPHANS = 4096
+# Replies a read-ahead fetch may get after its first, one per append while it waits at
+# the log end. Its bytes stay within the one fetch's max_bytes, so the read-ahead's
+# memory bound is what it was; this bounds the ids reserved for them.
+READ_AHEAD_FOLLOW = 64
 # After a failed read-ahead fetch under an ahead lease, the pause before the next one
 # (an actor that is restarting answers NOT_OWNER at once until its logs are open).
 AHEAD_RETRY_S = 0.05
@@ -99,8 +103,12 @@ class Connection:
             self.poller.register(sock, zmq.POLLIN)
         return sock
 
-    def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> int:
+    def send(self, endpoint: str, msg: m.Message, frames: tuple = (), *, replies: int = 1) -> int:
+        """Send a request; returns its correlation id. A request answered more than once
+        (a fetch with `follow`) reserves the ids of its later replies: id + 1, id + 2, ..."""
         corr = next(self._ids)
+        for _ in range(replies - 1):
+            next(self._ids)
         try:
             send_frames(self.socket(endpoint), codec.encode_request(msg, corr, frames), copy=len(frames) == 0,
                         block=True)  # up to SNDTIMEO: a connection still being made
@@ -924,7 +932,7 @@ class Consumer:
                 if self._poll_ahead is None and self._ahead_leases:
                     self._send_poll_ahead(max_records, max(0, min(int((deadline - time.monotonic()) * 1000),
                                                                    m.MAX_WAIT_MS)))
-                self._send_read_ahead(max(0.0, deadline - time.monotonic()))
+                self._send_read_ahead(max(0.0, deadline - time.monotonic()), collected=True)
                 return records
             if not self._ahead_leases or (self._poll_ahead is not None and self._poll_ahead[0] in self.conn._early):
                 return []  # all used up, or the coordinator answered: the caller takes it from here
@@ -932,7 +940,7 @@ class Consumer:
             if self._poll_ahead is None:
                 # Redeliveries, and the next ahead lease once this one is used up, come from a poll.
                 self._send_poll_ahead(max_records, max(0, min(int((deadline - now) * 1000), m.MAX_WAIT_MS)))
-            self._send_read_ahead(max(0.0, deadline - now))
+            self._send_read_ahead(max(0.0, deadline - now), collected=True)
             due = self._acks_due_at()
             until = deadline if due is None else min(deadline, due)
             if until <= now:
@@ -1078,9 +1086,7 @@ class Consumer:
         """A damaged batch in what the read-ahead holds: dropped, or every poll would raise
         it again and no other partition would be served. Its lease expires and comes back."""
         self._fetch_failed(key[0], key[1], err)
-        orphan = self.ahead.drop(key)
-        if orphan is not None:
-            self._orphans.add(orphan)
+        self._orphans.update(self.ahead.drop(key))
         self._read_ahead_failed(key)
 
     def _read_ahead_failed(self, key: tuple[str, int]) -> None:
@@ -1099,23 +1105,30 @@ class Consumer:
                 if held:
                     self.ahead.leased(key, held[0][1], held[0][1])  # from the next record to hand out
 
-    def _send_read_ahead(self, timeout: float) -> None:
-        """Fetch where the next leases will start; a fetch parks at the actor until records come."""
+    def _send_read_ahead(self, timeout: float, collected: bool = False) -> None:
+        """Fetch where the next leases will start; a fetch parks at the actor until records come.
+        ``collected``: the caller has just filed the replies that came in (one receive fewer
+        on the path of every record handed out under an ahead lease)."""
         wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
-        self._collect_read_ahead()
+        if not collected:
+            self._collect_read_ahead()
         if self._ahead_retry:
             self._restart_ahead_reads()
         for key, offset, max_bytes in self.ahead.wanted():
             topic, partition = key
+            # It follows the log end: each append reaches this consumer in a reply of its
+            # own, without a fetch sent again after each (bench/PROFILE.md, fifteenth pass).
+            follow = READ_AHEAD_FOLLOW if wait_ms else 0
             try:
                 corr = self.conn.send(self.conn.endpoint(topic, partition),
                                       m.Fetch(topic=topic, partition=partition, offset=offset,
-                                              max_bytes=max_bytes, max_wait_ms=wait_ms))
+                                              max_bytes=max_bytes, max_wait_ms=wait_ms, follow=follow),
+                                      replies=1 + follow)
             except ZBrokerError:
                 self.ahead.drop(key)  # not reachable now: the next lease is fetched the usual way
                 self._read_ahead_failed(key)
                 continue
-            self.ahead.sent(key, corr, offset)
+            self.ahead.sent(key, corr, offset, follow)
 
     def _collect_read_ahead(self) -> None:
         """File the read-ahead replies that came back, so that a partition whose parked
@@ -1125,14 +1138,27 @@ class Consumer:
             if isinstance(env.corr_id, int):
                 early[env.corr_id] = env
         for key, corr in self.ahead.in_flight():
-            env = early.pop(corr, None)
-            if env is not None:
-                ok = env.error is None
-                if not ok and env.error.retriable:
-                    self.conn.metadata.forget(key[0])
-                self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None)
-                if not ok:
-                    self._read_ahead_failed(key)
+            while corr is not None:
+                env = early.pop(corr, None)
+                if env is None:
+                    if self.ahead.overtaken(key, early):
+                        # A later reply of the same fetch came first: the one awaited was
+                        # dropped (a full queue at the actor). Start over from the next lease.
+                        self._orphans.update(self.ahead.drop(key))
+                        self._read_ahead_failed(key)
+                    break
+                corr = self._read_ahead_arrived(key, corr, env)
+
+    def _read_ahead_arrived(self, key: tuple[str, int], corr: int, env: codec.Envelope) -> int | None:
+        """File one read-ahead reply; returns the id of the fetch's next reply, if it stays out."""
+        ok = env.error is None
+        if not ok and env.error.retriable:
+            self.conn.metadata.forget(key[0])
+        following = self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None,
+                                       more=ok and env.msg.more)
+        if not ok:
+            self._read_ahead_failed(key)
+        return following
 
     def _serve_from_read_ahead(self, d: list, out: list, deadline: float) -> int:
         """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
@@ -1153,12 +1179,11 @@ class Consumer:
                 except RequestTimeout:
                     self._orphans.add(corr)
                     env = None
-                if env is not None and env.error is not None and env.error.retriable:
-                    self.conn.metadata.forget(topic)
-                ok = env is not None and env.error is None
-                self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None)
-                if not ok:
+                if env is None:  # this reply, and any later ones of its fetch, are dropped when they come
+                    self._orphans.update(self.ahead.drop(key))
                     self._read_ahead_failed(key)
+                else:
+                    self._read_ahead_arrived(key, corr, env)
                 continue
             try:
                 got = decode_fetched(frame, topic, partition, from_offset=pos, until_offset=end,
@@ -1235,9 +1260,7 @@ class Consumer:
             # The partition moved or its actor restarted: the next fetch asks the
             # coordinator where it lives now. These leases expire and come back.
             self.conn.metadata.forget(topic)
-            orphan = self.ahead.drop((topic, partition))
-            if orphan is not None:
-                self._orphans.add(orphan)
+            self._orphans.update(self.ahead.drop((topic, partition)))
             self._read_ahead_failed((topic, partition))
 
     def __iter__(self) -> Iterator[ConsumedRecord]:
