@@ -64,6 +64,8 @@ REPORT_PACE_MS = 1
 NO_FILES_LEFT = "out of file descriptors: raise the open-file limit (ulimit -n)"
 RETENTION_CHECK_MS = 30_000
 RETRY_OPEN_MS = 1000
+# Registrations go out every second and are answered within milliseconds.
+REGISTRATION_UNANSWERED_WARN_MS = 5000
 # Fetches waiting at the log end, across all partitions; one more answers the oldest (empty).
 MAX_PARKED_FETCHES = 4096
 
@@ -213,6 +215,8 @@ class PartitionActorCore:
         self._next_full_report_ms = 0
         self._next_report_ms = 0  # when a change may be reported (REPORT_PACE_MS after the last)
         self._next_retention_ms = 0
+        self._unanswered_since_ms: int | None = None  # first registration since the last reply
+        self._next_unanswered_warning_ms = 0
         self.counters = {"produce_requests": 0, "records_appended": 0, "bytes_appended": 0,
                          "duplicates": 0, "fetch_requests": 0, "errors": 0, "fsyncs": 0}
 
@@ -571,6 +575,31 @@ class PartitionActorCore:
         self._changed.clear()
         return True
 
+    def registration_sent(self, now_ms: int) -> int | None:
+        """A registration went out. Returns how long registrations have gone unanswered
+        when that deserves a warning (after REGISTRATION_UNANSWERED_WARN_MS, then once a
+        minute), else None.
+
+        The coordinator answers every one. The usual reason it does not is a second actor
+        started with this actor id: the coordinator's ROUTER refuses a connection under an
+        identity already connected, so this actor's messages vanish and it would sit idle
+        without a word (or the coordinator is down, which the supervisor reports too)."""
+        if self._unanswered_since_ms is None:
+            self._unanswered_since_ms = now_ms
+        silent = now_ms - self._unanswered_since_ms
+        if silent < REGISTRATION_UNANSWERED_WARN_MS or now_ms < self._next_unanswered_warning_ms:
+            return None
+        self._next_unanswered_warning_ms = now_ms + 60_000
+        return silent
+
+    def registration_answered(self) -> None:
+        self._unanswered_since_ms = None
+        self._next_unanswered_warning_ms = 0
+
+    @property
+    def registered(self) -> bool:
+        return self._unanswered_since_ms is None
+
     def registration(self, *, endpoint: str, storage_id: str, pid: int) -> m.Register:
         # The partitions it was given but could not open go too, with why, so that
         # `zbroker status` says what only this actor's log would otherwise say.
@@ -591,6 +620,7 @@ class PartitionActorCore:
 
     def status(self, now_ms: int) -> dict:
         return {"kind": "partition-log", "actor_id": self.actor_id, "fsync": str(self.fsync),
+                "registered": self.registered,
                 "partitions": self.partition_reports(self.logs),
                 "opening": [[t, p] for (t, p) in sorted(self._wanted)],
                 "counters": dict(self.counters)}

@@ -164,7 +164,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         # refused frames did through their errors' tracebacks, see core.handle): with
         # the young generation collected every 50,000 allocations, 100,000 fuzzed
         # frames held 100 MiB (tests/fuzz).
-        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl, sync_failures)
+        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl, sync_failures, coordinator)
         syncer.shutdown(wait=True)  # background fsyncs finish before the final one in close()
         for effect in core.close():
             _apply(effect, router, dealer, log)
@@ -192,7 +192,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
 
 def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
           storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
-          sync_failures: list) -> None:
+          sync_failures: list, coordinator: str = "") -> None:
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
@@ -207,6 +207,11 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
             # A registration the coordinator's queue refuses is dropped: the next one is a second away.
             runtime.send_reply(dealer, None, codec.encode_request(
                 core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid), corr), what="registration")
+            unanswered_ms = core.registration_sent(now)
+            if unanswered_ms is not None:
+                log.warning("coordinator.registration_unanswered", unanswered_ms=unanswered_ms, coordinator=coordinator,
+                            hint="is another partition actor running with this --actor-id? The coordinator "
+                                 "refuses a second connection under one id. Otherwise the coordinator is down.")
         deadline = core.next_deadline()
         timeout = 1000 if deadline is None else max(0, min(1000, deadline - now))
         if _outbox.retrying:
@@ -272,6 +277,8 @@ def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, r
         log.warning("coordinator.bad_frame", reason=err.message)
         return
     if is_reply:
+        if env.op == "register":
+            core.registration_answered()
         if env.op == "register" and env.msg is not None:
             try:
                 effects = core.on_assign(env.msg.assignment, now)

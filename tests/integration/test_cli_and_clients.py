@@ -202,6 +202,31 @@ def test_zbroker_partition_scales_out_and_takes_over_partitions(broker, tmp_path
             assert extra.wait(20) == 0
 
 
+def test_a_second_actor_under_a_taken_actor_id_says_so_instead_of_idling(broker, tmp_path):
+    # The coordinator's ROUTER refuses a second connection under an identity in use, so
+    # this actor's registrations vanish: it used to sit idle without a word.
+    log_path = tmp_path / "duplicate.log"
+    with open(log_path, "w") as log_file:
+        duplicate = subprocess.Popen(
+            [sys.executable, "-m", "zbroker", "partition", "--broker", broker.url, "--data",
+             str(tmp_path / "duplicate-data"), "--actor-id", "p0", "--log-level", "warning"],
+            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "coordinator.registration_unanswered" not in log_path.read_text() and time.monotonic() < deadline:
+            assert duplicate.poll() is None, log_path.read_text()
+            time.sleep(0.2)
+        text = log_path.read_text()
+        assert "coordinator.registration_unanswered" in text and "--actor-id" in text
+        # The first p0 goes on serving and is still the one the coordinator knows.
+        with Admin(broker.url) as admin:
+            [actor] = [a for a in admin.status()["actors"] if a.get("actor_id") == "p0"]
+            assert actor["pid"] == broker.pids()["partition-0"]
+    finally:
+        duplicate.send_signal(signal.SIGTERM)
+        duplicate.wait(20)
+
+
 def test_status_shows_an_actor_that_cannot_open_its_partitions(broker):
     # An actor short of file descriptors defers partitions and keeps serving the rest;
     # `zbroker status` called it healthy while their clients got NOT_OWNER.

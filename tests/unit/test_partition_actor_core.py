@@ -455,3 +455,17 @@ def test_followed_fetches_stay_within_the_cap_on_waiting_fetches(core, monkeypat
     assert core._parked_count == 2
     [evicted] = replies_to(follow_fetch(core, follow=5, token="three", now=12), "one")
     assert (evicted.nth, evicted.msg.more) == (1, False)
+
+
+def test_registrations_that_go_unanswered_are_reported_after_five_seconds_then_each_minute(core):
+    # The coordinator answers every registration; when it does not, an actor that would
+    # otherwise sit idle in silence (a second one under the same --actor-id) says so.
+    assert core.registered
+    assert [core.registration_sent(t) for t in (0, 1000, 4999)] == [None, None, None]
+    assert not core.registered
+    assert core.registration_sent(5000) == 5000
+    assert core.registration_sent(6000) is None and core.registration_sent(64_999) is None
+    assert core.registration_sent(65_000) == 65_000
+    core.registration_answered()
+    assert core.registered and core.status(66_000)["registered"] is True
+    assert core.registration_sent(70_000) is None and core.registration_sent(75_000) == 5000
