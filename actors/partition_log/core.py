@@ -299,7 +299,7 @@ class PartitionActorCore:
         for parked in list(self._parked.pop(key, {}).values()):
             if not parked.done:
                 self._finish(parked)
-                effects.append(ReplyError(parked.token, "fetch", NotOwner(
+                effects += self._behind_held(ReplyError(parked.token, "fetch", NotOwner(
                     "partition moved to another actor", topic=key[0], partition=key[1]), parked.nth))
         log.info("partition.released", topic=key[0], partition=key[1])
         return effects
@@ -439,6 +439,14 @@ class PartitionActorCore:
             return []
         return [effect]
 
+    def _behind_held(self, effect: Any) -> list:
+        """With fsync=always, an effect that must not overtake the replies held for end_turn's
+        fsync (a followed fetch's earlier reply may be among them) waits behind them."""
+        if self._held_replies:
+            self._held_replies.append(effect)
+            return []
+        return [effect]
+
     def _finish(self, parked: _ParkedFetch) -> None:
         """A waiting fetch stops waiting (it is being answered); heap entries stay until popped."""
         parked.done = True
@@ -520,8 +528,8 @@ class PartitionActorCore:
             key = (parked.msg.topic, parked.msg.partition)
             plog = self.logs.get(key)
             if plog is None:
-                effects.append(ReplyError(parked.token, "fetch", NotOwner("partition moved", topic=key[0],
-                                                                          partition=key[1]), parked.nth))
+                effects += self._behind_held(ReplyError(parked.token, "fetch", NotOwner(
+                    "partition moved", topic=key[0], partition=key[1]), parked.nth))
             else:
                 effects += self._last_reply(parked, plog)
         if self.fsync.mode == "interval" and self._dirty_since_sync:

@@ -5,6 +5,7 @@ no broker."""
 
 import collections
 import itertools
+import time
 import types
 
 import pytest
@@ -287,3 +288,52 @@ def test_run_rides_out_a_retriable_error_on_its_acks(monkeypatch):
     turns = iter(range(5))
     consumer.run(handled.append, max_records=10, stop=lambda: next(turns, None) is None)
     assert len(handled) == 10
+
+
+# -- the read-ahead's followed fetch (Fetch.follow) -------------------------------------------
+# From a review of the first version: each of these failed then.
+
+def _pushed(corr, first, count, more):
+    return codec.Envelope(op="fetch", corr_id=corr, msg=m.FetchReply(log_start=0, log_end=first + count, more=more),
+                          frames=[stored(first, count)])
+
+
+@pytest.mark.parametrize("dropped", [1, 2, 3, 8])  # the ahead lease covers offsets 0-9
+def test_a_run_of_dropped_replies_of_a_followed_fetch_is_noticed_and_fetched_again(monkeypatch, dropped):
+    from zbroker.client.sync import AHEAD_RETRY_S
+
+    conn = FakeConn(log=[0], polls=[poll_reply([["t", 0, 21, 0, 10, 1, "ahead"]])])
+    c = make_consumer(conn, monkeypatch, lease_ahead=True)
+    assert c.poll(max_records=100, timeout=0.05) == []
+    [(_key, corr)] = c.ahead.in_flight()
+    assert conn.sent[-1][2].follow == 64
+    # The actor's queue was full: replies corr .. corr + dropped - 1 never came.
+    conn._early[corr + dropped] = _pushed(corr + dropped, dropped, 1, more=True)
+    conn._early[corr + dropped + 1] = _pushed(corr + dropped + 1, dropped + 1, 1, more=False)
+    conn.log[0] = dropped + 2
+    got = []
+    for _ in range(5):
+        got += c.poll(max_records=100, timeout=0.01)
+        time.sleep(AHEAD_RETRY_S)
+    assert [r.offset for r in got] == list(range(dropped + 2))
+
+
+def test_replies_of_followed_fetches_given_up_on_never_pile_up(monkeypatch):
+    # Every given-up followed fetch reserved 65 ids: as single orphan ids they overflowed
+    # the orphan set, which was then cleared, and the replies stayed in _early for good.
+    n = 32
+    conn = FakeConn(log=[0] * n)
+    c = make_consumer(conn, monkeypatch)
+    for _rebalance in range(3):
+        for p in range(n):
+            c.ahead.leased(("t", p), 0, 0)
+        c._send_read_ahead(1.0)
+        out = dict(c.ahead.in_flight())
+        assert len(out) == n
+        c._orphan_ranges(c.ahead.retain([]))
+        for corr in out.values():
+            for late in (corr, corr + 1):  # its reply, and a push that was already on its way
+                conn._early[late] = codec.Envelope(op="fetch", corr_id=late,
+                                                   msg=m.FetchReply(log_start=0, log_end=0), frames=[b""])
+        c._drop_orphans()
+    assert conn._early == {}

@@ -469,3 +469,17 @@ def test_registrations_that_go_unanswered_are_reported_after_five_seconds_then_e
     core.registration_answered()
     assert core.registered and core.status(66_000)["registered"] is True
     assert core.registration_sent(70_000) is None and core.registration_sent(75_000) == 5000
+
+
+def test_with_fsync_always_a_followed_fetch_ended_by_a_release_keeps_its_replies_in_order(tmp_path):
+    # Its first reply waits for the turn's fsync; the NOT_OWNER of its next one must not overtake it.
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("always"))
+    core.on_assign([["t", 0, None]], 0)
+    sent = []
+    produce(core, b"a", now=11)
+    sent += follow_fetch(core, follow=5, now=11)
+    sent += core.on_assign([], 12)
+    sent += core.tick(12)
+    sent += core.end_turn(12)
+    mine = [(type(e).__name__, e.nth) for e in sent if e.token == "reader"]
+    assert mine == [("Reply", 0), ("ReplyError", 1)]

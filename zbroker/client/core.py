@@ -569,13 +569,13 @@ class ReadAhead:
 
     def overtaken(self, key: tuple[str, int], arrived: Container[int]) -> bool:
         """A later reply of the fetch out for ``key`` has arrived and the awaited one has not:
-        the actor dropped it (replies of one fetch come in order). Two are looked at, so
-        that two dropped in a row are noticed too."""
+        the actor dropped it (replies of one fetch come in order). Every later id of the
+        fetch is looked at: a full queue at the actor drops a run of replies, not one."""
         slot = self._slots.get(key)
         if slot is None or slot.in_flight is None:
             return False
         corr, _offset, last = slot.in_flight
-        return corr not in arrived and any(c in arrived for c in range(corr + 1, min(last, corr + 2) + 1))
+        return corr not in arrived and any(c in arrived for c in range(corr + 1, last + 1))
 
     def sent(self, key: tuple[str, int], corr: int, offset: int, follow: int = 0) -> None:
         slot = self._slots.get(key)
@@ -583,20 +583,21 @@ class ReadAhead:
             slot.in_flight = (corr, offset, corr + follow)
             self.stats["fetches"] += 1
 
-    def drop(self, key: tuple[str, int]) -> list[int]:
-        """Forget a partition; returns the correlation ids of the replies its fetch may still get."""
+    def drop(self, key: tuple[str, int]) -> list[tuple[int, int]]:
+        """Forget a partition; returns the ids its fetch may still get replies under, as
+        [(first, last)] (none if no fetch is out): a followed fetch reserved a range."""
         slot = self._slots.pop(key, None)
         if slot is None or slot.in_flight is None:
             return []
         corr, _offset, last = slot.in_flight
-        return list(range(corr, last + 1))
+        return [(corr, last)]
 
-    def retain(self, keys: Iterable[tuple[str, int]]) -> list[int]:
-        """Keep only ``keys`` (the partitions still assigned); returns orphaned reply ids."""
+    def retain(self, keys: Iterable[tuple[str, int]]) -> list[tuple[int, int]]:
+        """Keep only ``keys`` (the partitions still assigned); returns the orphaned id ranges."""
         keep = set(keys)
-        return [c for k in [k for k in self._slots if k not in keep] for c in self.drop(k)]
+        return [r for k in [k for k in self._slots if k not in keep] for r in self.drop(k)]
 
-    def clear(self) -> list[int]:
+    def clear(self) -> list[tuple[int, int]]:
         return self.retain(())
 
     def held_bytes(self) -> int:

@@ -10,6 +10,7 @@ instead of being delivered to its successor minutes later.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import os
@@ -38,6 +39,10 @@ _time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once
 DEFAULT_URL = "tcp://127.0.0.1:7400"
 READ_AHEAD_WAIT_S = 1.0
 MAX_ORPHANS = 4096
+# Id ranges of read-ahead fetches given up on (a followed fetch reserved up to 65
+# ids, most never used): kept apart from MAX_ORPHANS single ids, so that rebalances
+# of many partitions do not overflow that set and leave their replies stranded.
+MAX_ORPHAN_RANGES = 4096
 # Replies a read-ahead fetch may get after its first, one per append while it waits at
 # the log end. Its bytes stay within the one fetch's max_bytes, so the read-ahead's
 # memory bound is what it was; this bounds the ids reserved for them.
@@ -637,6 +642,9 @@ class Consumer:
         self.read_ahead = read_ahead
         self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
         self._orphans: set[int] = set()  # read-ahead fetches given up on: their replies are dropped
+        # ...and followed fetches given up on, as sorted, disjoint [first, last] id ranges
+        self._orphan_firsts: list[int] = []
+        self._orphan_lasts: list[int] = []
         self.poll_ahead = poll_ahead or lease_ahead
         self.lease_ahead = lease_ahead
         # Ahead leases held, oldest first: partition key -> [[lease id, next offset to hand out, end], ...].
@@ -717,7 +725,7 @@ class Consumer:
         # Shared groups interleave members' leases: the next one need not start
         # where this member's last ended, so guessing would only cost fetches.
         keep = [tuple(p) for p in reply.assignment] if self.read_ahead and self.mode == "exclusive" else []
-        self._orphans.update(self.ahead.retain(keep))
+        self._orphan_ranges(self.ahead.retain(keep))
         self._needs_rejoin.clear()
         self._connect_to_assigned()
         if old - new and self.on_revoke:
@@ -1074,11 +1082,27 @@ class Consumer:
                     return self.conn.wait_for(corr, 0)
                 self.flush_acks(wait=False)
 
+    def _orphan_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Drop the replies that come under these ids (fetches given up on)."""
+        firsts, lasts = self._orphan_firsts, self._orphan_lasts
+        for first, last in ranges:
+            i = bisect.bisect(firsts, first)
+            firsts.insert(i, first)
+            lasts.insert(i, last)
+        if len(firsts) > MAX_ORPHAN_RANGES:  # the oldest ids: their replies came long ago or never will
+            del firsts[:len(firsts) - MAX_ORPHAN_RANGES], lasts[:len(lasts) - MAX_ORPHAN_RANGES]
+
+    def _orphaned(self, corr: int) -> bool:
+        if corr in self._orphans:
+            return True
+        i = bisect.bisect(self._orphan_firsts, corr) - 1
+        return i >= 0 and corr <= self._orphan_lasts[i]
+
     def _drop_orphans(self) -> None:
         if len(self._orphans) > MAX_ORPHANS:  # replies that never came (their actor died): stop waiting
             self._orphans.clear()
         early = self.conn._early
-        for corr in [c for c in self._orphans if c in early]:
+        for corr in [c for c in early if self._orphaned(c)]:
             del early[corr]
             self._orphans.discard(corr)
 
@@ -1086,7 +1110,7 @@ class Consumer:
         """A damaged batch in what the read-ahead holds: dropped, or every poll would raise
         it again and no other partition would be served. Its lease expires and comes back."""
         self._fetch_failed(key[0], key[1], err)
-        self._orphans.update(self.ahead.drop(key))
+        self._orphan_ranges(self.ahead.drop(key))
         self._read_ahead_failed(key)
 
     def _read_ahead_failed(self, key: tuple[str, int]) -> None:
@@ -1144,7 +1168,7 @@ class Consumer:
                     if self.ahead.overtaken(key, early):
                         # A later reply of the same fetch came first: the one awaited was
                         # dropped (a full queue at the actor). Start over from the next lease.
-                        self._orphans.update(self.ahead.drop(key))
+                        self._orphan_ranges(self.ahead.drop(key))
                         self._read_ahead_failed(key)
                     break
                 corr = self._read_ahead_arrived(key, corr, env)
@@ -1180,7 +1204,7 @@ class Consumer:
                     self._orphans.add(corr)
                     env = None
                 if env is None:  # this reply, and any later ones of its fetch, are dropped when they come
-                    self._orphans.update(self.ahead.drop(key))
+                    self._orphan_ranges(self.ahead.drop(key))
                     self._read_ahead_failed(key)
                 else:
                     self._read_ahead_arrived(key, corr, env)
@@ -1260,7 +1284,7 @@ class Consumer:
             # The partition moved or its actor restarted: the next fetch asks the
             # coordinator where it lives now. These leases expire and come back.
             self.conn.metadata.forget(topic)
-            self._orphans.update(self.ahead.drop((topic, partition)))
+            self._orphan_ranges(self.ahead.drop((topic, partition)))
             self._read_ahead_failed((topic, partition))
 
     def __iter__(self) -> Iterator[ConsumedRecord]:
