@@ -345,6 +345,16 @@ const commands = {
       const woke = await waiting;
       r.outOfOrder = { order, values: woke.records.map((x) => x.value.toString()) };
 
+      // s.4: a fetch with `follow` is answered under id, id + 1, ...: the connection reserves
+      // those ids, so the push that a later produce wakes is never taken for that produce's reply.
+      const followFrom = (await client.fetch("live", 0, 0)).logEnd;
+      const followed = await part.request("fetch", { topic: "live", partition: 0, offset: followFrom - 1,
+        max_wait_ms: 2_000, follow: 3 });
+      const next = await part.request("produce", { topic: "live", partition: 0, producer_id: 0n, sequence: -1 },
+        { frames: [encodeRecords([{ value: "pushed" }])] });
+      r.followReserved = { more: followed.header.more, nextOp: next.header.op, nextOffset: next.header.base_offset,
+        followFrom };
+
       // Leases: expire one (ack_timeout_ms 300) and ack it late; then fence a member.
       await attempt("configure", () => client.configureGroup("live-g", { ackTimeoutMs: 300, mode: "shared" }));
       const a = client.consumer("live-g", ["live"], { sessionTimeoutMs: 10_000 });

@@ -495,6 +495,9 @@ export class Connection {
   request(op, fields = {}, { frames = [], timeoutMs = this.requestTimeoutMs } = {}) {
     if (this.closed) return Promise.reject(new ZBrokerError("SHUTTING_DOWN", "connection closed", { op, local: true }));
     const id = this.nextId++;
+    // A fetch with `follow` gets its later replies under id + 1 .. id + follow (s.4): reserve them,
+    // so that they match no other request (they are dropped here, like any unmatched reply).
+    if (op === "fetch" && Number.isInteger(fields.follow) && fields.follow > 0) this.nextId += fields.follow;
     const header = encodeHeader(op, fields, id, this.version);
     const limit = this.limits?.max_header_bytes ?? DEFAULT_MAX_HEADER_BYTES;
     if (header.length > limit) {

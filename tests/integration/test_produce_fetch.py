@@ -347,6 +347,28 @@ def test_a_followed_fetch_gets_a_reply_per_append_with_consecutive_ids(broker):
             [b"one"], [b"two"], [b"three"]]  # "four" came after the fetch ended: nothing more
 
 
+
+def test_a_followed_fetch_sent_through_connection_reserves_the_ids_of_its_later_replies(broker):
+    # Connection.send is public: a Fetch with `follow` must move the id counter past id + follow
+    # by itself, or the next request on the connection gets the fetch's next push as its reply.
+    with Admin(broker.url) as admin:
+        admin.create_topic("reserved", partitions=1)
+    with Producer(broker.url, linger_ms=0) as producer:
+        producer.produce("reserved", [b"a"])
+    conn = Connection(broker.url)
+    try:
+        endpoint = conn.endpoint("reserved", 0)
+        first = conn.call(endpoint, m.Fetch(topic="reserved", partition=0, offset=0, max_wait_ms=5000, follow=3))
+        assert first.msg.more
+        with Producer(broker.url, linger_ms=0) as producer:
+            producer.produce("reserved", [b"b"])  # pushed to the fetch under first.corr_id + 1
+        time.sleep(0.2)
+        reply = conn.call(conn.url, m.Metadata(topics=["reserved"]))
+        assert reply.op == "metadata"
+        assert reply.corr_id > first.corr_id + 3
+    finally:
+        conn.close()
+
 def test_sigterm_stops_everything_cleanly_and_loses_nothing(start, tmp_path):
     data = tmp_path / "data"
     broker = start(data, fsync="always")

@@ -101,6 +101,10 @@ def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
     assert error("unknownOpAtCoordinator")["code"] == "UNKNOWN_OP"
     # s.4: replies out of order on one DEALER.
     assert r["outOfOrder"] == {"order": ["immediate", "waiting"], "values": ["wake"]}
+    # s.4: the ids a followed fetch's later replies take are reserved by the client.
+    assert r["followReserved"]["more"] is True
+    assert r["followReserved"]["nextOp"] == "produce"
+    assert r["followReserved"]["nextOffset"] == r["followReserved"]["followFrom"]
     # s.8.4, 14: leases, STALE_LEASE data, redelivery, FENCED re-sync.
     assert ok("configure") == {"mode": "shared", "ack_timeout_ms": 300, "max_deliveries": 5,
                                "max_in_flight": 1000, "dlq": None, "start": "earliest"}

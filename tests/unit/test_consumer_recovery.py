@@ -337,3 +337,23 @@ def test_replies_of_followed_fetches_given_up_on_never_pile_up(monkeypatch):
                                                    msg=m.FetchReply(log_start=0, log_end=0), frames=[b""])
         c._drop_orphans()
     assert conn._early == {}
+
+
+def test_polls_drop_the_pushes_of_a_followed_fetch_given_up_on(monkeypatch):
+    # Only the orphans kept as single ids used to open the sweep: a consumer that never timed
+    # out kept every push of a revoked partition's followed fetch in _early for good.
+    conn = FakeConn(log=[0, 0])
+    c = make_consumer(conn, monkeypatch)
+    for p in (0, 1):
+        c.ahead.leased(("t", p), 0, 0)
+    c._send_read_ahead(1.0)  # a followed fetch waits at each log end
+    given_up = dict(c.ahead.in_flight())[("t", 1)]
+    c._orphan_ranges(c.ahead.retain([("t", 0)]))  # a rebalance took partition 1 away
+    assert c._orphans == set() and c._orphan_firsts == [given_up]
+    for k in range(10):  # the actor does not know: it pushes each append under id + k
+        conn._early[given_up + k] = codec.Envelope(op="fetch", corr_id=given_up + k,
+                                                   msg=m.FetchReply(log_start=0, log_end=k + 1, more=True),
+                                                   frames=[b""])
+    for _ in range(3):
+        c.poll(max_records=10, timeout=0.01)
+    assert [corr for corr in conn._early if c._orphaned(corr)] == []

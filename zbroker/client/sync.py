@@ -111,6 +111,9 @@ class Connection:
     def send(self, endpoint: str, msg: m.Message, frames: tuple = (), *, replies: int = 1) -> int:
         """Send a request; returns its correlation id. A request answered more than once
         (a fetch with `follow`) reserves the ids of its later replies: id + 1, id + 2, ..."""
+        follow = getattr(msg, "follow", 0)
+        if follow:  # its later replies come under id + 1 .. id + follow (PROTOCOL.md s.4)
+            replies = max(replies, 1 + follow)
         corr = next(self._ids)
         for _ in range(replies - 1):
             next(self._ids)
@@ -1233,7 +1236,7 @@ class Consumer:
         pending: dict[int, tuple[int, list]] = {}
         parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
         reading_ahead = self.read_ahead and self.mode == "exclusive"
-        if self._orphans:
+        if self._orphans or self._orphan_firsts:
             self._drop_orphans()
 
         def fetch(i: int, d: list, start: int) -> None:
