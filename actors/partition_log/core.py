@@ -481,6 +481,11 @@ class PartitionActorCore:
         for parked in list(waiting.values()):
             if parked.done:  # answered meanwhile, to make room for a fetch parked again below
                 continue
+            if parked.offset == plog.log_end:
+                # Parked after the append that woke it (fsync=always wakes at end_turn): it
+                # has nothing to read yet, and waits on instead of getting an empty reply.
+                self._parked.setdefault(key, {})[parked.seq] = parked
+                continue
             self._finish(parked)
             try:
                 effects += self._answer(parked.token, parked.msg, plog, parked.offset, parked.nth,

@@ -483,3 +483,16 @@ def test_with_fsync_always_a_followed_fetch_ended_by_a_release_keeps_its_replies
     sent += core.end_turn(12)
     mine = [(type(e).__name__, e.nth) for e in sent if e.token == "reader"]
     assert mine == [("Reply", 0), ("ReplyError", 1)]
+
+
+def test_with_fsync_always_a_fetch_parked_after_the_turns_append_is_not_woken_empty(tmp_path):
+    # The append wakes its partition's fetches at end_turn; one that parked at the new log end
+    # after it has nothing to read, and waits on (an empty reply would cost one of its follows).
+    core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("always"))
+    core.on_assign([["t", 0, None]], 0)
+    sent = produce(core, b"a", now=10)
+    sent += follow_fetch(core, offset=1, follow=3, now=10)
+    sent += core.end_turn(10)
+    assert [e for e in sent if e.token == "reader"] == []
+    sent = produce(core, b"b", now=11) + core.end_turn(11)
+    assert [(e.nth, e.msg.more, values(e)) for e in sent if e.token == "reader"] == [(0, True, [b"b"])]
