@@ -187,7 +187,13 @@ def test_a_third_member_moves_partitions_without_loss_and_fencing_stops_stale_ac
         # a never acks what it holds on the partitions it keeps: those come back by ack timeout.
         admin.configure_group("team", ack_timeout_ms=2000)
     values = [f"e{i}".encode() for i in range(3000)]
-    produce_values(broker.url, "events", values)
+    # 500 on every partition. Key-less, they would stick to a partition per batch (up to
+    # 1000 records): often all 3000 on three consecutive partitions, and 1 time in 6 on
+    # 3, 4 and 5, where a, which keeps 0-2 when b joins, would have nothing to hold.
+    with Producer(broker.url, linger_ms=1) as producer:
+        for i, value in enumerate(values):
+            producer.send("events", value, partition=i % 6)
+        producer.flush()
     a = Consumer(broker.url, group="team", topics=["events"])
     b = Consumer(broker.url, group="team", topics=["events"])
     try:
