@@ -26,7 +26,7 @@ from protocol.errors import ProtocolError, ZBrokerError
 
 # The largest message a socket accepts. Anything bigger is dropped by libzmq
 # before it costs memory (it closes that peer's connection).
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = codec.MAX_FRAME_BYTES
 # Outgoing queue bound per peer: a consumer that never reads gets its replies
 # dropped at this mark instead of growing the actor's memory.
 SEND_HWM = 10_000

@@ -25,6 +25,10 @@ from protocol.errors import ProtocolError, TooLarge, UnknownOp, UnsupportedVersi
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4
+# The largest frame an actor's socket accepts (ZMQ_MAXMSGSIZE applies per frame).
+# libzmq drops a bigger one before it costs memory, and closes that connection:
+# the request gets no reply at all (PROTOCOL.md, section 6).
+MAX_FRAME_BYTES = 64 << 20
 
 _packer = msgpack.Packer(use_bin_type=True)
 

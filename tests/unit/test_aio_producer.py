@@ -9,7 +9,7 @@ import contextlib
 import pytest
 
 from protocol import messages as m
-from protocol.errors import Unavailable
+from protocol.errors import ErrorCode, Unavailable
 from zbroker.client.aio import AsyncProducer
 from zbroker.client.sync import ProduceError
 
@@ -74,3 +74,20 @@ def test_a_batch_waiting_out_its_retry_backoff_when_flush_is_cancelled_is_still_
 
     handle = asyncio.run(main())
     assert (handle.offset, handle.error, producer.conn.produced) == (7, None, 1)
+
+
+def test_a_batch_over_the_frame_limit_fails_with_too_large_without_being_sent(monkeypatch):
+    # An actor's socket drops such a frame without a reply: sent, it would only time out.
+    monkeypatch.setattr("zbroker.client.core.MAX_FRAME_BYTES", 1000)
+    producer = scripted_producer([])  # any call would fail the test: nothing to answer with
+
+    async def main():
+        handle = await producer.send("t", bytes(2000), partition=0)
+        with pytest.raises(ProduceError) as info:
+            await producer.flush()
+        await producer.close()
+        return handle, info.value
+
+    handle, err = asyncio.run(main())
+    assert err.code == ErrorCode.TOO_LARGE and producer.conn.produced == 0
+    assert handle.error.code == ErrorCode.TOO_LARGE and handle.error.data["limit"] == 1000

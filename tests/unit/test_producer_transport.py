@@ -148,3 +148,26 @@ def test_a_produce_reply_that_arrives_during_a_metadata_refresh_is_not_lost():
         stop.set()
         thread.join(2)
         router.close(linger=0)
+
+
+def test_a_batch_over_the_frame_limit_fails_with_too_large_without_being_sent(monkeypatch):
+    # An actor's socket drops such a frame without a reply: sent, it timed out and was sent
+    # again at every retry, and failed minutes later as a TIMEOUT that hid the cause.
+    from protocol.errors import ErrorCode
+    from zbroker.client.sync import ProduceError
+
+    monkeypatch.setattr("zbroker.client.core.MAX_FRAME_BYTES", 1000)
+    producer = Producer("tcp://127.0.0.1:1", linger_ms=0)
+    try:
+        handle = producer.send("t", bytes(2000), partition=0)
+        try:
+            producer.flush(timeout=1)
+        except ProduceError as err:
+            assert err.code == ErrorCode.TOO_LARGE
+        else:
+            raise AssertionError("flush did not report the refused batch")
+        assert handle.error.code == ErrorCode.TOO_LARGE and handle.error.data["got"] > 1000
+        assert producer.conn.sockets == {}  # nothing was sent anywhere
+        assert producer.in_flight_records == 0 and producer.in_flight_bytes == 0
+    finally:
+        producer.conn.close()

@@ -308,6 +308,10 @@ class AsyncProducer:
 
     async def _deliver(self, batch: PendingBatch, permits: int) -> None:
         try:
+            refused = batch.over_frame_limit()
+            if refused is not None:
+                self._failed(batch, refused)
+                return
             while True:
                 batch.attempts += 1
                 try:

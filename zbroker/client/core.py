@@ -23,7 +23,8 @@ from operator import itemgetter
 from typing import Any, Container, Iterable
 
 from protocol.batch import Record, encode_columns, encode_values, stored_range
-from protocol.errors import StaleLease, UnknownPartition, UnknownTopic
+from protocol.codec import MAX_FRAME_BYTES
+from protocol.errors import StaleLease, TooLarge, UnknownPartition, UnknownTopic
 from protocol.partitioner import partition_for_key
 
 
@@ -111,6 +112,15 @@ class PendingBatch:
     def failed(self, error: Exception) -> None:
         if self.outcome is not None:
             self.outcome.error = error
+
+    def over_frame_limit(self) -> TooLarge | None:
+        """The error for a payload no actor can receive, else None. An actor's socket drops a
+        frame over MAX_FRAME_BYTES without a reply: sent anyway, it would time out, and be
+        sent again at every retry, before failing as a TIMEOUT that hides the cause."""
+        if len(self.payload) <= MAX_FRAME_BYTES:
+            return None
+        return TooLarge(f"batch of {len(self.payload):,} bytes exceeds the {MAX_FRAME_BYTES:,} bytes a frame may carry",
+                        limit=MAX_FRAME_BYTES, got=len(self.payload), topic=self.topic, partition=self.partition)
 
 
 # The protocol's sequences are signed 32-bit (docs/PROTOCOL.md, section 13): a

@@ -431,6 +431,10 @@ class Producer:
     def _send(self, batch: PendingBatch) -> None:
         """Send (or resend) a batch counted in ``in_flight_records``."""
         batch.attempts += 1
+        refused = batch.over_frame_limit()
+        if refused is not None:
+            self._retry_or_fail(batch, refused)  # not retriable: it fails now
+            return
         try:
             endpoint = self.conn.endpoint(batch.topic, batch.partition)
             corr = self.conn.send(endpoint, m.Produce(topic=batch.topic, partition=batch.partition,
