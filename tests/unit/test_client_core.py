@@ -165,6 +165,21 @@ def test_value_fast_path_splits_by_count_and_by_bytes_with_consecutive_sequences
     assert [b.count for b in huge] == [1]
 
 
+
+def test_values_sent_in_bulk_after_a_send_follow_the_batch_that_send_holds_open():
+    # send() then send_many() to one partition: the open batch was numbered after the bulk
+    # batches, so the partition stored "first" last.
+    acc = BatchAccumulator(batch_size=100, batch_bytes=1 << 20, producer_id=1)
+    handle, held = acc.add("t", 0, [0, None, b"first", None], 5, 0.0)
+    other, _ = acc.add("t", 1, [0, None, b"elsewhere", None], 9, 0.0)
+    assert held is None
+    batches = acc.add_many_values("t", 0, [b"second", b"third"], 5)
+    assert [b.sequence for b in batches] == [0, 1]
+    assert [r[2] for b in batches for r in msgpack.unpackb(b.payload)] == [b"first", b"second", b"third"]
+    batches[0].acknowledged(7)
+    assert handle.offset == 7
+    assert [b.partition for b in acc.drain()] == [1]  # another partition's open batch stays open until then
+
 def test_handles_read_their_batch_outcome():
     acc = BatchAccumulator(batch_size=2, batch_bytes=1 << 20, producer_id=1)
     h1, none_yet = acc.add("t", 0, [0, None, b"a", None], 1, 0.0)

@@ -364,8 +364,12 @@ class BatchAccumulator:
 
     def add_many_values(self, topic: str, partition: int, values: list[bytes], timestamp_ms: int) -> list[PendingBatch]:
         """Key-less, header-less values in full batches (``batch_size`` records and
-        about ``batch_bytes`` at most each), encoded by the `encode_values` fast path."""
+        about ``batch_bytes`` at most each), encoded by the `encode_values` fast path.
+        A batch that `add` holds open for the partition goes first: its records were
+        sent first, and a partition keeps the order records were sent in."""
         out, start, n = [], 0, len(values)
+        if (topic, partition) in self._open:
+            out.append(self.close((topic, partition)))
         # Per-record overhead in the payload: array header, timestamp, nils, bin header.
         budget = self.batch_bytes
         while start < n:

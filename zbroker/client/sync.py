@@ -394,6 +394,7 @@ class Producer:
             self.acc._rotate(topic, partition)
         for batch in self.acc.add_many_values(topic, partition, values, time.time_ns() // 1_000_000):
             self._dispatch(batch)
+        self._oldest_open = self.acc.oldest_opened_at()  # a batch send() held open may have gone first
 
     def produce(self, topic: str, records: Iterable, partition: int | None = None) -> list[DeliveryHandle]:
         """Send and wait: returns a handle per record with its assigned offset."""
