@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from protocol.batch import encode_columns, encode_records, encode_values, validate_payload
 from protocol.partitioner import partition_for_key
-from zbroker.client.core import (AckAccumulator, BatchAccumulator, Deduper, DeliveryHandle, checked_record,
+from zbroker.client.core import (AckAccumulator, BatchAccumulator, Deduper, DeliveryHandle, checked_partition,
+                                 checked_record, checked_topics,
                                  checked_timestamp, group_by_lease)
 from zbroker.client import sync
 from zbroker.client.core import ConsumedRecord
@@ -280,3 +281,28 @@ def test_the_size_estimate_counts_keys_and_headers():
     closed = [b for _h, b in (acc.add("t", 0, [0, key, b"v", headers], record_size_estimate(b"v", key, headers),
                                       0.0) for _ in range(1000)) if b is not None]
     assert closed and all(len(b.payload) <= (1 << 20) + 20000 for b in closed)
+
+
+@pytest.mark.parametrize("partition, error", [("0", TypeError), (1.0, TypeError), (True, TypeError),
+                                              (-1, ValueError)])
+def test_a_partition_of_the_wrong_type_or_sign_is_refused_by_the_send(partition, error):
+    producer = sync.Producer("tcp://127.0.0.1:1", linger_ms=0)
+    try:
+        with pytest.raises(error, match="partition"):
+            producer.send("t", b"v", partition=partition)
+        with pytest.raises(error, match="partition"):
+            producer.send_many("t", [b"v"], partition=partition)
+        assert producer.conn.sockets == {} and producer.in_flight_records == 0
+    finally:
+        producer.conn.close()
+
+
+def test_consumers_refuse_a_lone_topic_name_before_opening_anything():
+    from zbroker.client.aio import AsyncConsumer
+
+    for make in (sync.Consumer, AsyncConsumer):
+        with pytest.raises(TypeError, match=r"did you mean topics=\['orders'\]"):
+            make("tcp://127.0.0.1:1", group="g", topics="orders")
+        with pytest.raises(TypeError, match="must be a str, not int"):
+            make("tcp://127.0.0.1:1", group="g", topics=[7])
+    assert checked_topics(("a", "b")) == ["a", "b"]

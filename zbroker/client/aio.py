@@ -25,7 +25,8 @@ from protocol import messages as m
 from protocol.batch import decode_fetched
 from protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
 from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord,
-                                 DeliveryHandle, MetadataCache, PendingBatch, checked_record, group_by_lease,
+                                 DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
+                                 checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
 from actors.security import ClientKeys
 from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, client_dealer, curve_from_env
@@ -248,7 +249,9 @@ class AsyncProducer:
         if added is None:
             value, key, headers = checked_record(value, key, headers)
             self._start_background_tasks()
-            if partition is None:
+            if partition is not None:
+                checked_partition(partition)
+            else:
                 if topic not in self.conn.metadata.topics:
                     await self.conn.refresh([topic])
                     if self._closed:  # close() began meanwhile: its flush would not see this record
@@ -419,9 +422,9 @@ class AsyncConsumer:
 
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
                  ack_batch: int = 1000, ack_interval_ms: float = 5.0, request_timeout: float = 5.0) -> None:
+        self.topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
         self.conn = AsyncConnection(url, request_timeout=request_timeout)
         self.group = group
-        self.topics = list(topics)
         self.session_timeout_ms = session_timeout_ms
         self.ack_batch = ack_batch
         self.ack_interval_s = ack_interval_ms / 1000.0

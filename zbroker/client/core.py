@@ -173,6 +173,29 @@ def checked_record(value: Any, key: Any, headers: Any) -> tuple[bytes, bytes | N
     return value, key, headers
 
 
+def checked_partition(partition: Any) -> int:
+    """An explicit partition: a non-negative int, else TypeError or ValueError from the send
+    (one the topic does not have is UNKNOWN_PARTITION, from the metadata)."""
+    if type(partition) is not int:
+        raise TypeError(f"a record's partition must be an int or None, not {type(partition).__name__}")
+    if partition < 0:
+        raise ValueError(f"a record's partition must be >= 0, not {partition}")
+    return partition
+
+
+def checked_topics(topics: Any) -> list[str]:
+    """A consumer's topics: a list (or other iterable) of names. A lone str would be read as
+    its letters, each a topic of its own."""
+    if isinstance(topics, (str, bytes)):
+        raise TypeError(f"topics must be a list of topic names, not a {type(topics).__name__}: "
+                        f"did you mean topics=[{topics!r}]?")
+    names = list(topics)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"a topic name must be a str, not {type(name).__name__}")
+    return names
+
+
 def checked_timestamp(timestamp_ms: Any) -> int:
     """A record's explicit timestamp: an int that msgpack packs (-2**63 .. 2**64 - 1),
     else TypeError or ValueError from the send, for the reason `checked_record` gives."""

@@ -30,7 +30,8 @@ from protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, S
                              UnknownMember, ZBrokerError)
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord, DeliveryHandle,
                                  MetadataCache, PendingBatch, ReadAhead, group_by_lease,
-                                 RANGES_PER_REQUEST, checked_record, checked_timestamp, in_request_sized_chunks,
+                                 RANGES_PER_REQUEST, checked_partition, checked_record, checked_timestamp,
+                                 checked_topics, in_request_sized_chunks,
                                  record_size_estimate)
 
 log = structlog.get_logger("zbroker.client")
@@ -331,7 +332,9 @@ class Producer:
         value, key, headers = checked_record(value, key, headers)
         if timestamp_ms is not None:
             checked_timestamp(timestamp_ms)
-        if partition is None:
+        if partition is not None:
+            checked_partition(partition)
+        else:
             partitions = self._topic_partitions.get(topic)
             if partitions is None:
                 self.conn.refresh([topic])
@@ -387,6 +390,8 @@ class Producer:
 
     def send_many(self, topic: str, values: list[bytes], partition: int | None = None) -> None:
         """Fast path for key-less, header-less values: whole batches at once."""
+        if partition is not None:
+            checked_partition(partition)
         if topic not in self.conn.metadata.topics:
             self.conn.refresh([topic])
         if partition is None:
@@ -636,6 +641,10 @@ class Consumer:
     The consumer then hands out records as its parked fetch brings them, with
     no poll round trip between a record's arrival and the caller: the lowest
     latency at a trickle. The ahead range counts against ``max_in_flight``.
+
+    ``max_in_flight`` is not this member's own setting: it configures the
+    *group* (`configure_group`) before joining, so it holds for every member,
+    and stays, across restarts of the broker, until it is configured again.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], member_id: str = "",
@@ -645,6 +654,7 @@ class Consumer:
                  on_revoke: Callable[[list], None] | None = None, heartbeat: bool = True,
                  curve: ClientKeys | None = None, read_ahead: bool = True,
                  read_ahead_bytes: int = 32 << 20, poll_ahead: bool = False, lease_ahead: bool = False) -> None:
+        topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
         self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
         self.mode = ""
         self.read_ahead = read_ahead
@@ -671,7 +681,7 @@ class Consumer:
         self._ack_check_mask = 63 if ack_batch >= 64 else 0
         self._poll_ahead: tuple[int, int, float] | None = None  # (corr id, generation, give up at)
         self.group = group
-        self.topics = list(topics)
+        self.topics = topics
         self.member_id = member_id
         self.session_timeout_ms = session_timeout_ms
         self.ack_batch = ack_batch
