@@ -1316,9 +1316,11 @@ class Consumer:
             stop: Callable[[], bool] = lambda: False) -> None:
         """Call ``handler`` per record: ack when it returns, nack (with the error) when it raises.
 
-        Runs until ``stop()`` says so. A retriable error (the coordinator restarting
-        or reloading offsets, a request timeout) is logged and retried with a backoff
-        of up to a few seconds, as the protocol says to; any other error is raised.
+        Runs until ``stop()`` says so. It is asked before each poll, so the records a
+        poll returned (up to ``max_records``) are all handled first. A retriable error
+        (the coordinator restarting or reloading offsets, a request timeout) is logged
+        and retried with a backoff of up to a few seconds, as the protocol says to; any
+        other error is raised.
         """
         backoff = RetryBackoff()
         while not stop():
