@@ -233,6 +233,20 @@ class Supervisor:
             return f"--offsets: cannot create {path}: the directory {path.parent} is not writable"
         return None
 
+    def _offsets_database_error(self) -> str | None:
+        """A PostgreSQL server that answers and refuses the offsets' database for good (it
+        does not exist, the role or password is wrong). The commit writer would retry for
+        ever and the broker never become healthy. A server that does not answer is left
+        to those retries: it may be starting too."""
+        from storage.offsets.base import open_offset_store
+        from storage.offsets.postgres import PostgresOffsetStore, refused_for_good
+
+        store = open_offset_store(self.config.resolved_offsets_url(), connect_timeout=3.0)
+        if not isinstance(store, PostgresOffsetStore):
+            return None
+        reason = refused_for_good(store)
+        return None if reason is None else f"--offsets: {reason}"
+
     def _ports_error(self) -> str | None:
         """A port the actors could not bind; checked once the data directory is ours, so a
         second broker on the same data hears that rather than about its ports."""
@@ -261,7 +275,7 @@ class Supervisor:
             make_directories_durably(Path(self.config.data_dir), Path(self.config.data_dir))
             if not self._lock_data_dir():
                 return 1
-            problem = self._offsets_file_error() or self._ports_error()
+            problem = self._offsets_file_error() or self._offsets_database_error() or self._ports_error()
         if problem is not None:
             self.log.error("broker.bad_config", reason=problem)
             print(f"error: CONFIG: {problem}", file=sys.stderr)

@@ -40,6 +40,11 @@ T = TypeVar("T")
 
 APPLICATION_NAME = "zbroker-offsets"
 
+# SQLSTATEs with which a server that answers refuses a connection for good: no such
+# database (3D000), no such role or not allowed by pg_hba.conf (28000), a wrong
+# password (28P01). Retrying cannot mend them; a server that does not answer may come up.
+REFUSED_FOR_GOOD = frozenset({"3D000", "28000", "28P01"})
+
 # Raw UTF-8, not \uXXXX escapes: jsonb must turn an escape into the database encoding,
 # which fails for any non-ASCII name in a SQL_ASCII database; raw text is converted
 # as the text arrays were before.
@@ -205,3 +210,21 @@ class PostgresOffsetStore(OffsetStore):
 
     def statistics(self) -> dict[str, int]:
         return dict(self._stats)
+
+
+def refused_for_good(store: PostgresOffsetStore) -> str | None:
+    """Connect once: why the server refuses this store for good, or None (connected, or
+    not answering, which the commit writer's retries are for)."""
+
+    async def probe() -> None:
+        try:
+            await store.connect()
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(probe())
+    except OffsetStoreError as err:
+        if err.data.get("sqlstate") in REFUSED_FOR_GOOD:
+            return err.message
+    return None

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -103,6 +104,31 @@ def test_an_offsets_file_that_cannot_be_created_fails_at_once(tmp_path):
     assert result.returncode == 1
     assert f"error: CONFIG: --offsets: the directory {missing.parent} does not exist" in result.stderr
 
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("wrong", ["database", "role"])
+def test_a_postgresql_that_refuses_the_offsets_for_good_fails_at_once(pg_dsn, tmp_path, wrong):
+    # A reviewer's URL naming a database that does not exist: the broker ran for ever,
+    # unhealthy, its commit writer retrying what no retry can mend.
+    parts = urlsplit(pg_dsn)
+    if wrong == "database":
+        url = urlunsplit(parts._replace(path="/zbroker_no_such_database"))
+    else:
+        url = urlunsplit(parts._replace(netloc=f"zbroker_no_such_role@{parts.hostname}:{parts.port or 5432}"))
+    result = _up("--data", str(tmp_path / "data"), "--port", str(free_port_block(4)), "--offsets", url)
+    assert result.returncode == 1
+    assert "error: CONFIG: --offsets: postgresql connect failed" in result.stderr
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_offsets_database_that_does_not_answer_is_left_to_the_writers_retries(tmp_path):
+    # Down is not refused: a database that is starting too comes up, and the writer retries.
+    from zbroker.supervisor import BrokerConfig, Supervisor
+
+    url = f"postgresql://postgres@127.0.0.1:{free_port_block(1)}/test"  # nothing listens there
+    supervisor = Supervisor(BrokerConfig(data_dir=str(tmp_path / "data"), offsets_url=url))
+    assert supervisor._offsets_database_error() is None
 
 def test_a_port_in_use_fails_at_once(broker, tmp_path):
     result = _up("--data", str(tmp_path / "other"), "--port", str(broker.config.port))
