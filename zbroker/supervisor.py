@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -239,12 +240,13 @@ class Supervisor:
         ever and the broker never become healthy. A server that does not answer is left
         to those retries: it may be starting too."""
         from storage.offsets.base import open_offset_store
-        from storage.offsets.postgres import PostgresOffsetStore, refused_for_good
 
-        store = open_offset_store(self.config.resolved_offsets_url(), connect_timeout=3.0)
-        if not isinstance(store, PostgresOffsetStore):
+        url = self.config.resolved_offsets_url()
+        if urlsplit(url).scheme.lower() not in ("postgresql", "postgres"):
             return None
-        reason = refused_for_good(store)
+        from storage.offsets.postgres import refused_for_good
+
+        reason = refused_for_good(open_offset_store(url, connect_timeout=3.0))
         return None if reason is None else f"--offsets: {reason}"
 
     def _ports_error(self) -> str | None:

@@ -221,3 +221,11 @@ def test_two_brokers_started_at_once_on_the_same_ports_never_wire_into_each_othe
                     run.wait(5)
         for log in logs.values():
             log.close()
+
+
+def test_the_default_sqlite_offsets_pass_the_offsets_checks(tmp_path):
+    from zbroker.supervisor import BrokerConfig, Supervisor
+
+    (tmp_path / "data").mkdir()  # as run() makes it before these checks
+    supervisor = Supervisor(BrokerConfig(data_dir=str(tmp_path / "data")))
+    assert supervisor._offsets_file_error() is None and supervisor._offsets_database_error() is None
