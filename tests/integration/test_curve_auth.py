@@ -126,3 +126,18 @@ def test_keygen_is_idempotent_and_keeps_secrets_private(tmp_path):
     assert (tmp_path / "k" / "server.key_secret").stat().st_mode & 0o077 == 0
     ring = KeyRing(tmp_path / "k")
     assert ring.names[zmq.auth.load_certificate(str(tmp_path / "k" / "clients" / "a.key"))[0].decode()] == "a"
+
+
+@pytest.mark.parametrize("only", ["ZBROKER_CURVE_SERVER_KEY", "ZBROKER_CURVE_KEY"])
+def test_one_curve_variable_without_the_other_is_an_error_not_plaintext(monkeypatch, keys, only):
+    # With one set the client fell back to plaintext, and a CURVE broker answered nothing:
+    # UNAVAILABLE after the request timeout, with no hint of the missing variable.
+    from zbroker.client import Connection
+    from zbroker.client.aio import AsyncConnection
+
+    monkeypatch.delenv("ZBROKER_CURVE_SERVER_KEY", raising=False)
+    monkeypatch.delenv("ZBROKER_CURVE_KEY", raising=False)
+    monkeypatch.setenv(only, str(keys / "server.key"))
+    for make in (Connection, AsyncConnection):
+        with pytest.raises(ValueError, match="set both"):
+            make("tcp://127.0.0.1:1")

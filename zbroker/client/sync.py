@@ -205,8 +205,15 @@ class Connection:
 
 
 def curve_from_env() -> ClientKeys | None:
-    """CURVE keys from ZBROKER_CURVE_SERVER_KEY and ZBROKER_CURVE_KEY (file paths), if both are set."""
+    """CURVE keys from ZBROKER_CURVE_SERVER_KEY and ZBROKER_CURVE_KEY (file paths), if both are set.
+
+    One without the other is a ValueError: the client would otherwise talk plaintext to
+    a broker that expects CURVE, and see only UNAVAILABLE after its request timeout."""
     server, client = os.environ.get("ZBROKER_CURVE_SERVER_KEY"), os.environ.get("ZBROKER_CURVE_KEY")
+    if bool(server) != bool(client):
+        given, missing = (("ZBROKER_CURVE_SERVER_KEY", "ZBROKER_CURVE_KEY") if server
+                          else ("ZBROKER_CURVE_KEY", "ZBROKER_CURVE_SERVER_KEY"))
+        raise ValueError(f"{given} is set but {missing} is not: set both (CurveZMQ) or neither (plaintext)")
     return ClientKeys.load(server, client) if server and client else None
 
 
