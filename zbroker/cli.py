@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import select
 import signal
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
-from protocol.errors import ZBrokerError
+from protocol.errors import RequestTimeout, ZBrokerError
+from protocol.messages import MAX_LEASE_MS
 
 DEFAULT_URL = os.environ.get("ZBROKER_URL", "tcp://127.0.0.1:7400")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what actors.runtime.configure_logging knows
+# How long an interrupted `produce` waits for the acknowledgements of what it read.
+INTERRUPTED_FLUSH_S = 5.0
 
 
 def _b(value: bytes | None) -> str | dict | None:
@@ -119,30 +125,66 @@ def cmd_topics(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Signals:
+    """Within this block SIGINT and SIGTERM set ``signum`` rather than raise inside the
+    client library, and wake a ``select`` that waits on ``fd``; a second one raises
+    KeyboardInterrupt, for a user who will not wait."""
+
+    def __enter__(self) -> "_Signals":
+        self.signum: int | None = None
+        self.fd, self._wakeup = os.pipe()
+        for fd in (self.fd, self._wakeup):
+            os.set_blocking(fd, False)
+        self._old_wakeup = signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
+        # One that is ignored (SIGINT in a script's background job, nohup) stays ignored.
+        self._old = {sig: signal.signal(sig, self._caught) for sig in (signal.SIGINT, signal.SIGTERM)
+                     if signal.getsignal(sig) is not signal.SIG_IGN}
+        return self
+
+    def _caught(self, signum: int, _frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._old_wakeup)
+        os.close(self.fd)
+        os.close(self._wakeup)
+
+
+class _Interrupted(Exception):
+    """Leaves the producer's block without its flush (which could wait for good)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def cmd_produce(args: argparse.Namespace) -> int:
     from zbroker.client import Producer
-    key = args.key.encode() if args.key is not None else None
+    key = os.fsencode(args.key) if args.key is not None else None  # `--key $'\xff'` is the byte 0xff
     started = time.perf_counter()
-    count = 0
-    with Producer(args.broker, linger_ms=args.linger_ms, batch_size=args.batch_size) as producer:
-        if args.count is not None:
-            value = b"x" * args.size
-            if key is None and args.partition is None:
-                remaining = args.count
-                while remaining > 0:
-                    n = min(remaining, args.batch_size)
-                    producer.send_many(args.topic, [value] * n)
-                    remaining -= n
+    try:
+        with Producer(args.broker, linger_ms=args.linger_ms, batch_size=args.batch_size) as producer, \
+                _Signals() as signals:
+            if args.count is not None:
+                count, unfinished = _produce_synthetic(producer, args, key, signals), b""
             else:
-                for _ in range(args.count):
-                    producer.send(args.topic, value, key=key, partition=args.partition)
-            count = args.count
-        else:
-            for line in sys.stdin.buffer:
-                producer.send(args.topic, line.rstrip(b"\n"), key=key, partition=args.partition)
-                count += 1
-        producer.flush()
-        stats = dict(producer.stats)
+                count, unfinished = _produce_lines(producer, args, key, signals)
+            while signals.signum is None:  # flush(), in slices so that a signal is heard
+                try:
+                    producer.flush(timeout=0.1)
+                    break
+                except RequestTimeout:  # not all acknowledged yet (a batch that failed is a ProduceError)
+                    pass
+            if signals.signum is not None:
+                _report_interrupted(producer, count, unfinished, signals.signum)
+                raise _Interrupted(signals.signum)
+            stats = dict(producer.stats)
+    except _Interrupted as stop:
+        return 128 + stop.signum
     elapsed = time.perf_counter() - started
     summary = {"topic": args.topic, "records": count, "seconds": round(elapsed, 4),
                "records_per_s": round(count / elapsed, 1) if elapsed > 0 else None,
@@ -153,6 +195,84 @@ def cmd_produce(args: argparse.Namespace) -> int:
         print(f"produced {count} record(s) to {args.topic} in {elapsed:.3f}s "
               f"({summary['records_per_s']} records/s, {stats['batches']} batches)")
     return 0
+
+
+def _produce_synthetic(producer: Any, args: argparse.Namespace, key: bytes | None, signals: _Signals) -> int:
+    """Send ``--count`` records of ``--size`` bytes, or fewer if a signal comes: how many were sent."""
+    value = b"x" * args.size
+    sent = 0
+    if key is None and args.partition is None:
+        while sent < args.count and signals.signum is None:
+            n = min(args.count - sent, args.batch_size)
+            producer.send_many(args.topic, [value] * n)
+            sent += n
+    else:
+        while sent < args.count and signals.signum is None:
+            producer.send(args.topic, value, key=key, partition=args.partition)
+            sent += 1
+    return sent
+
+
+def _produce_lines(producer: Any, args: argparse.Namespace, key: bytes | None,
+                   signals: _Signals) -> tuple[int, bytes]:
+    """Send each line of stdin as it comes, until its end or a signal: (lines sent, the
+    unfinished line a signal cut off). Reading never waits past the producer's linger
+    deadline, so a line is sent within ``--linger-ms`` even when no other line follows."""
+    stdin = sys.stdin.buffer.fileno()
+    sent = 0
+    partial: list[bytes] = []  # the start of a line whose newline has not come yet
+    while signals.signum is None:
+        deadline = producer.linger_deadline()
+        if deadline is not None:
+            timeout: float | None = max(0.0, deadline - time.monotonic())
+        else:  # with batches in flight, poll takes in their replies and resends what failed
+            timeout = 0.05 if producer.in_flight_records else None
+        ready, _, _ = select.select([stdin, signals.fd], [], [], timeout)
+        if signals.signum is not None:
+            break  # what is on stdin now, its end too, is not read
+        if signals.fd in ready:  # another signal with a handler of its own: empty the pipe, or it stays readable
+            os.read(signals.fd, 4096)
+        if stdin in ready:
+            chunk = os.read(stdin, 1 << 16)
+            if not chunk:  # the end of input: a last line without its newline is a line too
+                if partial:
+                    producer.send(args.topic, b"".join(partial), key=key, partition=args.partition)
+                    sent += 1
+                    partial = []
+                break
+            *lines, rest = chunk.split(b"\n")
+            if lines:
+                lines[0] = b"".join(partial) + lines[0]
+                partial = []
+                for line in lines:
+                    producer.send(args.topic, line, key=key, partition=args.partition)
+                sent += len(lines)
+            if rest:
+                partial.append(rest)
+        producer.poll()
+    return sent, b"".join(partial)
+
+
+def _report_interrupted(producer: Any, sent: int, unfinished: bytes, signum: int) -> None:
+    """Flush what was sent to the producer, for a few seconds, and say on stderr what came of it."""
+    failed = ""
+    try:
+        producer.flush(timeout=INTERRUPTED_FLUSH_S)
+    except RequestTimeout:
+        pass
+    except ZBrokerError as err:  # a batch failed for good; the client library logged why
+        failed = f" ({err.message})"
+    except KeyboardInterrupt:  # a second Ctrl-C: say what is known now
+        pass
+    acked = producer.stats["records"]
+    unanswered = producer.in_flight_records
+    said = (f"zbroker produce: stopped by {signal.Signals(signum).name}: {acked} record(s) acknowledged, "
+            f"{sent - acked - unanswered} not sent{failed}")
+    if unanswered:
+        said += f", {unanswered} sent without an answer (they may be stored)"
+    if unfinished:
+        said += f"; an unfinished last line ({len(unfinished)} bytes) was not sent"
+    print(said, file=sys.stderr)
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -180,18 +300,46 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
-    from protocol.errors import ZBrokerError
-    from zbroker.client import Consumer
-    from zbroker.client.sync import RetryBackoff
     # SIGTERM (a service manager, `timeout`) stops it after the record in hand: the
     # acks of what was printed go, and the member leaves the group instead of holding
     # its partitions until its session times out.
     terminated: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
+    try:
+        return _consume(args, terminated)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _join(args: argparse.Namespace, backoff: Any, terminated: list[int], give_up_at: float | None) -> Any:
+    """The Consumer, which joins the group when made. A coordinator restarting (UNAVAILABLE
+    while it loads the stored offsets, a TIMEOUT) is waited out as in the consume loop,
+    until SIGTERM (None) or Ctrl-C, or ``give_up_at`` (``--timeout``), when the error is raised."""
+    from zbroker.client import Consumer
+    while not terminated:
+        try:
+            consumer = Consumer(args.broker, group=args.group, topics=[args.topic])
+        except ZBrokerError as err:
+            if err.retriable and give_up_at is not None and time.monotonic() + backoff.delay > give_up_at:
+                raise
+            backoff.wait_or_raise(err, "join", group=args.group)
+        else:
+            backoff.reset()
+            return consumer
+    return None
+
+
+def _consume(args: argparse.Namespace, terminated: list[int]) -> int:
+    from zbroker.client.sync import RetryBackoff
     consumed = 0
-    idle_deadline = time.monotonic() + args.timeout if args.timeout else None
+    idle_deadline = time.monotonic() + args.timeout if args.timeout is not None else None
     backoff = RetryBackoff()
-    with Consumer(args.broker, group=args.group, topics=[args.topic]) as consumer:
+    consumer = _join(args, backoff, terminated, idle_deadline)
+    if consumer is None:
+        return 128 + signal.SIGTERM
+    if args.timeout is not None:
+        idle_deadline = time.monotonic() + args.timeout
+    with consumer:
         while (args.max is None or consumed < args.max) and not terminated:
             want = 500 if args.max is None else min(500, args.max - consumed)
             try:
@@ -202,10 +350,10 @@ def cmd_consume(args: argparse.Namespace) -> int:
             else:
                 backoff.reset()
             if not records:
-                if idle_deadline is not None and time.monotonic() > idle_deadline:
+                if idle_deadline is not None and time.monotonic() >= idle_deadline:
                     break
                 continue
-            if args.timeout:
+            if args.timeout is not None:
                 idle_deadline = time.monotonic() + args.timeout
             for rec in records:
                 print(json.dumps(_record_json(rec)) if args.json else
@@ -303,18 +451,28 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 # -- parser ---------------------------------------------------------------------------------------
 
-def _positive(text: str) -> int:
-    value = int(text)  # argparse reports a ValueError as "invalid _positive value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
+def _number(convert: Callable[[str], Any], name: str, low: float, high: float | None = None) -> Callable:
+    """An argparse type: ``convert(text)``, finite, from ``low`` (to ``high``). argparse
+    names the function in what it says of text that does not convert, so it is named
+    in words: "invalid non-negative integer value: 'abc'"."""
+    def parse(text: str) -> Any:
+        value = convert(text)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {low} or more, not {text}" if high is None else
+                                             f"must be from {low} to {high}, not {text}")
+        return value
+    parse.__name__ = name
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
+_positive = _number(int, "positive integer", 1)
+_non_negative = _number(int, "non-negative integer", 0)
+_non_negative_number = _number(float, "non-negative number", 0)
+# max_in_flight and max_deliveries: >= 1, up to 2^64 - 1 (docs/PROTOCOL.md, configure_group)
+_group_limit = _number(int, "positive integer", 1, (1 << 64) - 1)
+_lease_seconds = _number(float, "number of seconds", 0.001, MAX_LEASE_MS // 1000)  # ack_timeout_ms: >= 1, <= 12 h
 
 
 def _reset_target(text: str) -> str | int:
@@ -346,10 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data", default="./data", help="data directory (default ./data)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=_positive, default=7400, help="coordinator port; partition actors use the next ones")
-    up.add_argument("--partition-actors", type=_non_negative, default=1)
+    up.add_argument("--partition-actors", type=_positive, default=1)
     up.add_argument("--fsync", default="interval:1000", help="always | never | interval:MS (default interval:1000)")
     up.add_argument("--offsets", default=None, help="sqlite:///path (default <data>/offsets.sqlite3) or postgresql://…")
-    up.add_argument("--log-level", default="info")
+    up.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     up.add_argument("--curve", default=None, metavar="DIR", help="CurveZMQ keys (see `zbroker keygen`); off by default")
     up.set_defaults(func=cmd_up)
 
@@ -359,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--bind", default="tcp://127.0.0.1:0", help="data-plane endpoint (port 0 = any free port)")
     part.add_argument("--actor-id", default=None)
     part.add_argument("--fsync", default="interval:1000")
-    part.add_argument("--log-level", default="info")
+    part.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     part.add_argument("--curve", default=None, metavar="DIR", help="the broker's CurveZMQ key directory")
     part.set_defaults(func=cmd_partition)
 
@@ -387,7 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--size", type=_non_negative, default=100, help="bytes per synthetic record")
     produce.add_argument("--key", default=None)
     produce.add_argument("--partition", type=_non_negative, default=None)
-    produce.add_argument("--linger-ms", type=float, default=5.0)
+    produce.add_argument("--linger-ms", type=_non_negative_number, default=5.0,
+                         help="the longest a record waits for its batch to fill (default 5)")
     produce.add_argument("--batch-size", type=_positive, default=1000)
     produce.set_defaults(func=cmd_produce)
 
@@ -402,7 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("topic")
     consume.add_argument("--group", required=True)
     consume.add_argument("--max", type=_positive, default=None)
-    consume.add_argument("--timeout", type=float, default=None, help="stop after this many idle seconds")
+    consume.add_argument("--timeout", type=_non_negative_number, default=None,
+                         help="stop after this many idle seconds (0: at the first poll that finds nothing)")
     consume.set_defaults(func=cmd_consume)
 
     groups = client_cmd("groups", "list, configure, describe and reset consumer groups")
@@ -411,9 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
     conf = gsub.add_parser("configure", parents=[inner])
     conf.add_argument("group")
     conf.add_argument("--mode", choices=["exclusive", "shared"])
-    conf.add_argument("--ack-timeout", type=float, help="seconds")
-    conf.add_argument("--max-deliveries", type=int)
-    conf.add_argument("--max-in-flight", type=int)
+    conf.add_argument("--ack-timeout", type=_lease_seconds, help="seconds (at most 43200, 12 hours)")
+    conf.add_argument("--max-deliveries", type=_group_limit)
+    conf.add_argument("--max-in-flight", type=_group_limit)
     conf.add_argument("--dlq")
     conf.add_argument("--start", choices=["earliest", "latest"])
     gdesc = gsub.add_parser("describe", parents=[inner])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,6 +91,90 @@ def test_cli_errors_are_clear_and_exit_1(broker):
     proc = cli(broker.url, "produce", "two", "--partition", "7", stdin="hi\n", check=False)
     assert proc.returncode == 1 and proc.stdout == ""
     assert "produce.failed" in proc.stderr and "error: UNKNOWN_PARTITION" in proc.stderr
+
+
+def _log_end(broker_url: str, topic: str) -> int:
+    with Admin(broker_url) as admin:
+        return sum(p["log_end"] for p in admin.describe_topic(topic)["partitions"])
+
+
+def _wait_for_log_end(broker_url: str, topic: str, records: int, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (end := _log_end(broker_url, topic)) < records and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return end
+
+
+def _produce(broker_url: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "zbroker", "produce", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "ZBROKER_URL": broker_url})
+
+
+def test_cli_produce_sends_a_line_within_its_linger_not_when_the_next_comes(broker):
+    # A reviewer piped `(echo a; sleep 6; echo b)`: "a" reached the log only with "b".
+    cli(broker.url, "topics", "create", "live")
+    proc = _produce(broker.url, "live")
+    try:
+        proc.stdin.write("a\n")
+        proc.stdin.flush()
+        assert _wait_for_log_end(broker.url, "live", 1) == 1  # stdin still open: no next line, no end
+        _out, err = proc.communicate("b", timeout=30)  # a last line without its newline is a line
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    lines = cli(broker.url, "fetch", "live", "--partition", "0", "--json").stdout.splitlines()
+    assert [json.loads(line)["value"] for line in lines] == ["a", "b"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_cli_produce_interrupted_sends_what_it_read_and_says_so(broker, sig):
+    # A reviewer's Ctrl-C dropped the lines read and not sent yet, without a word.
+    cli(broker.url, "topics", "create", "orders")
+    # Batches of two that linger a minute: the third line is in the producer when the signal comes.
+    proc = _produce(broker.url, "orders", "--batch-size", "2", "--linger-ms", "60000")
+    try:
+        proc.stdin.write("one\ntwo\nthree\nunfini")  # one write to the pipe: read in one piece
+        proc.stdin.flush()
+        assert _wait_for_log_end(broker.url, "orders", 2) == 2  # the first batch went: all of it was read
+        proc.send_signal(sig)
+        proc.wait(timeout=30)  # stdin still open: it stops for the signal, not at the end of input
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, err
+    assert _log_end(broker.url, "orders") == 3  # "three" was sent; the unfinished line was not
+    assert "3 record(s) acknowledged, 0 not sent" in err, err
+    assert "an unfinished last line (6 bytes) was not sent" in err, err
+
+
+def test_cli_produce_count_interrupted_says_what_was_acknowledged(broker):
+    cli(broker.url, "topics", "create", "load")
+    proc = _produce(broker.url, "load", "--count", "100000000", "--size", "1")
+    try:
+        assert _wait_for_log_end(broker.url, "load", 1) >= 1
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    said = re.search(r"(\d+) record\(s\) acknowledged, 0 not sent", err)
+    assert said, err
+    assert int(said.group(1)) == _log_end(broker.url, "load") > 0
+
+
+def test_cli_produce_takes_a_key_that_is_not_utf8(broker):
+    # `--key $'\xff'` reaches Python as "\udcff": it failed with "'utf-8' codec can't encode".
+    cli(broker.url, "topics", "create", "keyed")
+    cli(broker.url, "produce", "keyed", "--key", "\udcff", stdin="x\n")
+    record = json.loads(cli(broker.url, "fetch", "keyed", "--partition", "0", "--json").stdout)
+    assert (record["key"], record["value"]) == ({"hex": "ff"}, "x")
 
 
 def test_cli_consume_stopped_by_sigterm_acks_what_it_printed_and_leaves_the_group(broker):
