@@ -83,6 +83,10 @@ class CommitWriterShell:
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._store_ready = False
+        # The first flush, probe and offsets load can start together: one connects and
+        # migrates, the others wait for it (it logged "offset store ready" twice, and two
+        # migrations at once may collide on the migrations table).
+        self._store_lock = asyncio.Lock()
         self._was_healthy: bool | None = None
         self._dropped = 0
         self.curve: ClientKeys | None = None
@@ -249,9 +253,12 @@ class CommitWriterShell:
     async def _ensure_store(self) -> None:
         if self._store_ready:
             return
-        await self.store.connect()
-        applied = await self.store.migrate()
-        self._store_ready = True
+        async with self._store_lock:
+            if self._store_ready:  # made ready by the task that held the lock before
+                return
+            await self.store.connect()
+            applied = await self.store.migrate()
+            self._store_ready = True
         self.log.info("offset store ready", backend=self.store.backend, schema=self.store.schema,
                       migrations_applied=applied)
 

@@ -158,3 +158,32 @@ def test_offsets_load_reads_each_row_once_and_goes_on_from_a_page_that_failed(tm
     assert asked_after[4] == asked_after[3] is not None, "the load went on from the page that failed"
     pages = len(asked_after) - 1
     assert store.rows_read <= len(rows) + pages, "every page re-read rows before it"
+
+
+def test_a_flush_a_probe_and_a_load_starting_together_prepare_the_store_once(tmp_path):
+    import asyncio
+
+    from actors.commit_writer.core import WriterConfig
+    from actors.commit_writer.shell import CommitWriterShell
+
+    writer = CommitWriterShell("tcp://127.0.0.1:1", f"sqlite:///{tmp_path}/x.db", WriterConfig())
+    calls = []
+
+    class SlowStore:
+        backend, schema = "fake", None
+
+        async def connect(self):
+            calls.append("connect")
+            await asyncio.sleep(0.01)  # the other tasks arrive meanwhile
+
+        async def migrate(self):
+            calls.append("migrate")
+            return []
+
+    writer.store = SlowStore()
+
+    async def three_at_once():
+        await asyncio.gather(*(writer._ensure_store() for _ in range(3)))
+
+    asyncio.run(three_at_once())
+    assert calls == ["connect", "migrate"] and writer._store_ready
