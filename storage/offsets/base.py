@@ -243,5 +243,7 @@ def open_offset_store(url: str, *, schema: str | None = None, **options) -> Offs
         from storage.offsets.postgres import PostgresOffsetStore
 
         return PostgresOffsetStore(url, schema=schema, **options)
+    if not scheme:  # a bare path or name; it holds no password to keep out of the message
+        raise InvalidOffsetsUrl(f"{url!r} is not a URL: use sqlite:///path or postgresql://user@host/db", url=url)
     raise InvalidOffsetsUrl(f"unknown offsets backend {scheme!r}; use sqlite:/// or postgresql://",
                             scheme=scheme)

@@ -88,6 +88,7 @@ def test_a_second_broker_on_the_same_data_directory_is_refused(start, tmp_path):
     (["--fsync", "bogus"], "--fsync must be"),
     (["--curve", "/nonexistent/keys"], "cannot load the CurveZMQ keys"),
     (["--offsets", "nosuchdb://nowhere"], "--offsets: unknown offsets backend"),
+    (["--offsets", "garbage"], "--offsets: 'garbage' is not a URL: use sqlite:///path or postgresql://"),
 ])
 def test_a_setting_an_actor_cannot_start_with_fails_at_once(tmp_path, args, expected):
     result = _up("--data", str(tmp_path / "data"), "--port", str(free_port_block(4)), *args)
