@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -368,6 +369,38 @@ def test_a_followed_fetch_sent_through_connection_reserves_the_ids_of_its_later_
         assert reply.corr_id > first.corr_id + 3
     finally:
         conn.close()
+
+
+def test_async_connection_reserves_the_ids_of_a_followed_fetchs_later_replies(broker):
+    # As the test above, through the asyncio client: its replies of all sockets share one map.
+    from zbroker.client.aio import AsyncConnection
+
+    with Admin(broker.url) as admin:
+        admin.create_topic("reserved", partitions=1)
+        admin.create_topic("other", partitions=1)
+    with Producer(broker.url, linger_ms=0) as producer:
+        producer.produce("reserved", [b"a"])
+
+    async def main():
+        conn = AsyncConnection(broker.url)
+        try:
+            endpoint = await conn.endpoint("reserved", 0)
+            other = await conn.endpoint("other", 0)
+            first = await conn.call(endpoint, m.Fetch(topic="reserved", partition=0, offset=0, max_wait_ms=5000,
+                                                      follow=3))
+            assert first.msg.more
+            # The next request: a fetch of another, empty topic that waits for records.
+            waiting = await conn.send(other,
+                                      m.Fetch(topic="other", partition=0, offset=0, max_wait_ms=2000))
+            with Producer(broker.url, linger_ms=0) as producer:
+                producer.produce("reserved", [b"b"])  # pushed to the followed fetch under first.corr_id + 1
+            reply = await conn.wait(waiting, 5)
+            assert reply.msg.log_end == 0, f"the fetch of 'other' got the push of 'reserved': {reply}"
+            assert waiting.corr_id > first.corr_id + 3, (waiting.corr_id, first.corr_id)
+        finally:
+            await conn.close()
+
+    asyncio.run(main())
 
 def test_sigterm_stops_everything_cleanly_and_loses_nothing(start, tmp_path):
     data = tmp_path / "data"

@@ -71,6 +71,10 @@ class AsyncConnection:
 
     async def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> asyncio.Future:
         corr = next(self._ids)
+        # A fetch with `follow` gets its later replies under id + 1 .. id + follow (PROTOCOL.md s.4):
+        # reserve them, so that they match no other request (the reader drops them).
+        for _ in range(getattr(msg, "follow", 0) or 0):
+            next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self.waiting[corr] = fut
         try:
