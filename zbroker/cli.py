@@ -169,6 +169,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     try:
         with Producer(args.broker, linger_ms=args.linger_ms, batch_size=args.batch_size) as producer, \
                 _Signals() as signals:
+            producer.stop_waiting = lambda: signals.signum is not None
             if args.count is not None:
                 count, unfinished = _produce_synthetic(producer, args, key, signals), b""
             else:
@@ -271,7 +272,9 @@ def _report_interrupted(producer: Any, sent: int, unfinished: bytes, signum: int
     if unanswered:
         said += f", {unanswered} sent without an answer (they may be stored)"
     if unfinished:
-        said += f"; an unfinished last line ({len(unfinished)} bytes) was not sent"
+        # A signal stops the reading: what follows the last whole line read (this part of a
+        # line, and the input not read yet) is not sent.
+        said += f"; the input after the last whole line read was not sent ({len(unfinished)} bytes of it were read)"
     print(said, file=sys.stderr)
 
 

@@ -149,7 +149,7 @@ def test_cli_produce_interrupted_sends_what_it_read_and_says_so(broker, sig):
     assert proc.returncode == 128 + sig, err
     assert _log_end(broker.url, "orders") == 3  # "three" was sent; the unfinished line was not
     assert "3 record(s) acknowledged, 0 not sent" in err, err
-    assert "an unfinished last line (6 bytes) was not sent" in err, err
+    assert "the input after the last whole line read was not sent (6 bytes of it were read)" in err, err
 
 
 def test_cli_produce_count_interrupted_says_what_was_acknowledged(broker):

@@ -302,6 +302,9 @@ class Producer:
         self._keyless_open = self.acc.keyless_open  # the accumulator's own dict, updated in place
         self._dispatches = 0
         self._topic_partitions = self.conn.metadata.topics  # the cache's own dict, updated in place
+        # Asked while a batch waits for room in a full window: True sends it at once instead
+        # (the CLI's Ctrl-C, which must not wait for a hung partition's retries to run out).
+        self.stop_waiting: Callable[[], bool] = lambda: False
 
     @property
     def producer_id(self) -> int:
@@ -435,7 +438,7 @@ class Producer:
                 self._on_reply(env)
         while (self.in_flight or self.retrying) and (
                 self.in_flight_records + batch.count > self.max_in_flight_records
-                or self.in_flight_bytes + size > self.max_in_flight_bytes):
+                or self.in_flight_bytes + size > self.max_in_flight_bytes) and not self.stop_waiting():
             self._pump(self.conn.request_timeout)
         self.in_flight_records += batch.count
         self.in_flight_bytes += size
