@@ -8,7 +8,7 @@
 // Pure commands: partition, crc, produce-frames, decode-batches, decode-each, decode-reply,
 // retriable, doc-example.
 // Socket commands (need a peer at url): scenarios, group-retry, range-limits, keyless
-// (the fake broker of test_cross_language.py), live, proto-headers (a real broker).
+// (the fake broker of test_cross_language.py), live, proto-headers, stale-omitted (a real broker).
 
 import {
   Client, Connection, crc32, decodeHeader, decodeStoredBatches, encodeRecords, partitionForKey,
@@ -288,6 +288,24 @@ const commands = {
         { partition: 0 });
       results.produced = [fromJson.baseOffset, fromMap.baseOffset];
       consumer.close();
+    });
+  },
+
+  // More stale ranges than a STALE_LEASE lists (s.6: at most 1000, the rest counted in
+  // data.stale_omitted), as ack() and as a poll's acks, against a real broker.
+  "stale-omitted"(_input, url) {
+    return scenario(url, { requestTimeoutMs: 5_000, retryTimeoutMs: 10_000 }, async (client, results) => {
+      await client.hello();
+      await client.createTopic("so", 1);
+      const consumer = client.consumer("so-g", ["so"], { sessionTimeoutMs: 60_000 });
+      await consumer.join();
+      // Lease ids never granted, one per range: every range is stale on its own.
+      const bogus = Array.from({ length: 1500 }, (_, i) => ["so", 0, BigInt(i + 1), i, i + 1]);
+      results.ack = await consumer.ack(bogus);
+      await consumer.poll({ maxRecords: 1, acks: bogus });
+      results.pollAcks = consumer.lastPollAcks;
+      results.stats = consumer.stats;
+      await consumer.leave();
     });
   },
 

@@ -985,13 +985,13 @@ export class Consumer {
    * [{topic, partition, leaseId, start, end, attempt, reason, records}].
    * `acks` (deliveries or ranges, like ack()) ride on the poll and are applied before it
    * leases anything (s.8.4, "Acks on a poll"); what they came to is in `this.lastPollAcks`
-   * as {applied, stale}. The poll carries RANGES_PER_REQUEST of them; the rest go first as
+   * as {applied, stale, staleOmitted}. The poll carries RANGES_PER_REQUEST of them; the rest go first as
    * acks of their own. A poll that fails may have applied none of them: ack them again
    * (a repeated ack is harmless).
    */
   async poll({ maxRecords = 1000, maxWaitMs = 0, fetchMaxBytes, acks } = {}) {
     const fields = { max_records: maxRecords, max_wait_ms: maxWaitMs };
-    let ackedApart = { applied: 0, stale: [] };
+    let ackedApart = { applied: 0, stale: [], staleOmitted: 0 };
     if (acks && acks.length > 0) {
       const ranges = acks.map(toRange);
       // Sent before the poll, so the capacity they free counts for it like the rest.
@@ -1002,10 +1002,12 @@ export class Consumer {
     if (fields.acks) {
       const stale = ackedApart.stale;
       const staleOnPoll = Array.isArray(reply.stale) ? reply.stale : [];
-      this.stats.staleRanges += staleOnPoll.length;
+      const omittedOnPoll = Number.isInteger(reply.stale_omitted) ? reply.stale_omitted : 0;
+      this.stats.staleRanges += staleOnPoll.length + omittedOnPoll;
       for (const range of staleOnPoll) stale.push(range);
       const appliedOnPoll = Number.isInteger(reply.acked) ? reply.acked : 0;
-      this.lastPollAcks = { applied: ackedApart.applied + appliedOnPoll, stale };
+      this.lastPollAcks = { applied: ackedApart.applied + appliedOnPoll, stale,
+        staleOmitted: ackedApart.staleOmitted + omittedOnPoll };
     }
     if (reply.generation !== undefined) this.generation = reply.generation;
     if (reply.ack_timeout_ms !== undefined) this.ackTimeoutMs = reply.ack_timeout_ms;
@@ -1047,8 +1049,9 @@ export class Consumer {
 
   /**
    * ack/nack/extend/reject: ranges are deliveries or [topic, partition, lease_id, start, end].
-   * Returns {applied, stale}; stale lists ranges the coordinator refused as STALE_LEASE
-   * (their records are redelivered, s.14). More than RANGES_PER_REQUEST ranges go in
+   * Returns {applied, stale, staleOmitted}; stale lists ranges the coordinator refused as
+   * STALE_LEASE (their records are redelivered, s.14), at most 1000 per request: staleOmitted
+   * counts the stale ranges the coordinator did not list (data.stale_omitted, s.6). More than RANGES_PER_REQUEST ranges go in
    * several requests, one after the other, whose results are summed; if one fails, those
    * before it were applied (sending them all again is harmless).
    */
@@ -1070,10 +1073,11 @@ export class Consumer {
 
   async #rangeOp(op, items, extra) {
     const ranges = items.map(toRange);
-    const total = { applied: 0, stale: [] };
+    const total = { applied: 0, stale: [], staleOmitted: 0 };
     for (let i = 0; i < ranges.length; i += RANGES_PER_REQUEST) {
       const part = await this.#rangeRequest(op, ranges.slice(i, i + RANGES_PER_REQUEST), extra);
       total.applied += part.applied;
+      total.staleOmitted += part.staleOmitted;
       for (const range of part.stale) total.stale.push(range);  // not push(...): may be thousands
     }
     return total;
@@ -1083,16 +1087,18 @@ export class Consumer {
   async #rangeRequest(op, ranges, extra) {
     try {
       const reply = await this.#groupCall(op, { ranges, ...extra });
-      return { applied: reply.applied, stale: [] };
+      return { applied: reply.applied, stale: [], staleOmitted: 0 };
     } catch (err) {
       if (err.code === "STALE_LEASE") {
         const stale = Array.isArray(err.data.stale) ? err.data.stale : ranges;
-        this.stats.staleRanges += stale.length;
-        return { applied: Number.isInteger(err.data.applied) ? err.data.applied : 0, stale };
+        // Only the first 1000 stale ranges are listed; the rest are counted (s.6, s.7).
+        const staleOmitted = Number.isInteger(err.data.stale_omitted) ? err.data.stale_omitted : 0;
+        this.stats.staleRanges += stale.length + staleOmitted;
+        return { applied: Number.isInteger(err.data.applied) ? err.data.applied : 0, stale, staleOmitted };
       }
       if (err.code === "UNKNOWN_MEMBER" && err.staleRanges) {
         this.stats.staleRanges += ranges.length;
-        return { applied: 0, stale: ranges };
+        return { applied: 0, stale: ranges, staleOmitted: 0 };
       }
       throw err;
     }

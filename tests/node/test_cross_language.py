@@ -807,7 +807,7 @@ def test_node_consumer_retries_retriable_coordinator_errors(run_node, fake_broke
     # The poll whose reply was lost timed out and went again with the same acks.
     assert out["secondPoll"] == [["d", "e"]]
     assert fake_broker.seen["dropped_poll_reply"] == 1 and fake_broker.ranges_per_request["poll"] == [1, 1]
-    assert out["pollAcks"] == {"applied": 2, "stale": []}
+    assert out["pollAcks"] == {"applied": 2, "stale": [], "staleOmitted": 0}
     assert fake_broker.rejected == []
 
 
@@ -820,7 +820,7 @@ def test_node_consumer_splits_ranges_and_refuses_oversized_headers(run_node, fak
     # 9001 ranges as ack(), then 9002 on a poll: MOST ride on it, the rest go ahead as acks.
     assert fake_broker.ranges_per_request == {"ack": [MOST, MOST, 9001 - 2 * MOST, MOST, 9002 - 2 * MOST],
                                               "poll": [MOST]}
-    assert out["ack"] == {"applied": 9000, "stale": [["rl", 0, 1, 0, 1]]}
+    assert out["ack"] == {"applied": 9000, "stale": [["rl", 0, 1, 0, 1]], "staleOmitted": 0}
     assert out["pollAcks"]["applied"] == 9000
     assert sorted(out["pollAcks"]["stale"]) == [["rl", 0, 1, 1, 2], ["rl", 0, 1, 2, 3]]
     err = out["oversized"]["error"]

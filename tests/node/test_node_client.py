@@ -159,3 +159,25 @@ def test_header_named_proto_crosses_languages_on_a_real_broker(run_node, tmp_pat
     assert r["produced"] == [1, 2]
     assert [(rec.value, rec.headers) for rec in written_by_node] == [
         (b"object", {"__proto__": b"node", "a": b"1"}), (b"map", {"__proto__": b"map"})]
+
+
+def test_stale_ranges_a_stale_lease_does_not_list_are_still_reported(run_node, tmp_path):
+    """s.6, s.7: a STALE_LEASE (and a poll's `stale`) lists at most 1000 ranges and counts the
+    rest in `stale_omitted`. The Node client must pass that count on: 1500 stale ranges are
+    not 1000 stale ranges."""
+    from zbroker.supervisor import start_broker
+
+    log_file = tmp_path / "broker.log"
+    handle = start_broker(tmp_path / "data", port=0, log_file=log_file)
+    try:
+        proc = run_node("selfcheck.js", "stale-omitted", handle.url, timeout=60)
+    finally:
+        handle.stop()
+    assert proc.returncode == 0, f"{proc.stderr}\nbroker log (tail):\n{_tail(log_file)}"
+    r = json.loads(proc.stdout)
+    assert "failure" not in r, r["failure"]
+    for result in (r["ack"], r["pollAcks"]):
+        assert result["applied"] == 0
+        assert len(result["stale"]) == 1000
+        assert result.get("staleOmitted") == 500, result.keys()
+    assert r["stats"]["staleRanges"] == 3000
