@@ -10,6 +10,7 @@ Skips without Node.js unless ZBROKER_REQUIRE_NODE=1 (see conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -26,17 +27,34 @@ def _tail(path, lines: int = 60) -> str:
         return "(no broker log)"
 
 
-@pytest.mark.parametrize("acks", ["ack", "on-poll"])
-def test_node_client_end_to_end(run_node, tmp_path, acks):
-    """With acks "on-poll" every delivery is acked by the next poll (Poll.acks), not by `ack`."""
+@contextlib.contextmanager
+def _broker(tmp_path):
+    """A real broker for one test; yields (handle, log_file), whose tail a failure quotes."""
     from zbroker.supervisor import start_broker
 
     log_file = tmp_path / "broker.log"
     handle = start_broker(tmp_path / "data", port=0, log_file=log_file)
     try:
-        proc = run_node("e2e.js", handle.url, TOPIC, *(["--acks-on-poll"] if acks == "on-poll" else []), timeout=180)
+        yield handle, log_file
     finally:
         handle.stop()
+
+
+def _selfcheck(run_node, tmp_path, command: str, timeout: float, **json_options) -> dict:
+    """Runs `selfcheck.js <command>` against a broker of its own; returns its JSON results."""
+    with _broker(tmp_path) as (handle, log_file):
+        proc = run_node("selfcheck.js", command, handle.url, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stderr}\nbroker log (tail):\n{_tail(log_file)}"
+    r = json.loads(proc.stdout, **json_options)
+    assert "failure" not in r, r["failure"]
+    return r
+
+
+@pytest.mark.parametrize("acks", ["ack", "on-poll"])
+def test_node_client_end_to_end(run_node, tmp_path, acks):
+    """With acks "on-poll" every delivery is acked by the next poll (Poll.acks), not by `ack`."""
+    with _broker(tmp_path) as (handle, log_file):
+        proc = run_node("e2e.js", handle.url, TOPIC, *(["--acks-on-poll"] if acks == "on-poll" else []), timeout=180)
     assert proc.returncode == 0, (
         f"e2e.js exited {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}\n"
         f"broker log (tail):\n{_tail(log_file)}")
@@ -53,17 +71,8 @@ def test_node_client_end_to_end(run_node, tmp_path, acks):
 
 def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
     """Specific statements of docs/PROTOCOL.md, checked through the Node client (selfcheck.js live)."""
-    from zbroker.supervisor import start_broker
-
-    log_file = tmp_path / "broker.log"
-    handle = start_broker(tmp_path / "data", port=0, log_file=log_file)
-    try:
-        proc = run_node("selfcheck.js", "live", handle.url, timeout=120)
-    finally:
-        handle.stop()
-    assert proc.returncode == 0, f"{proc.stderr}\nbroker log (tail):\n{_tail(log_file)}"
-    r = json.loads(proc.stdout, object_hook=lambda d: int(d["$bigint"]) if set(d) == {"$bigint"} else d)
-    assert "failure" not in r, r["failure"]
+    r = _selfcheck(run_node, tmp_path, "live", timeout=120,
+                   object_hook=lambda d: int(d["$bigint"]) if set(d) == {"$bigint"} else d)
 
     def error(name: str) -> dict:
         assert "error" in r[name], f"{name}: expected an error, got {r[name]}"
@@ -133,11 +142,8 @@ def test_header_named_proto_crosses_languages_on_a_real_broker(run_node, tmp_pat
     """A record header named "__proto__" (the broker accepts it) is an ordinary header to the
     Node client: fetched and consumed when Python wrote it, produced from an object or a Map."""
     from zbroker.client import Admin, Connection, Producer, fetch
-    from zbroker.supervisor import start_broker
 
-    log_file = tmp_path / "broker.log"
-    handle = start_broker(tmp_path / "data", port=0, log_file=log_file)
-    try:
+    with _broker(tmp_path) as (handle, log_file):
         with Admin(handle.url) as admin:
             admin.create_topic("proto", 1)
         with Producer(handle.url) as producer:
@@ -149,8 +155,6 @@ def test_header_named_proto_crosses_languages_on_a_real_broker(run_node, tmp_pat
             written_by_node, _start, _end = fetch(conn, "proto", 0, 1)
         finally:
             conn.close()
-    finally:
-        handle.stop()
     assert proc.returncode == 0, f"{proc.stderr}\nbroker log (tail):\n{_tail(log_file)}"
     r = json.loads(proc.stdout)
     assert "failure" not in r, r["failure"]
@@ -165,17 +169,7 @@ def test_stale_ranges_a_stale_lease_does_not_list_are_still_reported(run_node, t
     """s.6, s.7: a STALE_LEASE (and a poll's `stale`) lists at most 1000 ranges and counts the
     rest in `stale_omitted`. The Node client must pass that count on: 1500 stale ranges are
     not 1000 stale ranges."""
-    from zbroker.supervisor import start_broker
-
-    log_file = tmp_path / "broker.log"
-    handle = start_broker(tmp_path / "data", port=0, log_file=log_file)
-    try:
-        proc = run_node("selfcheck.js", "stale-omitted", handle.url, timeout=60)
-    finally:
-        handle.stop()
-    assert proc.returncode == 0, f"{proc.stderr}\nbroker log (tail):\n{_tail(log_file)}"
-    r = json.loads(proc.stdout)
-    assert "failure" not in r, r["failure"]
+    r = _selfcheck(run_node, tmp_path, "stale-omitted", timeout=60)
     for result in (r["ack"], r["pollAcks"]):
         assert result["applied"] == 0
         assert len(result["stale"]) == 1000
