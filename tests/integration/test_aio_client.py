@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from protocol.errors import ZBrokerError
 from zbroker.client import Admin, Producer
 from zbroker.client.aio import AsyncAdmin, AsyncConsumer, AsyncProducer
 from zbroker.client.sync import Connection, fetch
@@ -298,3 +299,104 @@ def test_a_poll_waiting_for_its_turn_returns_when_its_own_timeout_is_up(broker):
     short, long_was_waiting, got, again = asyncio.run(main())
     assert short == [] and long_was_waiting
     assert got == [b"late"] and again == []
+
+
+def test_calls_given_up_on_while_the_coordinator_hung_and_died_are_forgotten(broker):
+    """A call cancelled by its caller (asyncio.wait_for) must not leave its reply slot
+    behind: the coordinator that would have answered is killed, so nothing else ever
+    removes it, and an application that bounds its calls leaked one per call."""
+    from zbroker.supervisor import wait_ready
+
+    async def main():
+        admin = AsyncAdmin(broker.url)
+        await admin.status()  # connected
+        try:
+            with paused(broker, "coordinator"):
+                for _ in range(5):
+                    await give_up_after(admin.status(), 0.1)  # sent, never answered
+                broker.kill("coordinator", signal.SIGKILL)
+            for _ in range(5):  # while it restarts: given up on while sent, or while waiting to be sent
+                await give_up_after(admin.status(), 0.05)
+            wait_ready(broker.url)
+            await admin.status()  # and the connection works again
+            return len(admin.conn.waiting)
+        finally:
+            await admin.close()
+
+    assert asyncio.run(main()) == 0
+
+
+def test_a_call_pending_when_the_client_closes_fails_with_an_error_not_a_cancellation(broker):
+    """Another task's request still waiting when close() runs must fail with a
+    ZBrokerError. A CancelledError in a task nobody cancelled is taken for a
+    cancellation: a TaskGroup drops such a task silently, and awaiting it
+    cancels the awaiting task in turn."""
+    async def main():
+        admin = AsyncAdmin(broker.url)
+        await admin.status()
+        with paused(broker, "coordinator"):
+            pending = asyncio.ensure_future(admin.status())
+            await asyncio.sleep(0.2)  # sent; the reply cannot come
+            await admin.close()
+            await asyncio.wait([pending], timeout=5)
+        if not pending.done():
+            pending.cancel()
+            return "still waiting"
+        return "cancelled" if pending.cancelled() else pending.exception()
+
+    error = asyncio.run(main())
+    assert isinstance(error, ZBrokerError) and "closed" in error.message, error
+
+
+def test_every_flush_waiting_for_a_failed_batch_raises(broker):
+    """Two tasks flushing one producer wait for the same batches: a batch that
+    fails must be raised to both. Before, the first to wake took the error and the
+    other returned, telling its caller that its records were acknowledged."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("t", partitions=1)
+
+    async def main():
+        producer = AsyncProducer(broker.url, linger_ms=60_000, retries=0, request_timeout=0.5)
+        await producer.conn.refresh(["t"])
+        handles = [await producer.send("t", b"from task %d" % i, partition=0) for i in range(2)]  # one batch
+
+        async def flush() -> str:
+            try:
+                await producer.flush()
+            except ZBrokerError as err:
+                return err.code.value
+            return "returned"
+
+        with paused(broker):  # no retries: the batch fails
+            outcomes = await asyncio.gather(flush(), flush())
+        await producer.close()
+        return outcomes, [h.offset for h in handles]
+
+    outcomes, offsets = asyncio.run(main())
+    assert offsets == [None, None]  # neither record was acknowledged...
+    assert "returned" not in outcomes  # ...so neither flush may say they were
+
+
+def test_a_second_close_waits_for_the_first_one_to_deliver(broker):
+    """close() from a shutdown hook while another task's `async with` closes too:
+    the second call returned at once, and a caller that exits after it loses the
+    records the first close is still delivering."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("t", partitions=1)
+
+    async def main():
+        producer = AsyncProducer(broker.url, linger_ms=60_000)
+        await producer.conn.refresh(["t"])
+        handles = [await producer.send("t", b"v%d" % i, partition=0) for i in range(3)]
+        with paused(broker):  # the first close's flush waits for the actor
+            first = asyncio.ensure_future(producer.close())
+            await asyncio.sleep(0.1)
+            second = asyncio.ensure_future(producer.close())
+            await asyncio.sleep(0.3)
+            second_returned_early = second.done()
+        await asyncio.wait_for(asyncio.gather(first, second), 30)
+        return second_returned_early, [h.offset for h in handles]
+
+    second_returned_early, offsets = asyncio.run(main())
+    assert not second_returned_early
+    assert offsets == [0, 1, 2]

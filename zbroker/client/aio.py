@@ -76,13 +76,18 @@ class AsyncConnection:
         for _ in range(getattr(msg, "follow", 0) or 0):
             next(self._ids)
         fut = asyncio.get_running_loop().create_future()
+        fut.corr_id = corr  # type: ignore[attr-defined]
         self.waiting[corr] = fut
         try:
             await self.socket(endpoint).send_multipart(codec.encode_request(msg, corr, frames))
         except zmq.Again:
             self.waiting.pop(corr, None)
             raise Unavailable(f"no connection to {endpoint}", endpoint=endpoint) from None
-        fut.corr_id = corr  # type: ignore[attr-defined]
+        except BaseException:
+            # Cancelled while the send waited for a connection (it is then dropped unsent), or
+            # refused: nobody will wait for this id, and nothing else would ever remove it.
+            self.waiting.pop(corr, None)
+            raise
         return fut
 
     async def wait(self, fut: asyncio.Future, timeout: float | None = None) -> codec.Envelope:
@@ -91,6 +96,12 @@ class AsyncConnection:
         except asyncio.TimeoutError:
             self.abandon(fut)
             raise RequestTimeout("no reply in time") from None
+        except asyncio.CancelledError:
+            # The caller gave up (asyncio.wait_for, a TaskGroup): forget the request as a timeout
+            # does. Left in `waiting`, it would stay there for good if no reply ever comes (the
+            # peer died), one entry per call given up on.
+            self.abandon(fut)
+            raise
 
     def abandon(self, fut: asyncio.Future) -> None:
         """Stop waiting for the reply of ``fut``'s request: if it comes, the reader drops it."""
@@ -126,8 +137,13 @@ class AsyncConnection:
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
+        # Calls still waiting (another task's poll, fetch or admin request) fail with an error
+        # they can catch. Cancelled, they raised CancelledError in tasks nobody cancelled: a
+        # TaskGroup takes such a task for cancelled and drops it silently, and `await task`
+        # passes the cancellation on to whoever awaits it.
         for fut in self.waiting.values():
-            fut.cancel()
+            if not fut.done():
+                fut.set_exception(Unavailable("the connection was closed before the reply came", endpoint=self.url))
         self.waiting.clear()
         for sock in self.sockets.values():
             sock.close(linger=0)
@@ -236,11 +252,16 @@ class AsyncProducer:
         self.waiting_for_window: collections.deque[PendingBatch] = collections.deque()
         self.tasks: set[asyncio.Task] = set()  # deliveries in flight
         self.errors: list[ZBrokerError] = []
+        # Every batch failure so far, and the last one: a flush() raises if any failed while
+        # it waited, even when a concurrent flush() took them from `errors` first.
+        self._failures = 0
+        self._last_failure: ZBrokerError | None = None
         # Set when a batch leaves the queue or a delivery ends; whoever waits re-checks what it waits for.
         self._progress = asyncio.Event()
         self._linger_task: asyncio.Task | None = None
         self._dispatcher: asyncio.Task | None = None
         self._closed = False  # set when close() starts: nothing sent after it could be delivered
+        self._close_ended: asyncio.Future | None = None  # resolved when the close() that began it ends
 
     async def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
                    partition: int | None = None) -> DeliveryHandle:
@@ -349,6 +370,8 @@ class AsyncProducer:
 
     def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
         self.errors.append(err)
+        self._failures += 1
+        self._last_failure = err
         batch.failed(err)
 
     async def flush(self) -> None:
@@ -361,16 +384,33 @@ class AsyncProducer:
         await self._flush()
 
     async def _flush(self) -> None:
+        failures_before = self._failures
         self._start_background_tasks()
         self._enqueue(self.acc.drain())
         await self._wait_until(lambda: not self.waiting_for_window and not self.tasks)
         if self.errors:
             errors, self.errors = self.errors, []
             raise ProduceError(f"{len(errors)} batch(es) failed; first: {errors[0].message}", code=errors[0].code)
+        if self._failures > failures_before and self._last_failure is not None:
+            # Tasks flushing at once all wait for the same batches; the first to wake took the
+            # errors. The others must not return as if everything they sent was acknowledged.
+            raise ProduceError(f"{self._failures - failures_before} batch(es) failed while this flush waited "
+                               f"(raised by a concurrent flush too); last: {self._last_failure.message}",
+                               code=self._last_failure.code)
 
     async def close(self) -> None:
-        if self._closed:
+        if self._close_ended is not None:
+            # Another task is closing (a shutdown hook beside an `async with`): returning now,
+            # before its flush, would let the caller exit with records not yet sent.
+            await asyncio.shield(self._close_ended)
             return
+        self._close_ended = asyncio.get_running_loop().create_future()
+        try:
+            await self._close()
+        finally:
+            self._close_ended.set_result(None)
+
+    async def _close(self) -> None:
         self._closed = True
         try:
             await self._flush()
