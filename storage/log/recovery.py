@@ -32,7 +32,12 @@ last segment. Recovery therefore:
   segment 0.
 - when the last segment is empty and the one before it is damaged and ends
   below it, renames the empty one to start where the damaged one ends, so
-  that the log never ends above offsets it cannot serve.
+  that the log never ends above offsets it cannot serve. Segments between
+  them that serve nothing at all (a turn that rolled more than once before a
+  power loss leaves several files created since the last fsync, any of which
+  may come back empty or torn at its first batch) are set aside first: an
+  empty file is deleted, one with bytes is renamed to `<name>.damaged`, which
+  no later open reads, and kept for inspection.
 """
 
 from __future__ import annotations
@@ -116,13 +121,30 @@ def recover(directory: Path, config: LogConfig, *, now_ms: int) -> RecoveredLog:
         else:
             _recover_closed(segment, window_producers, report)
         segments.append(segment)
-    if (len(segments) > 1 and segments[-1].size == 0
-            and segments[-2].base_offset < segments[-2].next_offset < segments[-1].base_offset):
-        # (A segment before it that serves nothing at all is left as it was: the empty
-        # one would take its file name, and with it the damaged data kept for inspection.)
-        segments[-1] = _rebase_empty_last(directory, segments[-1], segments[-2].next_offset, config, report)
-        directory_changed = True
-    if window_start > 0 or bases[0] != 0:
+    if len(segments) > 1 and segments[-1].size == 0:
+        # The segments before the empty last one that serve nothing (size 0) hold no
+        # offset anybody could have read: the log really ends where the last segment
+        # that serves something ends.
+        serving = len(segments) - 2
+        while serving >= 0 and segments[serving].size == 0:
+            serving -= 1
+        end = segments[serving].next_offset if serving >= 0 else segments[0].base_offset
+        if end < segments[-1].base_offset:
+            # Set aside before the rename: the first of them may carry the very name
+            # (base offset) the empty one is about to take.
+            for unserved in segments[serving + 1:-1]:
+                _set_aside(unserved, report)
+            set_aside = len(segments) - 2 - serving
+            del segments[serving + 1:-1]
+            segments[-1] = _rebase_empty_last(directory, segments[-1], end, config, report)
+            directory_changed = True
+            if set_aside:
+                # The window is the last `producer_window_segments` segments of the log as
+                # it is now, as the running log counts it (`_forget_producers_outside_window`)
+                # and the next open will: with fewer segments it reaches further back than
+                # the walk above did, and an acknowledged batch there would be appended again.
+                producers = _producers_of(segments[-config.producer_window_segments:])
+    if len(segments) > config.producer_window_segments or segments[0].base_offset != 0:
         # Batches in segments not scanned (or deleted by retention) are not remembered.
         producers.only_remembered_is_known()
     report.segments = len(segments)
@@ -203,6 +225,42 @@ def _rebase_empty_last(directory: Path, segment: Segment, next_offset: int, conf
     log.warning("log.empty_segment_rebased", directory=report.directory, from_offset=segment.base_offset,
                 to_offset=next_offset, reason="the segment before it is damaged at its tail")
     return rebased
+
+
+def _producers_of(segments: list[Segment]) -> ProducerStates:
+    """Producer state from a header walk of the intact part of `segments`."""
+    producers = ProducerStates()
+
+    def visit(header: BatchHeader, position: int) -> None:
+        if header.producer_id:
+            producers.record(header.producer_id, header.producer_seq, header.base_offset, header.record_count)
+    for segment in segments:
+        fd = os.open(segment.data_path, os.O_RDONLY)
+        try:
+            scan_batches(fd, data_size=segment.size, start_position=0, start_offset=segment.base_offset,
+                         verify_crc=False, on_batch=visit)
+        finally:
+            os.close(fd)
+    return producers
+
+
+def _set_aside(segment: Segment, report: RecoveryReport) -> None:
+    """Take a segment that serves nothing out of the log, keeping any bytes it holds."""
+    segment.close_fd()
+    if segment.data_path.stat().st_size == 0:
+        segment.data_path.unlink()
+        kept = None
+    else:
+        kept = segment.data_path.with_name(segment.data_path.name + ".damaged")
+        ordinal = 0
+        while kept.exists():  # an earlier recovery's: never replace what was kept
+            ordinal += 1
+            kept = segment.data_path.with_name(f"{segment.data_path.name}.damaged.{ordinal}")
+        os.rename(segment.data_path, kept)
+    segment.index_path.unlink(missing_ok=True)
+    log.warning("log.segment_set_aside", directory=report.directory, segment=segment.name,
+                kept_as=None if kept is None else kept.name,
+                reason="serves no offset, and the log ends below it")
 
 
 def _recover_closed(segment: Segment, producers: ProducerStates | None, report: RecoveryReport) -> None:

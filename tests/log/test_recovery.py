@@ -364,8 +364,98 @@ def test_an_empty_last_segment_is_never_renamed_onto_a_segment_that_serves_nothi
     middle.write_bytes(bytes(damaged))
     last.write_bytes(b"")
     with open_log(tmp_path, **config) as plog:
-        assert middle.read_bytes() == bytes(damaged), "the damaged segment is kept for inspection"
+        # Set aside rather than left in place: left there it made the log end above
+        # offsets 2 and 3, which no fetch could be served.
+        kept = tmp_path / (middle.name + ".damaged")
+        assert kept.read_bytes() == bytes(damaged), "the damaged segment is kept for inspection"
+        assert plog.log_end == 2
+        read_all(plog)
         names = [segment.data_path.name for segment in plog._segments]
         assert len(names) == len(set(names)), names
         offset = plog.append(make_payload(7, 1, 20), 1, append_time_ms=10)
         assert [r.offset for r in read_records(plog, offset)] == [offset]
+
+
+def roll_twice_unsynced(directory, config):
+    """Flushed batches (acknowledged under --fsync always), then one loop turn's appends that
+    roll two new segments, and the machine stops before that turn's fsync. Returns the
+    acknowledged log end and the two segments created since the fsync."""
+    plog = open_log(directory, **config)
+    for tag in range(4):
+        plog.append(make_payload(tag, 2, 20), 2, append_time_ms=tag)
+    plog.flush()
+    acknowledged = plog.log_end
+    tag = 10
+    while len(plog._segments) < 4:
+        plog.append(make_payload(tag, 2, 20), 2, append_time_ms=tag)
+        tag += 1
+    crash_without_flush(plog)
+    return acknowledged, sorted(directory.glob("*.log"))[-2:]
+
+
+def test_segments_rolled_since_the_last_fsync_that_came_back_empty_leave_no_offsets_unserved(tmp_path):
+    # A power loss after a turn that rolled twice: both new files were created after the
+    # last fsync, so each may come back empty. The empty one before the last served
+    # nothing, the rebase of the last skipped it, and the log ended at the last one's
+    # base: every fetch below that log end returned nothing (PROTOCOL.md promises a batch).
+    config = {"segment_bytes": 200, "index_interval_bytes": 60}
+    acknowledged, rolled = roll_twice_unsynced(tmp_path, config)
+    for path in rolled:
+        path.write_bytes(b"")
+    with open_log(tmp_path, **config) as plog:
+        assert plog.log_end == acknowledged
+        read_all(plog)  # every offset below the log end is served
+        assert plog.append(make_payload(7, 1, 20), 1, append_time_ms=100) == acknowledged
+    with open_log(tmp_path, **config) as plog:
+        assert plog.log_end == acknowledged + 1
+        assert [r.value for r in read_records(plog, acknowledged)] == [record_value(7, 0, 20)]
+
+
+def test_a_torn_segment_that_serves_nothing_below_an_empty_last_one_is_set_aside(tmp_path):
+    config = {"segment_bytes": 200, "index_interval_bytes": 60}
+    acknowledged, (middle, last) = roll_twice_unsynced(tmp_path, config)
+    torn = middle.read_bytes()[:BATCH_HEADER_SIZE + 5]  # the first batch only half written
+    middle.write_bytes(torn)
+    last.write_bytes(b"")
+    with open_log(tmp_path, **config) as plog:
+        assert plog.log_end == acknowledged
+        read_all(plog)
+        names = [segment.data_path.name for segment in plog._segments]
+        assert len(names) == len(set(names)), names
+        assert plog.append(make_payload(7, 1, 20), 1, append_time_ms=100) == acknowledged
+    kept = [path for path in tmp_path.iterdir() if path.name.startswith(middle.name + ".")]
+    assert [path.read_bytes() for path in kept] == [torn], "its bytes are kept for inspection"
+    with open_log(tmp_path, **config) as plog:
+        assert plog.log_end == acknowledged + 1
+        read_all(plog)
+
+
+def test_after_setting_segments_aside_acknowledged_batches_in_the_window_are_still_deduplicated(tmp_path):
+    # The producer window is the log's last `producer_window_segments` segments. Recovery
+    # walked the last two of the segments it found; once the ones that serve nothing are
+    # set aside, the last two reach further back, and a retry of a batch acknowledged
+    # there was not recognised and would have been appended a second time.
+    config = {"segment_bytes": 200, "index_interval_bytes": 60, "producer_window_segments": 2}
+    plog = open_log(tmp_path, **config)
+    batches = []
+    for sequence in range(4):
+        base = plog.append(make_payload(sequence, 2, 20), 2, append_time_ms=sequence, producer_id=5,
+                           producer_seq=sequence)
+        batches.append((base, 2))
+    plog.flush()
+    acknowledged = plog.log_end
+    while len(plog._segments) < 4:
+        plog.append(make_payload(50, 2, 20), 2, append_time_ms=50)
+    crash_without_flush(plog)
+    for path in sorted(tmp_path.glob("*.log"))[-2:]:
+        path.write_bytes(b"")
+    with open_log(tmp_path, **config) as plog:
+        assert plog.log_end == acknowledged
+        window_start = plog._segments[-2].base_offset
+        in_window = [sequence for sequence, (base, _) in enumerate(batches) if base >= window_start]
+        assert in_window
+        for sequence in in_window:
+            assert plog.check_sequence(5, sequence) == batches[sequence]
+        snapshot = plog.producer_snapshot()
+    with open_log(tmp_path, **config) as plog:  # the next open remembers the same
+        assert plog.producer_snapshot() == snapshot
