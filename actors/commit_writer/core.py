@@ -37,9 +37,13 @@ Failure: a failed flush goes back into ``pending`` (newest per key wins), the
 next attempt waits an exponential backoff capped at ``backoff_max_ms``, and
 the writer reports unhealthy until a round trip succeeds. While idle, a
 ``Probe`` (one cheap round trip) every ``probe_interval_ms`` keeps the health
-honest. Waiting requests are capped: beyond ``max_waiting_requests`` the
-oldest is answered ``UNAVAILABLE`` (its values stay pending and will be
-written; the coordinator may resend, which is harmless).
+honest. Waiting requests are capped: beyond ``max_waiting_requests``, or
+beyond ``max_waiting_keys`` keys named by them all, the oldest is answered
+``UNAVAILABLE`` (its values stay pending and will be written; the
+coordinator may resend, which is harmless). The key cap matters during an
+outage: each waiting request keeps its key list for the reply, so their
+memory follows the advances received, not the keys, and the coordinator
+goes on sending every 50 ms (and all it has unconfirmed every 3 s).
 
 The shell performs the effects (`Flush`, `Probe`, `Load`, `Reply`,
 `ReplyError`, `Status`) and reports back with ``on_flush_done`` /
@@ -77,13 +81,17 @@ class WriterConfig:
     # A flush or a pending value older than this means the store is slow: unhealthy.
     unhealthy_after_ms: float = 1000.0
     max_waiting_requests: int = 10_000
+    # Keys named by all waiting requests together (a key counts once per request naming it).
+    max_waiting_keys: int = 1_000_000
     latency_window: int = 1024
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.flush_interval_ms < 0 or self.max_waiting_requests < 1:
+        if (self.batch_size < 1 or self.flush_interval_ms < 0 or self.max_waiting_requests < 1
+                or self.max_waiting_keys < 1):
             raise ZBrokerError("invalid commit writer config", batch_size=self.batch_size,
                                flush_interval_ms=self.flush_interval_ms,
-                               max_waiting_requests=self.max_waiting_requests)
+                               max_waiting_requests=self.max_waiting_requests,
+                               max_waiting_keys=self.max_waiting_keys)
 
 
 # -- effects ---------------------------------------------------------------------------
@@ -186,6 +194,7 @@ class CommitWriterCore:
         self._durable: dict[Key, tuple[int, int]] = {}  # key -> (reset_epoch, committed_offset)
         self._seq = 0
         self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._waiting_keys = 0  # sum of len(w.keys) over _waiters
         self._consecutive_failures = 0
         self._retry_at_ms = 0.0
         self._last_contact_ms: float | None = None  # last successful round trip (flush or probe)
@@ -241,6 +250,7 @@ class CommitWriterCore:
         counts["advances_coalesced"] += coalesced
         counts["advances_stale"] += stale
         self._waiters.append(_Waiter(token, seq, keys))
+        self._waiting_keys += len(keys)
         effects = self._shed()
         effects += self._release()
         effects += self._maybe_flush(now_ms)
@@ -327,6 +337,7 @@ class CommitWriterCore:
         stopped = "commit writer stopped before this was durable"
         effects: list[Effect] = [ReplyError(w.token, ShuttingDown(stopped)) for w in self._waiters]
         self._waiters.clear()
+        self._waiting_keys = 0
         return effects
 
     # -- queries ---------------------------------------------------------------------------
@@ -374,6 +385,7 @@ class CommitWriterCore:
             inflight_keys=len(self._inflight) if self._inflight is not None else 0,
             durable_keys=len(self._durable),
             waiting_requests=len(self._waiters),
+            waiting_keys=self._waiting_keys,
             consecutive_failures=self._consecutive_failures,
             backoff_ms=self.backoff_ms() if self._consecutive_failures else 0,
             flush_latency_ms_last=round(self._latencies[-1], 3) if lat else None,
@@ -459,6 +471,7 @@ class CommitWriterCore:
             if w.keys is None:
                 effects.append(Load(w.token))
                 continue
+            self._waiting_keys -= len(w.keys)
             out = []
             seen = set()
             for key in w.keys:
@@ -473,12 +486,17 @@ class CommitWriterCore:
 
     def _shed(self) -> list[Effect]:
         effects: list[Effect] = []
-        while len(self._waiters) > self.config.max_waiting_requests:
+        config = self.config
+        # The newest request stays even if it alone names more keys than the cap.
+        while len(self._waiters) > config.max_waiting_requests or (
+                self._waiting_keys > config.max_waiting_keys and len(self._waiters) > 1):
             w = self._waiters.popleft()
+            if w.keys is not None:
+                self._waiting_keys -= len(w.keys)
             self._counts["requests_shed"] += 1
             effects.append(ReplyError(w.token, Unavailable(
                 "too many requests waiting for the offset store; values are kept and will be written",
-                retained=True, waiting=len(self._waiters))))
+                retained=True, waiting=len(self._waiters), waiting_keys=self._waiting_keys)))
         return effects
 
     def _unavailable(self) -> Unavailable:

@@ -106,9 +106,12 @@ class Outbound:
     "try again later".
     """
 
-    def __init__(self, log: Any) -> None:
+    def __init__(self, log: Any, first_id: int = 1) -> None:
         self.log = log
-        self._ids = itertools.count(1)
+        # The shell starts each incarnation's ids above any an earlier one used: the commit
+        # writer keeps requests waiting across a coordinator restart and answers them on the
+        # new connection, and a reply to the old coordinator's id must match nothing here.
+        self._ids = itertools.count(first_id)
         self.pending: dict[int, tuple[int, bytes, str, Callable[[codec.Envelope | None], None]]] = {}
 
     def new(self, now_ms: int, peer: bytes, op: str, on_reply: Callable[[codec.Envelope | None], None]) -> int:
@@ -164,7 +167,8 @@ class CoordinatorShell:
         for group, config in (self.meta.load(self.meta.groups_path) or {}).items():
             self.core.restore_group_config(group, GroupConfig.from_dict(config))
         self.group_configs: dict[str, dict] = dict(self.meta.load(self.meta.groups_path) or {})
-        self.outbound = Outbound(log)
+        # Correlation ids, like lease ids, never repeat across incarnations (see Outbound).
+        self.outbound = Outbound(log, first_id=base)
         self.writer: dict[str, Any] = {"pid": None, "healthy": False, "metrics": {}, "last_seen_ms": None}
         self.offsets_loaded = False
         self.next_load_ms = 0

@@ -5,12 +5,15 @@ match its TOO_LARGE reply to the request, so one huge advance stalled every grou
 commits for good), and a row counts as durable only once the writer confirmed that
 row, not an older one of the same key.
 """
+import time
+
 import structlog
 
 from actors.group_coordinator import effects as fx
 from actors.group_coordinator.shell import ADVANCE_COALESCE_MS, ADVANCE_RESEND_MS, CoordinatorShell
 from protocol import codec
 from protocol import messages as m
+from storage.offsets import OffsetStoreError
 
 
 def _shell(tmp_path):
@@ -187,3 +190,50 @@ def test_a_flush_a_probe_and_a_load_starting_together_prepare_the_store_once(tmp
 
     asyncio.run(three_at_once())
     assert calls == ["connect", "migrate"] and writer._store_ready
+
+
+def test_a_late_reply_to_the_previous_coordinator_is_not_taken_for_the_new_ones(tmp_path, monkeypatch):
+    """The writer keeps requests waiting across a coordinator restart (load_offsets behind
+    pending values, advances behind an outage) and answers them to whoever holds the
+    connection then. The new coordinator must not match such a reply to a request of its
+    own: a page of rows after some key taken for its first page loads a partial table, and
+    the partitions missing from it start over (from the log end for a "latest" group)."""
+    from actors import runtime
+
+    wire = []
+    monkeypatch.setattr(runtime, "send_reply", lambda sock, identity, frames, what="reply": wire.append(frames))
+
+    def load_request():
+        _is_reply, env = codec.decode_any(wire.pop())
+        assert isinstance(env.msg, m.LoadOffsets)
+        return env
+
+    def page(env, rows, more):
+        return codec.encode_reply(m.LoadOffsetsReply(rows=rows, more=more), env.corr_id)
+
+    row = lambda g: [g, "t", 0, 5, [], 1, 0]  # noqa: E731
+    old = CoordinatorShell(None, None, tmp_path / "old", structlog.get_logger())
+    old.writer["last_seen_ms"] = 0
+    old.pump_writer(0)
+    first = load_request()
+    old.on_internal_message(b"writer", page(first, [row("a")], more=True), 0)
+    second = load_request()
+    assert second.msg.after == ["a", "t", 0]
+    # The old coordinator is killed while the writer reads that second page.
+    time.sleep(0.002)  # a restart takes far longer than the millisecond its ids are based on
+
+    new = CoordinatorShell(None, None, tmp_path / "new", structlog.get_logger())
+    new.writer["last_seen_ms"] = 0
+    new.pump_writer(0)
+    retry = load_request()  # the database was still down: UNAVAILABLE, asked again a second later
+    new.on_internal_message(b"writer", codec.encode_error("load_offsets", retry.corr_id,
+                                                          OffsetStoreError("down")), 0)
+    new.pump_writer(runtime.now_ms() + 10_000)
+    mine = load_request()
+    assert mine.msg.after is None
+    # The writer now answers the old coordinator's second page, on the new connection.
+    new.on_internal_message(b"writer", page(second, [row("b")], more=False), 0)
+    assert not new.offsets_loaded, "a page the new coordinator never asked for was taken as its first"
+    new.on_internal_message(b"writer", page(mine, [row("a"), row("b")], more=False), 0)
+    assert new.offsets_loaded
+    assert {g for g in new.core._groups} == {"a", "b"}

@@ -313,6 +313,30 @@ def test_too_many_waiting_requests_sheds_the_oldest_as_unavailable():
     assert [r.token for r in of(core.on_flush_done(retry.flush_id, 1001), Reply)] == ["r3", "r4", "r5"]
 
 
+def test_an_outage_bounds_waiting_requests_by_the_keys_they_name_not_only_by_their_number():
+    """While the store is down the coordinator goes on sending: every 50 ms what moved, and
+    every 3 s all it has unconfirmed. `pending` stays one value per key, but every waiting
+    request keeps its key list for the reply, so with only the request cap the memory grew
+    with the advances: 10,000 requests of 1,000 partitions each held ten million keys."""
+    core = CommitWriterCore(WriterConfig(max_waiting_keys=5_000))
+    ready(core)
+    flush = one(core.on_advance("r0", [adv(p, 0) for p in range(500)], 0) + core.on_tick(10), Flush)
+    core.on_flush_failed(flush.flush_id, 10, "down")
+    shed = []
+    for i in range(1, 40):  # the same 500 partitions, again and again
+        shed += of(core.on_advance(f"r{i}", [adv(p, i) for p in range(500)], 10 + i), ReplyError)
+        stats = core.statistics(10 + i)
+        assert stats["pending_keys"] == 500
+        assert stats["waiting_keys"] <= 5_000, stats["waiting_requests"]
+    assert [e.token for e in shed] == [f"r{i}" for i in range(30)]
+    assert all(e.error.code == ErrorCode.UNAVAILABLE and e.error.data["retained"] for e in shed)
+    retry = one(core.on_tick(1000), Flush)
+    assert {r.committed_offset for r in retry.rows} == {39}  # shed requests' values were kept
+    assert [r.token for r in of(core.on_flush_done(retry.flush_id, 1001), Reply)] == [
+        f"r{i}" for i in range(30, 40)]
+    assert core.statistics(1001)["waiting_keys"] == 0
+
+
 # -- validation -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [
