@@ -31,11 +31,16 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib.resources
+import json
 import re
 from typing import Iterable
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+import structlog
+
 from protocol.errors import ErrorCode, ZBrokerError
+
+log = structlog.get_logger("zbroker.offsets")
 
 TABLE = "consumer_group_offsets"
 MIGRATIONS_TABLE = "zbroker_schema_migrations"
@@ -81,6 +86,34 @@ class OffsetRow:
         """A LoadOffsetsReply row: [group, topic, partition, committed, holes, generation, reset_epoch]."""
         return [self.group_id, self.topic, self.partition, self.committed_offset,
                 [[s, e] for s, e in self.holes], self.generation, self.reset_epoch]
+
+
+_MAX_INT64 = (1 << 63) - 1
+
+
+def stored_holes(text: str, key: tuple[str, str, int]) -> list[tuple[int, int]]:
+    """The holes column as `upsert` writes it: JSON ``[[start, end], ...]``, ascending, not overlapping.
+
+    Anything else can only have been written by hand. It is read as no holes, with a
+    warning: the offsets in them are then delivered again, which at-least-once allows.
+    Refused, the row would fail every load of the offsets, and with it every group,
+    for good; passed on, a reversed or overlapping range would corrupt the
+    coordinator's ranges.
+    """
+    try:
+        holes, last_end = [], None
+        for start, end in json.loads(text):
+            if not (type(start) is int and type(end) is int and 0 <= start < end <= _MAX_INT64
+                    and (last_end is None or start >= last_end)):
+                raise ValueError("not ascending, non-overlapping [start, end) ranges of offsets")
+            holes.append((start, end))
+            last_end = end
+        return holes
+    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        log.warning("offsets.holes_unreadable", group=key[0], topic=key[1], partition=key[2],
+                    holes=str(text)[:200], reason=str(exc),
+                    consequence="read as no holes: the acked offsets above the committed one are delivered again")
+        return []
 
 
 def winner(current: OffsetRow, new: OffsetRow) -> OffsetRow:

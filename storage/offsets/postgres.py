@@ -33,7 +33,7 @@ from typing import Awaitable, Callable, Iterable, TypeVar
 import asyncpg
 
 from storage.offsets.base import (
-    MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations,
+    MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations, stored_holes,
 )
 
 T = TypeVar("T")
@@ -187,7 +187,7 @@ class PostgresOffsetStore(OffsetStore):
                 records = await conn.fetch(self._select_first_sql, limit)
             else:
                 records = await conn.fetch(self._select_after_sql, *after, limit)
-            return [OffsetRow(r[0], r[1], r[2], r[3], [(s, x) for s, x in json.loads(r[4])], r[5], r[6])
+            return [OffsetRow(r[0], r[1], r[2], r[3], stored_holes(r[4], (r[0], r[1], r[2])), r[5], r[6])
                     for r in records]
 
         return await self._with_conn("load_page", run)

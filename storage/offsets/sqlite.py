@@ -30,7 +30,7 @@ import time
 from typing import Callable, Iterable, TypeVar
 
 from storage.offsets.base import (
-    MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations,
+    MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations, stored_holes,
 )
 
 T = TypeVar("T")
@@ -185,7 +185,7 @@ class SQLiteOffsetStore(OffsetStore):
         def run(conn: sqlite3.Connection) -> list[OffsetRow]:
             cursor = (conn.execute(self._select_first_sql, (limit,)) if after is None
                       else conn.execute(self._select_after_sql, (*after, limit)))
-            return [OffsetRow(g, t, p, c, [(s, e) for s, e in json.loads(h)], gen, ep)
+            return [OffsetRow(g, t, p, c, stored_holes(h, (g, t, p)), gen, ep)
                     for g, t, p, c, h, gen, ep in cursor]
 
         return await self._call("load_page", run)

@@ -9,14 +9,16 @@ frontend messages on the wire, through a proxy).
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 from typing import Iterator
 
 import pytest
 
 from storage.offsets import OffsetStore, open_offset_store
+from storage.offsets.base import TABLE
 # pg_dsn, pg_schema and pg_schema_factory come from the root conftest, so that
 # every directory shares one session fixture (and at most one throwaway cluster).
-from tests.support.pg import PgFrontendCounter, dsn_host_port, dsn_via, with_schema
+from tests.support.pg import PgFrontendCounter, dsn_host_port, dsn_via, pg_execute, with_schema
 from tests.support.tcp_proxy import TcpProxy
 
 
@@ -42,6 +44,11 @@ class SqliteBackend:
             count.statements += 1
 
         yield open_offset_store(self.url(), trace=trace), count
+
+    def set_holes_by_hand(self, holes_text: str) -> None:
+        """Overwrites every row's holes column in the default schema, as a person with a SQL prompt might."""
+        with contextlib.closing(sqlite3.connect(self.path)) as conn, conn:
+            conn.execute(f"UPDATE {TABLE} SET holes = ?", (holes_text,))
 
 
 class PostgresBackend:
@@ -69,6 +76,11 @@ class PostgresBackend:
         with TcpProxy(dsn_host_port(self.dsn), tap=counter) as proxy:
             url = with_schema(dsn_via(self.dsn, proxy.port), self._default) + "&sslmode=disable"
             yield open_offset_store(url), _PgCount(counter)
+
+    def set_holes_by_hand(self, holes_text: str) -> None:
+        """Overwrites every row's holes column (jsonb: `holes_text` must be valid JSON)."""
+        self.url()  # makes the default schema
+        pg_execute(self.dsn, f'UPDATE "{self._default}".{TABLE} SET holes = $1::jsonb', holes_text)
 
 
 class StatementCount:
