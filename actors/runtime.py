@@ -160,6 +160,38 @@ def bind_endpoint(sock: zmq.Socket, endpoint: str) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+# Hosts that bind every interface. Nobody can dial one: a peer told `tcp://0.0.0.0:7402`
+# dials itself (and another host's actor, its own machine).
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*"})
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of a ``tcp://host:port`` endpoint (IPv6 in brackets, as ZeroMQ writes it)."""
+    return endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
+def wildcard_error(endpoint: str, flag: str = "--advertise-host") -> str | None:
+    """Why peers could not be told `endpoint` as it is, or None when they can."""
+    if endpoint_host(endpoint) in WILDCARD_HOSTS:
+        return (f"{endpoint} listens on every interface, and no peer can dial that address: give {flag} "
+                f"with the name or address clients and other hosts reach this one at")
+    return None
+
+
+def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
+    """What peers are told to dial for a socket bound at `bound`: its host replaced by
+    `advertise_host` when given (a wildcard bind must have one, see `wildcard_error`)."""
+    if not advertise_host:
+        problem = wildcard_error(bound)
+        if problem:
+            raise ValueError(problem)
+        return bound
+    scheme, rest = bound.split("://", 1)
+    port = rest.rsplit(":", 1)[1]
+    host = f"[{advertise_host}]" if ":" in advertise_host and not advertise_host.startswith("[") else advertise_host
+    return f"{scheme}://{host}:{port}"
+
+
 class RouterToken:
     """Where a reply to one request goes: the socket, the peer's routing id and the request id."""
 

@@ -68,7 +68,7 @@ def _print_table(rows: list[dict], columns: list[str]) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from zbroker.supervisor import BrokerConfig, serve
-    return serve(BrokerConfig(data_dir=args.data, host=args.host, port=args.port,
+    return serve(BrokerConfig(data_dir=args.data, host=args.host, advertise_host=args.advertise_host, port=args.port,
                               partition_actors=args.partition_actors, fsync=args.fsync,
                               offsets_url=args.offsets, log_level=args.log_level, curve_dir=args.curve))
 
@@ -76,9 +76,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_partition(args: argparse.Namespace) -> int:
     from actors.partition_log.core import FsyncPolicy
     from actors.partition_log.shell import run
+    from actors.runtime import wildcard_error
     from actors.security import KeyRing
     from zbroker.client import Admin
     FsyncPolicy.parse(args.fsync)
+    if not args.advertise_host and wildcard_error(args.bind):
+        raise ValueError(f"--bind: {wildcard_error(args.bind)}")
     actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
     # The broker URL is the client endpoint; hello says where its actors dial.
     curve = KeyRing(args.curve).internal_client() if args.curve else None
@@ -86,8 +89,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
         internal = admin.hello().get("internal_endpoint")
     if not internal:
         raise SystemExit(f"error: the broker at {args.broker} did not name its internal endpoint")
-    run(actor_id, internal, args.data, bind=args.bind, fsync=args.fsync, log_level=args.log_level,
-        curve_dir=args.curve)
+    run(actor_id, internal, args.data, bind=args.bind, advertise_host=args.advertise_host, fsync=args.fsync,
+        log_level=args.log_level, curve_dir=args.curve)
     return 0
 
 
@@ -505,7 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run a single-node broker in the foreground")
     up.add_argument("--data", default="./data", help="data directory (default ./data)")
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; 0.0.0.0 for all, "
+                    "with --advertise-host)")
+    up.add_argument("--advertise-host", default=None, metavar="HOST",
+                    help="name or address clients and other hosts dial (default: --host)")
     up.add_argument("--port", type=_positive, default=7400, help="coordinator port; partition actors use the next ones")
     up.add_argument("--partition-actors", type=_positive, default=1)
     up.add_argument("--fsync", default="interval:1000", help="always | never | interval:MS (default interval:1000)")
@@ -518,6 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--broker", default=DEFAULT_URL)
     part.add_argument("--data", default="./data/partitions", help="partition data directory")
     part.add_argument("--bind", default="tcp://127.0.0.1:0", help="data-plane endpoint (port 0 = any free port)")
+    part.add_argument("--advertise-host", default=None, metavar="HOST",
+                      help="name or address clients dial for this actor (default: the host of --bind)")
     part.add_argument("--actor-id", default=None)
     part.add_argument("--fsync", default="interval:1000")
     part.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")

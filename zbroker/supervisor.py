@@ -57,7 +57,10 @@ BOUND_POLL_S = 0.02  # how often a starting actor looks whether its coordinator 
 @dataclasses.dataclass
 class BrokerConfig:
     data_dir: str = "./data"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the interface the broker binds; 0.0.0.0 (or *) for all of them
+    # The name or address clients and partition actors on other hosts dial, when it is not
+    # `host`. Required with a wildcard `host`: no peer can dial 0.0.0.0.
+    advertise_host: str | None = None
     port: int = 7400
     partition_actors: int = 1
     fsync: str = "interval:1000"
@@ -67,12 +70,23 @@ class BrokerConfig:
 
     @property
     def coordinator_endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        """The broker's URL: what clients dial."""
+        return f"tcp://{self.advertise_host or self._local_host}:{self.port}"
 
     @property
     def internal_endpoint(self) -> str:
-        """Where the broker's own actors dial the coordinator (never given to clients)."""
-        return f"tcp://{self.host}:{self.port + 1}"
+        """Where the broker's own actors, on this machine, dial the coordinator (never given to clients)."""
+        return f"tcp://{self._local_host}:{self.port + 1}"
+
+    @property
+    def _local_host(self) -> str:
+        return "127.0.0.1" if self.host in runtime.WILDCARD_HOSTS else self.host
+
+    def bind_endpoint(self, port: int) -> str:
+        return f"tcp://{self.host}:{port}"
+
+    def wildcard_error(self) -> str | None:
+        return None if self.advertise_host else runtime.wildcard_error(self.bind_endpoint(self.port))
 
     def resolved_offsets_url(self) -> str:
         if self.offsets_url:
@@ -80,7 +94,7 @@ class BrokerConfig:
         return f"sqlite:///{Path(self.data_dir).resolve() / 'offsets.sqlite3'}"
 
     def partition_bind(self, index: int) -> str:
-        return f"tcp://{self.host}:{self.port + 2 + index}"
+        return self.bind_endpoint(self.port + 2 + index)
 
 
 @dataclasses.dataclass
@@ -144,9 +158,11 @@ class Supervisor:
         self.coordinator_bound = str(data / "run" / "coordinator.bound")
         self.children: list[_Child] = [
             _Child("coordinator", "actors.group_coordinator.shell:run",
-                   {"endpoint": config.coordinator_endpoint, "internal_endpoint": config.internal_endpoint,
+                   {"endpoint": config.bind_endpoint(config.port),
+                    "internal_endpoint": config.bind_endpoint(config.port + 1),
                     "data_dir": str(data / "coordinator"), "log_level": config.log_level,
-                    "curve_dir": config.curve_dir, "bound_file": self.coordinator_bound}),
+                    "curve_dir": config.curve_dir, "bound_file": self.coordinator_bound,
+                    "advertise_host": config.advertise_host}),
             _Child("commit-writer", "actors.commit_writer.shell:run",
                    {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
                     "log_level": config.log_level, "curve_dir": config.curve_dir}),
@@ -155,8 +171,8 @@ class Supervisor:
             self.children.append(_Child(
                 f"partition-{i}", "actors.partition_log.shell:run",
                 {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(data / "partitions"),
-                 "bind": config.partition_bind(i), "fsync": config.fsync, "log_level": config.log_level,
-                 "curve_dir": config.curve_dir}))
+                 "bind": config.partition_bind(i), "advertise_host": config.advertise_host, "fsync": config.fsync,
+                 "log_level": config.log_level, "curve_dir": config.curve_dir}))
 
     def _start(self, child: _Child) -> None:
         wait_for = None if child.name == "coordinator" else self.coordinator_bound
@@ -205,6 +221,9 @@ class Supervisor:
             FsyncPolicy.parse(self.config.fsync)
         except ValueError as err:
             return str(err)
+        wildcard = self.config.wildcard_error()
+        if wildcard:
+            return f"--host: {wildcard}"
         if self.config.curve_dir:
             try:
                 KeyRing(self.config.curve_dir)
@@ -260,7 +279,7 @@ class Supervisor:
             with socket.socket() as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
                 try:
-                    probe.bind((self.config.host, port))
+                    probe.bind(("0.0.0.0" if self.config.host == "*" else self.config.host, port))
                 except OSError as err:
                     if isinstance(err, socket.gaierror) or err.errno == errno.EADDRNOTAVAIL:
                         return f"cannot bind {self.config.host} ({err.strerror}): choose another --host"
@@ -459,15 +478,18 @@ class BrokerHandle:
 def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int = 1,
                  fsync: str = "interval:1000", offsets_url: str | None = None, log_level: str = "warning",
                  wait: bool = True, log_file: str | Path | None = None, timeout: float = 30.0,
-                 curve_dir: str | Path | None = None) -> BrokerHandle:
+                 curve_dir: str | Path | None = None, host: str = "127.0.0.1",
+                 advertise_host: str | None = None) -> BrokerHandle:
     """Start ``zbroker up`` as a subprocess; with ``port=0`` pick free ports."""
     if port == 0:
-        port = free_port_block(partition_actors + 2)
-    config = BrokerConfig(data_dir=str(data_dir), port=port, partition_actors=partition_actors, fsync=fsync,
-                          offsets_url=offsets_url, log_level=log_level,
-                          curve_dir=str(curve_dir) if curve_dir else None)
-    cmd = [sys.executable, "-m", "zbroker", "up", "--data", str(data_dir), "--port", str(port),
+        port = free_port_block(partition_actors + 2, host="0.0.0.0" if host == "*" else host)
+    config = BrokerConfig(data_dir=str(data_dir), host=host, advertise_host=advertise_host, port=port,
+                          partition_actors=partition_actors, fsync=fsync, offsets_url=offsets_url,
+                          log_level=log_level, curve_dir=str(curve_dir) if curve_dir else None)
+    cmd = [sys.executable, "-m", "zbroker", "up", "--data", str(data_dir), "--host", host, "--port", str(port),
            "--partition-actors", str(partition_actors), "--fsync", fsync, "--log-level", log_level]
+    if advertise_host:
+        cmd += ["--advertise-host", advertise_host]
     if offsets_url:
         cmd += ["--offsets", offsets_url]
     if curve_dir:

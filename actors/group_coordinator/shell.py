@@ -628,7 +628,7 @@ class CoordinatorShell:
 
 
 def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0.1:0", log_level: str = "info",
-        curve_dir: str | None = None, bound_file: str | None = None) -> None:
+        curve_dir: str | None = None, bound_file: str | None = None, advertise_host: str | None = None) -> None:
     """Process main for the group coordinator.
 
     Two ROUTER sockets: ``endpoint`` for clients and ``internal_endpoint`` for
@@ -636,6 +636,8 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
     ``--curve`` the internal one admits only the broker's key). ``bound_file``
     is written (with this pid) once both are bound: the other actors start only
     then, so that they never dial another broker's coordinator on the same ports.
+    ``advertise_host`` names this host in the endpoints it reports (``hello``'s
+    ``internal_endpoint``, which an actor on another host dials, and ``status``).
     """
     log = runtime.configure_logging(log_level, actor="group-coordinator")
     stop = runtime.StopFlag().install()
@@ -653,8 +655,9 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
         keys.make_server(router)
         keys.make_server(internal, internal=True)
     try:
-        bound = runtime.bind_endpoint(router, endpoint)
-        bound_internal = runtime.bind_endpoint(internal, internal_endpoint)
+        bound = runtime.advertised_endpoint(runtime.bind_endpoint(router, endpoint), advertise_host)
+        bound_internal = runtime.advertised_endpoint(runtime.bind_endpoint(internal, internal_endpoint),
+                                                     advertise_host)
         if bound_file is not None:
             tmp = Path(bound_file).with_suffix(".tmp")
             tmp.write_text(str(os.getpid()))

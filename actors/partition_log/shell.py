@@ -153,9 +153,9 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         keys.internal_client().apply(dealer)
         acl = keys.acl()
     try:
-        endpoint = runtime.bind_endpoint(router, bind)
-        if advertise_host:
-            endpoint = endpoint.replace("0.0.0.0", advertise_host).replace("127.0.0.1", advertise_host)
+        # Clients dial the endpoint the coordinator hands out, so it names this host as
+        # they reach it, not as it was bound (a wildcard bind needs advertise_host).
+        endpoint = runtime.advertised_endpoint(runtime.bind_endpoint(router, bind), advertise_host)
         dealer.connect(coordinator)
         log.info("actor.started", endpoint=endpoint, coordinator=coordinator, fsync=str(core.fsync),
                  data_dir=str(data), open_file_limit=open_files, max_open_partitions=core.max_open_partitions)
