@@ -117,7 +117,9 @@ class Phase:
             if started:
                 after = after.merged(CpuSample.take(started))
             delta = cpu_delta(self._cpu_before, after)
-            self.server_cpu_s = delta.seconds
+            # No server process read at both ends (none found, or all replaced): no figure,
+            # not 0 s, which would read as the cheapest server of the table.
+            self.server_cpu_s = delta.seconds if delta.measured else None
             self.cpu_unmatched = delta.unmatched
         if self._progress is not None and self._pending_progress:
             self._progress.update(self._pending_progress)

@@ -166,7 +166,13 @@ class Harness:
         if extra:
             result.update(extra)
         if result["status"] == "timed_out":
-            result["reason"] = f"time bound {phase.timeout_s:g} s reached"
+            if phase.ended_at is not None and phase.ended_at < phase.deadline:
+                # Ended short with time to spare: records refused or lost, not a time bound.
+                result["status"] = "failed"
+                result["reason"] = (f"ended with {phase.records:,} of the {phase.target:,} records "
+                                    f"acknowledged, with time to spare")
+            else:
+                result["reason"] = f"time bound {phase.timeout_s:g} s reached"
         return result
 
     # -- the run -------------------------------------------------------------

@@ -153,6 +153,9 @@ class CpuDelta:
     # Processes present at only one end (restarted, exited or new): their
     # CPU in between is unknown, so the figure is a lower bound when non-zero.
     unmatched: int
+    # Processes whose CPU is in `seconds` (present at both ends, or started in between).
+    # 0 means nothing was measured: `seconds` is then no figure, not zero CPU.
+    measured: int = 0
 
 
 def cpu_delta(before: CpuSample, after: CpuSample, ticks_per_s: int = CLOCK_TICKS) -> CpuDelta:
@@ -183,9 +186,11 @@ def cpu_delta(before: CpuSample, after: CpuSample, ticks_per_s: int = CLOCK_TICK
     if all(k in before.precise and k in after.precise for k in common) and all(k in after.precise for k in new):
         own = sum(after.precise[k] - before.precise[k] for k in common) + sum(after.precise[k] for k in new)
         if common or new:
-            return CpuDelta(seconds=own + children / ticks_per_s, unmatched=unmatched)
+            return CpuDelta(seconds=own + children / ticks_per_s, unmatched=unmatched,
+                            measured=len(common) + len(new))
     ticks = sum(after.ticks[k] - before.ticks[k] for k in common) + sum(after.ticks[k] for k in new)
-    return CpuDelta(seconds=(ticks + children) / ticks_per_s, unmatched=unmatched)
+    return CpuDelta(seconds=(ticks + children) / ticks_per_s, unmatched=unmatched,
+                    measured=len(common) + len(new))
 
 
 def us_per_record(cpu_seconds: float | None, records: int) -> float | None:

@@ -286,7 +286,7 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out.append("|---|---:|---:|---:|---:|---:|---:|")
     for row in THROUGHPUT_ROWS:
         cells = [_cell(w[row].get(s), status[s].get(row, "not run"), notes) for s in SYSTEMS]
-        ceiling = _num(w[row].get("zmq_ceiling"))
+        ceiling = _cell(w[row].get("zmq_ceiling"), status.get("zmq_ceiling", {}).get(row, "not run"), notes)
         fraction = w["zbroker_fraction_of_ceiling"].get(row)
         out.append(f"| {ROW_TITLES[row]} | {' | '.join(cells)} | {ceiling} | "
                    f"{'–' if fraction is None else f'{fraction:.1%}'} |")
@@ -337,7 +337,8 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     for row in THROUGHPUT_ROWS:
         values = w["server_cpu_us_per_record"][row]
         cells = [_cell(values.get(s), status[s].get(row, "not run"), notes, 1) for s in SYSTEMS]
-        out.append(f"| {ROW_TITLES[row]} | {' | '.join(cells)} | {_num(values.get('zmq_ceiling'), 1)} |")
+        ceiling = _cell(values.get("zmq_ceiling"), status.get("zmq_ceiling", {}).get(row, "not run"), notes, 1)
+        out.append(f"| {ROW_TITLES[row]} | {' | '.join(cells)} | {ceiling} |")
 
     out.append("\n### zbroker only\n")
     out.append(_render_bulk_produce(w.get("produce_send_many", {}), w["produce"].get("zbroker"), notes))

@@ -436,10 +436,11 @@ def _per_actor_cpu(broker: _Broker, topic: str, produced: int, actor_pids: dict[
             records[name] = records.get(name, 0) + p["log_end"] - p["log_start"]
     out = {}
     for name, pid in sorted(actor_pids.items()):
-        cpu_s = cpu_delta(before.only(pid), after.only(pid)).seconds
+        delta = cpu_delta(before.only(pid), after.only(pid))
+        cpu_s = delta.seconds if delta.measured else None  # an actor replaced meanwhile: unknown, not 0
         n = records.get(name, 0)
         out[name] = {"records": n, "cpu_s": cpu_s,
-                     "cpu_s_per_million_records": cpu_s / n * 1e6 if n else None}
+                     "cpu_s_per_million_records": cpu_s / n * 1e6 if n and cpu_s is not None else None}
     return out
 
 

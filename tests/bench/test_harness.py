@@ -123,3 +123,20 @@ def test_cli_arguments():
     for bad in (["--peers", "kafka"], ["--only", "everything"], ["--scale", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_a_phase_that_ends_short_before_its_time_bound_is_not_called_timed_out():
+    """A peer that refused part of the records (RabbitMQ nacks, NATS publishes without a
+    PubAck) ends its phase early with fewer acknowledged: that is no time bound reached."""
+
+    class Refusing(MemoryQueue):
+        def produce(self, spec, phase):
+            phase.begin()
+            phase.advance(spec.count // 2)  # the other half nacked
+            phase.end()
+
+    results = run({"rabbitmq": Refusing("rabbitmq")}, workloads=("produce",), phase_timeout_s=300.0)
+    produce = results["systems"]["rabbitmq"]["phases"]["produce"]
+    assert produce["records"] == 100
+    assert "time bound" not in produce.get("reason", ""), produce
+    assert produce["status"] == "failed" and "100 of the 200" in produce["reason"], produce

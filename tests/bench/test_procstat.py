@@ -128,3 +128,29 @@ def test_the_precise_clock_of_another_process_agrees_with_its_ticks():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_delta_says_how_many_processes_it_measured(tmp_path):
+    # Nothing in common and nothing new (a pid list that found no server, or an actor
+    # that was replaced): the delta's 0 seconds measured nothing, and says so.
+    before = CpuSample.take([9], proc_root=fake_proc(tmp_path / "b", {9: stat_line(9, "x", 500, 0, start=1)}))
+    after = CpuSample.take([9], proc_root=fake_proc(tmp_path / "a", {9: stat_line(9, "x", 3, 0, start=2)}))
+    assert cpu_delta(before, after, ticks_per_s=100).measured == 0
+    assert cpu_delta(CpuSample({}), CpuSample({}), ticks_per_s=100).measured == 0
+    same = CpuSample.take([9], proc_root=str(tmp_path / "b"))
+    assert cpu_delta(same, same, ticks_per_s=100).measured == 1
+
+
+def test_a_phase_that_found_no_server_process_reports_no_cpu_figure_not_zero():
+    """A peer whose server is not visible here (another PID namespace, another name):
+    its CPU per record is unknown, not 0.0 µs, which would read as the cheapest broker."""
+    from bench.adapter import Phase
+
+    for pids in ([], [2**22 + 12345]):  # no process found; a pid that does not exist
+        phase = Phase(system="redis", workload="produce", target=10, timeout_s=5, server_pids=lambda p=pids: p)
+        phase.begin()
+        phase.advance(10)
+        phase.end()
+        result = phase.result()
+        assert result["status"] == "ok"
+        assert result["server_cpu_s"] is None and result["server_cpu_us_per_record"] is None, result

@@ -243,3 +243,22 @@ def test_no_latency_ceiling_row_when_the_run_had_none(results):
     s = report.summarize(results)
     assert "zmq_ceiling" not in s["workloads"]["latency_p99_ms"]
     assert "bare relay" not in report.render_markdown(s, chart="latest.png")
+
+
+def test_a_ceiling_that_timed_out_or_failed_says_so_in_its_cells(results):
+    """The ceiling's cells are numbers like the systems': a partial one is flagged, a missing
+    one gives its reason, in the throughput table and in the CPU table."""
+    results["ceiling"]["batched_100"] = phase(400_000, cpu_us=1.0, status="timed_out",
+                                              reason="time bound 300 s reached")
+    results["ceiling"]["unbatched_100"] = {"status": "failed", "reason": "RuntimeError: zmq pusher did not start"}
+    md = report.render_markdown(report.summarize(results), chart="latest.png")
+    table = md.split("### zbroker / peer")[0]
+    rows = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| produce 100 B")}
+    throughput = rows["| produce 100 B, fsync interval"]
+    assert "| 400,000 (timed out [" in throughput, throughput
+    unbatched = rows["| produce 100 B, one record per request"]
+    assert "failed [" in unbatched.split(" | ")[5], unbatched
+    assert "zmq pusher did not start" in md
+    cpu_row = [line for line in md.split("### Server CPU per record")[1].splitlines()
+               if line.startswith("| produce 100 B, fsync interval")][0]
+    assert "1.0 (timed out [" in cpu_row.split(" | ")[-1], cpu_row
