@@ -178,3 +178,18 @@ def test_a_reply_overtaken_by_a_later_one_of_its_fetch_was_dropped():
     assert ahead.overtaken(KEY, {41}) and ahead.overtaken(KEY, {42}) and ahead.overtaken(KEY, {43})
     ahead.sent(KEY, 50, 10, follow=0)
     assert not ahead.overtaken(KEY, {51, 52})  # ids past the fetch's last belong to other requests
+
+
+def test_a_fetch_whose_reply_is_overdue_is_named_and_a_followed_one_gets_time_again_per_reply():
+    # An actor killed with the fetch parked never answers: the consumer must learn that the
+    # fetch is dead, or a partition served only through it (an ahead lease) waits for ever.
+    ahead = ReadAhead()
+    ahead.leased(KEY, 0, 10)
+    ahead.sent(KEY, 40, 10, follow=3, patience=5.0, now=100.0)
+    assert ahead.overdue(104.9) == [] and ahead.overdue(105.0) == [KEY]
+    assert ahead.arrived(KEY, 40, stored(10, 1), more=True, now=104.0) == 41
+    assert ahead.overdue(108.9) == [] and ahead.overdue(109.0) == [KEY]  # from its last reply
+    ahead.arrived(KEY, 41, b"", more=False, now=109.0)
+    assert ahead.overdue(1e9) == []  # it ended: nothing is out
+    ahead.sent(KEY, 50, 11)  # without a patience: never overdue
+    assert ahead.overdue(1e9) == []

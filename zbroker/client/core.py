@@ -494,7 +494,7 @@ class AckAccumulator:
 
 
 class _AheadSlot:
-    __slots__ = ("next", "chunks", "in_flight", "fetch_bytes")
+    __slots__ = ("next", "chunks", "in_flight", "fetch_bytes", "patience", "due")
 
     def __init__(self, next_offset: int, fetch_bytes: int) -> None:
         self.next = next_offset  # where this partition's next fresh lease should start
@@ -504,6 +504,11 @@ class _AheadSlot:
         # nth with the fetch's id + n, and stays out until one says it has no `more`.
         self.in_flight: tuple[int, int, int] | None = None
         self.fetch_bytes = fetch_bytes
+        # How long a live actor may take to send the fetch's next reply (its wait plus the
+        # request timeout), and when that runs out (None: no limit). A fetch parked at an
+        # actor that died (kill -9) gets no reply at all, and nothing else would end it.
+        self.patience: float | None = None
+        self.due: float | None = None
 
 
 class ReadAhead:
@@ -558,9 +563,11 @@ class ReadAhead:
             return None
         return slot.in_flight[0]
 
-    def arrived(self, key: tuple[str, int], corr: int, frame: Any, more: bool = False) -> int | None:
+    def arrived(self, key: tuple[str, int], corr: int, frame: Any, more: bool = False,
+                now: float | None = None) -> int | None:
         """The reply ``corr`` came back with ``frame`` (None: it failed; b"": nothing new yet).
-        With ``more`` the fetch stays out; returns the id of its next reply, if one is awaited."""
+        With ``more`` the fetch stays out; returns the id of its next reply, if one is awaited
+        (due, if ``sent`` gave a patience, within it of ``now``)."""
         slot = self._slots.get(key)
         if slot is None or slot.in_flight is None or slot.in_flight[0] != corr:
             return None
@@ -576,6 +583,8 @@ class ReadAhead:
                 slot.chunks.sort(key=lambda c: c[0])
         if more and corr < last:
             slot.in_flight = (corr + 1, offset if span is None else max(offset, span[1]), last)
+            # A followed fetch's wait runs again from each reply (PROTOCOL.md, fetch).
+            slot.due = None if slot.patience is None or now is None else now + slot.patience
             return corr + 1
         return None
 
@@ -614,11 +623,21 @@ class ReadAhead:
         corr, _offset, last = slot.in_flight
         return corr not in arrived and any(c in arrived for c in range(corr + 1, last + 1))
 
-    def sent(self, key: tuple[str, int], corr: int, offset: int, follow: int = 0) -> None:
+    def sent(self, key: tuple[str, int], corr: int, offset: int, follow: int = 0,
+             patience: float | None = None, now: float = 0.0) -> None:
+        """A fetch went out; with ``patience``, each of its replies is due within that long
+        (of ``now``, then of the reply before it), else `overdue` names it."""
         slot = self._slots.get(key)
         if slot is not None:
             slot.in_flight = (corr, offset, corr + follow)
+            slot.patience = patience
+            slot.due = None if patience is None else now + patience
             self.stats["fetches"] += 1
+
+    def overdue(self, now: float) -> list[tuple[str, int]]:
+        """Partitions whose fetch out is past its due time: its actor died or hangs."""
+        return [key for key, slot in self._slots.items()
+                if slot.in_flight is not None and slot.due is not None and slot.due <= now]
 
     def drop(self, key: tuple[str, int]) -> list[tuple[int, int]]:
         """Forget a partition; returns the ids its fetch may still get replies under, as

@@ -11,6 +11,7 @@ instead of being delivered to its successor minutes later.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 import os
@@ -40,6 +41,7 @@ _time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once
 DEFAULT_URL = "tcp://127.0.0.1:7400"
 READ_AHEAD_WAIT_S = 1.0
 MAX_ORPHANS = 4096
+MAX_STALE_KEPT = 1000  # stale ack ranges a Consumer keeps in `stale` (the latest)
 # Id ranges of read-ahead fetches given up on (a followed fetch reserved up to 65
 # ids, most never used): kept apart from MAX_ORPHANS single ids, so that rebalances
 # of many partitions do not overflow that set and leave their replies stranded.
@@ -706,9 +708,14 @@ class Consumer:
         # corr -> (ranges, ranges of polls before it, when it was sent)
         self._ack_requests: dict[int, tuple[list, list, float]] = {}
         self._poll_acks: dict[int, list] = {}  # poll sent ahead (corr) -> the acks riding on it
-        self.stale: list = []
+        # The latest stale ranges, for inspection (stats["stale"] counts them all): a consumer
+        # runs for months, and every lease that expired or moved before its ack adds ranges.
+        self.stale: collections.deque = collections.deque(maxlen=MAX_STALE_KEPT)
         self.stats = {"polled": 0, "acked": 0, "stale": 0, "rejoins": 0}
         self._needs_rejoin = threading.Event()
+        # Set (by the heartbeat thread too) when the coordinator no longer knows this member:
+        # its leases are gone then, and nothing leased before the re-join may be handed out.
+        self._member_lost = False
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         try:
@@ -726,6 +733,7 @@ class Consumer:
     # -- membership -------------------------------------------------------------------------
 
     def _join(self) -> None:
+        previous_member = self.member_id
         try:
             reply = self.conn.coordinator(m.Join(group=self.group, topics=self.topics, member_id=self.member_id,
                                                  session_timeout_ms=self.session_timeout_ms))
@@ -740,7 +748,11 @@ class Consumer:
         self.assignment = reply.assignment
         self.ack_timeout_ms = reply.ack_timeout_ms
         self.mode = reply.mode
-        self._held = []  # leased under the old generation: the coordinator hands them out again
+        # Leases on the partitions a member keeps stay valid across a rebalance (PROTOCOL.md s.14);
+        # those on partitions that moved were revoked and go to their new owner ("rebalance").
+        # Dropping the former would leave them to come back only at their ack timeout.
+        self._held = [part for part in self._held if self._still_leased(part[0], previous_member)]
+        self._member_lost = False
         if self._poll_ahead is not None and self._poll_ahead[1] != self.generation:
             # Sent in the old generation: its leases (an ahead lease among them) ended with it.
             self._orphan_poll_ahead()
@@ -760,6 +772,13 @@ class Consumer:
             self.on_revoke(sorted(old - new))
         if new - old and self.on_assign:
             self.on_assign(sorted(new - old))
+
+    def _still_leased(self, record: ConsumedRecord, previous_member: str) -> bool:
+        """After a join: does the lease ``record`` came under still stand? Yes if this is the
+        member that got it (a re-sync, not a new member: the coordinator had not lost it) and
+        its partition is still assigned to it."""
+        return (bool(previous_member) and previous_member == self.member_id and not self._member_lost
+                and [record.topic, record.partition] in [list(p) for p in self.assignment])
 
     def _connect_to_assigned(self) -> None:
         """Connect to the actors of the assigned partitions now, while the first poll goes
@@ -802,6 +821,8 @@ class Consumer:
                 if sock.poll(poll_timeout_ms(interval)):
                     env = codec.decode_reply(sock.recv_multipart())
                     if env.error is not None and env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
+                        if env.error.code == ErrorCode.UNKNOWN_MEMBER or not env.error.data.get("member_known", True):
+                            self._member_lost = True
                         self._needs_rejoin.set()
         except zmq.ZMQError:
             pass  # the context is being closed
@@ -820,6 +841,8 @@ class Consumer:
                     raise
                 if isinstance(err, UnknownMember):
                     self.member_id = ""  # expired: join as a new member
+                if isinstance(err, UnknownMember) or not err.data.get("member_known", True):
+                    self._member_lost = True
                 self._rejoin()
         raise AssertionError("unreachable")
 
@@ -855,9 +878,11 @@ class Consumer:
                 return records
             timeout = max(0.0, deadline - time.monotonic())
         max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        reply = None
         if self._poll_ahead is not None and self._needs_rejoin.is_set():
-            self._orphan_poll_ahead()  # it would be fenced: re-join now instead
-        reply = self._take_poll_ahead(timeout) if self._poll_ahead is not None else None
+            reply = self._answered_before_rejoin()
+        if reply is None and self._poll_ahead is not None:
+            reply = self._take_poll_ahead(timeout)
         if reply is _NOT_YET:
             return []
         if reply is None:
@@ -872,6 +897,29 @@ class Consumer:
         if not records and self._ahead_leases:
             records = self._records_ahead(max_records, deadline)
         return records
+
+    def _answered_before_rejoin(self) -> m.PollReply | None:
+        """Re-join now; the poll sent ahead, if it was answered before the rebalance, with its
+        deliveries whose leases still stand (None, and it is dropped, if it was not answered:
+        it would be fenced). A rebalance keeps a member's leases on the partitions it keeps:
+        dropped, they would come back only at their ack timeout, one attempt more."""
+        for env in self.conn.recv_nowait_all():
+            if isinstance(env.corr_id, int):
+                self.conn._early[env.corr_id] = env
+        corr = self._poll_ahead[0]
+        answered = self.conn._early.get(corr)
+        if answered is None or answered.error is not None:
+            self._orphan_poll_ahead()
+            return None
+        previous_member, lost = self.member_id, self._member_lost
+        reply = self._take_poll_ahead(0.0)
+        self._rejoin()
+        keep = {tuple(p) for p in self.assignment}
+        same_member = bool(previous_member) and previous_member == self.member_id and not lost
+        # Ahead leases end with the generation (PROTOCOL.md, poll): not one of them stands.
+        reply.deliveries = [d for d in reply.deliveries
+                            if same_member and d[6] != "ahead" and (d[0], d[1]) in keep]
+        return reply
 
     def _poll_now(self, max_records: int, max_wait_ms: int, timeout: float) -> m.PollReply:
         """A poll that waits for its reply, carrying the held acks (re-sent if it is fenced and retried)."""
@@ -1180,7 +1228,11 @@ class Consumer:
                 self.ahead.drop(key)  # not reachable now: the next lease is fetched the usual way
                 self._read_ahead_failed(key)
                 continue
-            self.ahead.sent(key, corr, offset, follow)
+            # A live actor answers within the wait (a followed fetch: of its last reply); one
+            # killed with the fetch parked never does, and under an ahead lease nothing else
+            # would fetch those records: they would wait for the ack timeout.
+            self.ahead.sent(key, corr, offset, follow, patience=wait_ms / 1000.0 + self.conn.request_timeout,
+                            now=time.monotonic())
 
     def _collect_read_ahead(self) -> None:
         """File the read-ahead replies that came back, so that a partition whose parked
@@ -1200,6 +1252,12 @@ class Consumer:
                         self._read_ahead_failed(key)
                     break
                 corr = self._read_ahead_arrived(key, corr, env)
+        for key in self.ahead.overdue(time.monotonic()):
+            # No reply within its wait and the request timeout: the actor died with the fetch
+            # parked (or hangs). Its replies are dropped if they come; fetch again.
+            log.info("read_ahead.overdue", topic=key[0], partition=key[1])
+            self._orphan_ranges(self.ahead.drop(key))
+            self._read_ahead_failed(key)
 
     def _read_ahead_arrived(self, key: tuple[str, int], corr: int, env: codec.Envelope) -> int | None:
         """File one read-ahead reply; returns the id of the fetch's next reply, if it stays out."""
@@ -1207,7 +1265,7 @@ class Consumer:
         if not ok and env.error.retriable:
             self.conn.metadata.forget(key[0])
         following = self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None,
-                                       more=ok and env.msg.more)
+                                       more=ok and env.msg.more, now=time.monotonic())
         if not ok:
             self._read_ahead_failed(key)
         return following

@@ -1,0 +1,154 @@
+"""The synchronous Consumer's optimisations against failures: each test compares what a
+consumer with read-ahead, poll-ahead or ahead leases gets with what the plain
+poll/fetch/ack protocol would give. The ack timeout is long (60 s), so a record whose
+lease the client dropped, or whose ack went stale, would show as missing or as a
+committed offset that stalls."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from tests.integration.test_consumer_groups import drain, produce_values, wait_committed
+from tests.integration.test_consumer_pipelining import wait_for
+from zbroker.client import Admin, Consumer, Producer
+
+pytestmark = pytest.mark.processes
+
+
+def kill_partition_actor(broker) -> None:
+    old = broker.kill("partition-0", signal.SIGKILL)
+    wait_for(lambda: broker.pids().get("partition-0") not in (None, old), 20, "the partition actor to restart")
+
+
+@pytest.mark.parametrize("lease_ahead", [False, True])
+def test_records_under_an_ahead_lease_arrive_after_the_partition_actor_is_killed(broker, lease_ahead):
+    """The followed fetch of an ahead lease is parked at the actor when it is killed: its
+    replies never come. The records produced after the restart must still arrive well
+    before the (long) ack timeout, once, as first deliveries: as they do without ahead leases."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("fragile", partitions=1)
+        admin.configure_group("g", ack_timeout_ms=60_000)
+    produce_values(broker.url, "fragile", [b"w-0", b"w-1"])
+    with Consumer(broker.url, group="g", topics=["fragile"], lease_ahead=lease_ahead,
+                  request_timeout=2.0) as consumer:
+        assert len(drain(consumer, 2, timeout=10, max_records=100)) == 2
+        assert consumer.poll(max_records=100, timeout=0.3) == []  # caught up (lease_ahead: an ahead lease)
+        # The next poll parks a read-ahead fetch at the actor for up to 3 s: kill the actor under it.
+        killer = threading.Timer(1.0, kill_partition_actor, (broker,))
+        killer.start()
+        assert consumer.poll(max_records=100, timeout=3.0) == []
+        killer.join()
+        values = [f"v-{i}".encode() for i in range(5)]
+        produce_values(broker.url, "fragile", values, request_timeout=2.0)
+        got = drain(consumer, len(values), timeout=20, max_records=100)
+    assert Counter(r.value for r in got) == Counter(values)
+    assert all(r.attempt == 1 for r in got)
+    with Admin(broker.url) as admin:
+        wait_committed(admin, "g", {("fragile", 0): 7})
+
+
+@pytest.mark.parametrize("poll_ahead", [False, True])
+def test_a_rebalance_that_keeps_a_partition_leaves_no_lease_of_it_behind(broker, poll_ahead):
+    """A member whose poll sent ahead was answered (its leases granted) and who then learns of a
+    rebalance from its heartbeat keeps the partitions those leases are on: their records must
+    reach the application now, not when their (long) ack timeout sends them round again."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("kept", partitions=2)
+        admin.configure_group("k", ack_timeout_ms=60_000)
+    values = [f"k-{i}".encode() for i in range(400)]
+    with Producer(broker.url, linger_ms=1) as producer:  # both partitions: a keeps one of them
+        producer.produce("kept", values[:200], partition=0)
+        producer.produce("kept", values[200:], partition=1)
+    a = Consumer(broker.url, group="k", topics=["kept"], poll_ahead=poll_ahead, session_timeout_ms=1500)
+    b = None
+    got: list = []
+    try:
+        first = []
+        deadline = time.monotonic() + 10
+        while not first and time.monotonic() < deadline:
+            first = a.poll(max_records=50, timeout=0.5)
+        got += first
+        for r in first:
+            a.ack(r)
+        a.flush_acks()
+        if poll_ahead:
+            assert a._poll_ahead is not None  # the next 50 are leased to a already
+        b = Consumer(broker.url, group="k", topics=["kept"], session_timeout_ms=1500)  # a rebalance
+        wait_for(a._needs_rejoin.is_set, 5, "a's heartbeat to hear of the rebalance")
+        deadline = time.monotonic() + 20
+        while len({r.value for r in got}) < len(values) and time.monotonic() < deadline:
+            for consumer in (a, b):
+                batch = consumer.poll(max_records=50, timeout=0.1)
+                got += batch
+                for r in batch:
+                    consumer.ack(r)
+                consumer.flush_acks()
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+    assert set(r.value for r in got) == set(values), f"{len(set(values) - set(r.value for r in got))} missing"
+    assert all(r.reason in ("new", "rebalance") for r in got)
+    with Admin(broker.url) as admin:  # every ack applied: none waits for the ack timeout
+        wait_committed(admin, "k", {("kept", 0): 200, ("kept", 1): 200})
+
+
+def test_records_held_for_a_smaller_poll_survive_a_rejoin_on_the_partition_kept(broker):
+    """A poll sent ahead leased more than the next call asked for: the rest is held for the
+    calls after it. A re-join (here: an ack fenced by a rebalance) in between must not drop
+    what is held on a partition this member keeps: its lease stands, and dropped it would
+    come back only at its (long) ack timeout."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("held", partitions=2)
+        admin.configure_group("h", ack_timeout_ms=60_000)
+    values = [f"h-{i}".encode() for i in range(400)]
+    with Producer(broker.url, linger_ms=1) as producer:
+        producer.produce("held", values[:200], partition=0)
+        producer.produce("held", values[200:], partition=1)
+    a = Consumer(broker.url, group="h", topics=["held"], poll_ahead=True, heartbeat=False)
+    b = None
+    got: list = []
+    try:
+        deadline = time.monotonic() + 10
+        while len(got) < 50 and time.monotonic() < deadline:
+            got += a.poll(max_records=50, timeout=0.5)
+        got += a.poll(max_records=5, timeout=5.0)  # the poll sent ahead leased 50: 45 are held
+        assert len(got) == 55 and a._held
+        for r in got:
+            a.ack(r)
+        b = Consumer(broker.url, group="h", topics=["held"])  # a rebalance: one partition moves
+        a.flush_acks()  # FENCED: a re-joins, and sends them again
+        deadline = time.monotonic() + 20
+        while len({r.value for r in got}) < len(values) and time.monotonic() < deadline:
+            for consumer in (a, b):
+                batch = consumer.poll(max_records=50, timeout=0.1)
+                got += batch
+                for r in batch:
+                    consumer.ack(r)
+                consumer.flush_acks()
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+    assert set(r.value for r in got) == set(values), f"{len(set(values) - set(r.value for r in got))} missing"
+    assert all(r.reason in ("new", "rebalance") for r in got)
+    with Admin(broker.url) as admin:  # every ack applied: none waits for the ack timeout
+        wait_committed(admin, "h", {("held", 0): 200, ("held", 1): 200})
+
+
+def test_the_stale_ranges_a_consumer_keeps_are_bounded(broker):
+    """Every ack that comes back stale (a lease that expired or moved first) was appended to
+    `Consumer.stale` for ever: a consumer that runs for months grows without bound."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("long", partitions=1)
+    with Consumer(broker.url, group="l", topics=["long"], heartbeat=False) as consumer:
+        for lease in range(5000):
+            consumer._note_stale([["long", 0, lease, 0, 2]])
+        assert len(consumer.stale) <= 1000
+        assert list(consumer.stale)[-1] == ["long", 0, 4999, 0, 2]  # the latest are kept
+        assert consumer.stats["stale"] == 10_000  # and all are counted
