@@ -1626,6 +1626,10 @@ class Consumer:
         return self._lease_call(m.Reject, records, reason=reason)
 
     def close(self, leave: bool = True) -> None:
+        """Send the held acks, leave the group (its leases go to the others at once) and
+        close. Closing again does nothing: a `with` block and a shutdown hook may both."""
+        if self._stop.is_set():
+            return
         try:
             self.flush_acks(wait=True)
             if leave and self.member_id:
