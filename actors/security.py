@@ -22,18 +22,25 @@ user id: produce needs ``produce`` on the topic, fetch/join/acks need
 ``admin``, internal ops need the broker's own key. A client without an
 ``acl.json`` entry may do everything a client can. A refusal is an
 UNAUTHORIZED error reply.
+
+Whatever could widen that is refused when the keys are read, so the broker does not
+start: an empty DIR (never "no CURVE"), a key that is not one, a server.key_secret that
+group or others may read, a DIR, clients/, .key or acl.json they may write, and an
+acl.json entry that names no client key or says ``admin`` with anything but a bool.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from protocol.errors import Unauthorized
 
@@ -61,7 +68,12 @@ class Permissions:
             if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
                 raise ValueError(f"acl {key!r} must be a list of topic names or '*'")
             return frozenset(value)
-        return cls(produce=topics("produce"), consume=topics("consume"), admin=bool(d.get("admin", False)))
+        if not isinstance(d, dict):
+            raise ValueError('an acl entry must be an object: {"produce": [...], "consume": [...], "admin": bool}')
+        admin = d.get("admin", False)
+        if not isinstance(admin, bool):  # bool("false") is True: the entry would grant what it denies
+            raise ValueError(f"acl 'admin' must be true or false, not {admin!r}")
+        return cls(produce=topics("produce"), consume=topics("consume"), admin=admin)
 
     def may(self, action: str, topic: str) -> bool:
         allowed = self.produce if action == "produce" else self.consume
@@ -82,6 +94,8 @@ class ClientKeys:
         public, secret = zmq.auth.load_certificate(str(client_secret_file))
         if secret is None:
             raise ValueError(f"{client_secret_file} holds no secret key (use the .key_secret file)")
+        check_key(server_public, "public-key", server_key_file)
+        check_pair(public, secret, client_secret_file)
         return cls(server_public, public, secret)
 
     def apply(self, sock: zmq.Socket) -> None:
@@ -90,21 +104,85 @@ class ClientKeys:
         sock.curve_secretkey = self.secret
 
 
+def check_key(key: bytes | None, field: str, path: str | Path) -> bytes:
+    """A z85 CURVE key (40 characters, 32 bytes), or a ValueError naming the file.
+
+    Checked when the keys are read: libzmq refused a malformed one only when an actor
+    set it on a socket (EINVAL, a crash loop naming no file), and a client key that is
+    no key at all was admitted silently. The key itself is never quoted: it may be a secret.
+    """
+    try:
+        ok = key is not None and len(key) == 40 and len(z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{path}: {field} is not a CurveZMQ key (40 z85 characters)")
+    return key
+
+
+def check_pair(public: bytes | None, secret: bytes | None, path: str | Path) -> None:
+    """The secret and public key in a .key_secret file must be one pair: the actors dial
+    each other with the public one, and a public key from another pair left them unable
+    to complete a handshake with their own coordinator, the broker unhealthy without a word."""
+    check_key(public, "public-key", path)
+    check_key(secret, "secret-key", path)
+    if zmq.curve_public(secret) != public:
+        raise ValueError(f"{path}: public-key and secret-key are not one key pair")
+
+
+def check_private(directory: Path) -> None:
+    """Refuse keys that other local users could read or replace (as sshd's StrictModes does).
+
+    Whoever reads server.key_secret can pose as the broker's own actors (register and
+    take partitions, answer as the commit writer); whoever can write the key directory,
+    clients/, a client's .key or acl.json can admit a key of their own, with admin rights.
+    """
+    secret = directory / "server.key_secret"
+    mode = secret.stat().st_mode
+    if mode & 0o077:
+        raise ValueError(f"{secret}: group or others may read or write it (mode {mode & 0o777:o}): chmod 600 it")
+    for path in (directory, directory / "clients", directory / "acl.json",
+                 *sorted((directory / "clients").glob("*.key"))):
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            continue  # no clients/ or no acl.json: nothing to replace it with that is not refused
+        if mode & 0o022:
+            raise ValueError(f"{path}: group or others may write it (mode {mode & 0o777:o}), so others can "
+                             f"admit keys of their own: chmod go-w it")
+
+
 class KeyRing:
     """The broker's keys, the allowed clients and their permissions, read from DIR."""
 
     def __init__(self, directory: str | Path) -> None:
+        if not str(directory).strip():
+            # `--curve "$KEYS"` with KEYS unset: taken as "no CURVE", the broker served
+            # everyone in plaintext; taken as Path(""), it read keys from the working directory.
+            raise ValueError("the CurveZMQ key directory is an empty path (is the variable that names it unset?)")
         self.directory = Path(directory)
         self.public, self.secret = zmq.auth.load_certificate(str(self.directory / "server.key_secret"))
         if self.secret is None:
             raise ValueError(f"{self.directory / 'server.key_secret'} holds no secret key")
+        check_pair(self.public, self.secret, self.directory / "server.key_secret")
+        check_private(self.directory)
         self.names: dict[str, str] = {}  # z85 public key -> client name
         for key_file in sorted((self.directory / "clients").glob("*.key")):
             public, _ = zmq.auth.load_certificate(str(key_file))
-            self.names[public.decode()] = key_file.stem
+            self.names[check_key(public, "public-key", key_file).decode()] = key_file.stem
         acl_file = self.directory / "acl.json"
         raw = json.loads(acl_file.read_text()) if acl_file.exists() else {}
-        self.permissions = {name: Permissions.from_dict(p) for name, p in raw.items()}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{acl_file} must be an object: {{\"<client name>\": {{...}}, ...}}")
+        unknown = sorted(set(raw) - set(self.names.values()))
+        if unknown:
+            # A misspelt name matches no key, and the client it meant keeps every right.
+            raise ValueError(f"{acl_file} names {unknown}, with no key in clients/ (a typo would leave "
+                             f"that client with every right): fix or remove the entry")
+        try:
+            self.permissions = {name: Permissions.from_dict(p) for name, p in raw.items()}
+        except ValueError as err:
+            raise ValueError(f"{acl_file}: {err}") from None
 
     def allowed(self, public_z85: bytes) -> bool:
         key = public_z85.decode()
@@ -159,6 +237,11 @@ def _topics_touched(op: str, msg: Any) -> list[tuple[str, str]]:
         return [("consume", t) for t in msg.topics]
     if op in MEMBER_OPS and hasattr(msg, "ranges"):
         return [("consume", t) for t in {r[0] for r in msg.ranges}]
+    if op == "poll":
+        # Acks riding on a poll settle leases like an `ack`: the same check. Member ids
+        # are not bound to keys (describe_group names them), so without it a client could
+        # poll as another client's member and ack records of a topic it may not consume.
+        return [("consume", t) for t in {r[0] for r in msg.acks}]
     return []
 
 
@@ -195,13 +278,23 @@ def keygen(directory: str | Path, *, clients: list[str] = ()) -> dict[str, Path]
     (root / "clients").mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     if not (root / "server.key_secret").exists():
-        _public, secret = zmq.auth.create_certificates(str(root), "server")
+        _public, secret = _create_pair(root, "server")
         written["server"] = Path(secret)
     for name in clients:
         if (root / "clients" / f"{name}.key_secret").exists():
             continue
-        _public, secret = zmq.auth.create_certificates(str(root / "clients"), name)
+        _public, secret = _create_pair(root / "clients", name)
         written[name] = Path(secret)
     for path in list(root.glob("*.key_secret")) + list((root / "clients").glob("*.key_secret")):
         path.chmod(0o600)
     return written
+
+
+def _create_pair(directory: Path, name: str) -> tuple[str, str]:
+    """pyzmq writes the .key_secret with the process umask (0644 under the usual 022):
+    readable by every local user until the chmod after it, or for good if keygen was
+    interrupted. It rewrites a file that exists, keeping its mode, so the file is created
+    first, empty and 0600; O_EXCL also refuses a symlink planted where it goes."""
+    fd = os.open(directory / f"{name}.key_secret", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    return zmq.auth.create_certificates(str(directory), name)

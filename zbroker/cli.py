@@ -84,7 +84,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
         raise ValueError(f"--bind: {wildcard_error(args.bind)}")
     actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
     # The broker URL is the client endpoint; hello says where its actors dial.
-    curve = KeyRing(args.curve).internal_client() if args.curve else None
+    curve = KeyRing(args.curve).internal_client() if args.curve is not None else None  # "" is refused
     with Admin(args.broker, curve=curve) as admin:
         internal = admin.hello().get("internal_endpoint")
     if not internal:

@@ -224,7 +224,7 @@ class Supervisor:
         wildcard = self.config.wildcard_error()
         if wildcard:
             return f"--host: {wildcard}"
-        if self.config.curve_dir:
+        if self.config.curve_dir is not None:  # "" too: refused, not taken as "no CURVE"
             try:
                 KeyRing(self.config.curve_dir)
             except (OSError, ValueError) as err:

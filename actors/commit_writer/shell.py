@@ -59,7 +59,7 @@ def run(coordinator_endpoint: str, offsets_url: str, *, flush_interval_ms: float
     runtime.configure_logging(log_level, actor="commit-writer")
     config = WriterConfig(flush_interval_ms=flush_interval_ms, batch_size=batch_size)
     shell = CommitWriterShell(coordinator_endpoint, offsets_url, config)
-    if curve_dir:
+    if curve_dir is not None:  # "" is refused by KeyRing, not taken as plaintext
         # The writer dials the coordinator as one of the broker's own actors.
         shell.curve = KeyRing(curve_dir).internal_client()
     runtime.tune_gc()

@@ -644,7 +644,7 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
     data = Path(data_dir)
     data.mkdir(parents=True, exist_ok=True)
     ctx = zmq.Context()
-    keys = security.KeyRing(curve_dir) if curve_dir else None
+    keys = security.KeyRing(curve_dir) if curve_dir is not None else None  # "" is refused, not plaintext
     auth = security.start_authenticator(ctx, keys, log) if keys else None
     router = runtime.make_socket(ctx, zmq.ROUTER)
     # No handover on the actors' socket: an actor's identity (`writer`,

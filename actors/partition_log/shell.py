@@ -136,7 +136,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
                               limits=Limits(max_batch_bytes=max_batch_bytes), background_sync=background_sync,
                               max_open_partitions=None if open_files is None else partitions_for_open_files(open_files))
     ctx = zmq.Context()
-    keys = security.KeyRing(curve_dir) if curve_dir else None
+    keys = security.KeyRing(curve_dir) if curve_dir is not None else None  # "" is refused, not plaintext
     auth = security.start_authenticator(ctx, keys, log) if keys else None
     router = runtime.make_socket(ctx, zmq.ROUTER)
     # Per peer, at most this many requests wait to be read (a producer faster than

@@ -209,9 +209,15 @@ class Connection:
 def curve_from_env() -> ClientKeys | None:
     """CURVE keys from ZBROKER_CURVE_SERVER_KEY and ZBROKER_CURVE_KEY (file paths), if both are set.
 
-    One without the other is a ValueError: the client would otherwise talk plaintext to
-    a broker that expects CURVE, and see only UNAVAILABLE after its request timeout."""
+    One without the other, or one set but empty, is a ValueError: the client would otherwise
+    talk plaintext to a broker that expects CURVE, and see only UNAVAILABLE after its request
+    timeout (or to whatever answers at the URL, in the clear)."""
     server, client = os.environ.get("ZBROKER_CURVE_SERVER_KEY"), os.environ.get("ZBROKER_CURVE_KEY")
+    for name, value in (("ZBROKER_CURVE_SERVER_KEY", server), ("ZBROKER_CURVE_KEY", client)):
+        if value is not None and not value.strip():
+            # `ZBROKER_CURVE_KEY="$KEY"` with KEY unset: read as "no CURVE", the client sent
+            # its records in plaintext to whatever answered. Only an absent variable means that.
+            raise ValueError(f"{name} is set but empty: name the key file, or unset it for plaintext")
     if bool(server) != bool(client):
         given, missing = (("ZBROKER_CURVE_SERVER_KEY", "ZBROKER_CURVE_KEY") if server
                           else ("ZBROKER_CURVE_KEY", "ZBROKER_CURVE_SERVER_KEY"))
