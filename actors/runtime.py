@@ -75,6 +75,27 @@ def now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
+class _StderrLogger(structlog.PrintLogger):
+    """Drops a line stderr cannot take instead of raising it into the code that logged.
+
+    stderr is often a pipe: `zbroker up 2>&1 | tee broker.log`, whose reader Ctrl-C
+    ends first, or a journal that restarts. Raised, the write's BrokenPipeError cut
+    short whatever logged it: the commit writer's SIGTERM handler (it logs before it
+    sets its stop event) and so the writer never stopped, not even on PDEATHSIG, and
+    the supervisor's stop after its first line, which left it hanging in
+    multiprocessing's exit join of that writer.
+    """
+
+    def msg(self, message: str) -> None:
+        try:
+            super().msg(message)
+        except OSError:
+            pass
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
 def configure_logging(level: str = "info", **bind: Any) -> structlog.stdlib.BoundLogger:
     """structlog to stderr: JSON when stderr is not a terminal, readable otherwise."""
     level_no = getattr(logging, level.upper(), logging.INFO)
@@ -92,7 +113,7 @@ def configure_logging(level: str = "info", **bind: Any) -> structlog.stdlib.Boun
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *_args, stream=sys.stderr: _StderrLogger(stream),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(pid=os.getpid(), **bind)

@@ -4,8 +4,9 @@ Each actor is a separate OS process started with multiprocessing's *spawn*
 method (no state inherited by fork). The supervisor waits on the process
 sentinels; when an actor dies it logs the exit code and restarts it after an
 exponential backoff (100 ms doubling to 5 s, reset after 30 s of uptime).
-On SIGINT or SIGTERM it stops the coordinator first (no new work), then the
-commit writer (flushes pending offsets), then the partition actors (fsync),
+On SIGINT, SIGTERM or SIGHUP (a terminal that hangs up) it stops the
+coordinator first (no new work), then the commit writer (flushes pending
+offsets), then the partition actors (fsync),
 each with SIGTERM and a bounded wait before SIGKILL. That order is why each
 actor runs in a process group of its own: a Ctrl-C in the terminal reaches
 the supervisor alone, not every actor at once (the commit writer would exit
@@ -176,22 +177,37 @@ class Supervisor:
 
     def _start(self, child: _Child) -> None:
         wait_for = None if child.name == "coordinator" else self.coordinator_bound
-        child.process = self.ctx.Process(target=_spawn_target,
-                                         args=(child.target, child.kwargs, os.getpid(), wait_for),
-                                         name=f"zbroker-{child.name}", daemon=False)
-        child.process.start()
+        process = self.ctx.Process(target=_spawn_target, args=(child.target, child.kwargs, os.getpid(), wait_for),
+                                   name=f"zbroker-{child.name}", daemon=False)
+        try:
+            process.start()
+        except OSError as err:
+            # No process to start it in (EAGAIN, ENOMEM: the memory pressure that may have
+            # killed this actor): that passes, so it is tried again with backoff, like a
+            # death. Raised, it ended the supervision of every other actor.
+            delay = min(BACKOFF_MAX_S, BACKOFF_START_S * (2 ** child.failures))
+            child.failures += 1
+            child.restart_at = time.monotonic() + delay
+            self.log.error("actor.spawn_failed", actor=child.name, error=str(err), restart_in_s=delay)
+            return
+        child.process = process
         child.started_at = time.monotonic()
         child.restart_at = None
         self.log.info("actor.spawned", actor=child.name, pid=child.process.pid)
         self._write_pids()
 
     def _write_pids(self) -> None:
-        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
         pids = {c.name: c.process.pid for c in self.children if c.process is not None and c.process.is_alive()}
         pids["supervisor"] = os.getpid()
         tmp = self.pid_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(pids))
-        os.replace(tmp, self.pid_file)
+        try:
+            self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(pids))
+            os.replace(tmp, self.pid_file)
+        except OSError as err:
+            # A list for operators, not the broker's state: a full disk failing it must not
+            # end the supervision of actors that keep running (it raised out of the loop).
+            self.log.warning("pids_file.unwritten", path=str(self.pid_file), error=str(err))
 
     def _lock_data_dir(self) -> bool:
         """One supervisor per data directory: a second would run a second coordinator
@@ -290,6 +306,11 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        # The terminal's hang-up (an ssh session that drops, a closed window) reaches the
+        # supervisor alone, the actors being in groups of their own. Its default action
+        # killed the supervisor outright: the actors then all got SIGTERM at once from
+        # the kernel, in no order, and the commit writer could miss the last advances.
+        signal.signal(signal.SIGHUP, self._on_signal)
         problem = self._settings_error()
         if problem is None:
             from storage.log.partition_log import make_directories_durably
@@ -305,11 +326,16 @@ class Supervisor:
         self.log.info("broker.starting", url=self.config.coordinator_endpoint, data_dir=self.config.data_dir,
                       partition_actors=self.config.partition_actors, fsync=self.config.fsync,
                       offsets=_redact(self.config.resolved_offsets_url()))
-        for child in self.children:
-            self._start(child)
-        while not self.stopping and self.failed is None:
-            self._watch_once()
-        self._stop_all()
+        try:
+            for child in self.children:
+                self._start(child)
+            while not self.stopping and self.failed is None:
+                self._watch_once()
+        finally:
+            # Whatever ends supervision, the actors stop in order here. An exception
+            # that skipped this left them running unsupervised while the supervisor,
+            # on its way out, waited for ever in multiprocessing's join of its children.
+            self._stop_all()
         if self.failed is not None:
             print(f"error: CONFIG: the {self.failed} actor cannot start (it died {START_ATTEMPTS} times within "
                   f"{STARTED_AFTER_S:g} s of starting; its errors are above)", file=sys.stderr)

@@ -13,23 +13,8 @@ import pytest
 
 from zbroker.cli import build_parser
 from zbroker.client import Admin, Consumer, Producer
+from tests.support.processes import all_gone
 from zbroker.supervisor import free_port_block
-
-
-def _gone(pids, timeout=15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _up(*args, timeout=60):
@@ -70,7 +55,7 @@ def test_actors_stop_when_their_supervisor_is_killed(start):
     assert len(actors) == 3
     broker.process.kill()
     broker.process.wait(10)
-    assert _gone(actors), "actors outlived a SIGKILLed supervisor"
+    assert all_gone(actors), "actors outlived a SIGKILLed supervisor"
 
 
 def test_a_second_broker_on_the_same_data_directory_is_refused(start, tmp_path):
@@ -104,7 +89,6 @@ def test_an_offsets_file_that_cannot_be_created_fails_at_once(tmp_path):
                  "--offsets", f"sqlite:///{missing}")
     assert result.returncode == 1
     assert f"error: CONFIG: --offsets: the directory {missing.parent} does not exist" in result.stderr
-
 
 
 @pytest.mark.postgres
