@@ -20,9 +20,9 @@ from typing import Any
 import structlog
 import zmq
 
-from actors.wire import send_frames
-from protocol import codec
-from protocol.errors import ProtocolError, ZBrokerError
+from zbroker.actors.wire import send_frames
+from zbroker.protocol import codec
+from zbroker.protocol.errors import ProtocolError, ZBrokerError
 
 # The largest message a socket accepts. Anything bigger is dropped by libzmq
 # before it costs memory (it closes that peer's connection).

@@ -42,7 +42,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from protocol.errors import Unauthorized
+from zbroker.protocol.errors import Unauthorized
 
 ZAP_DOMAIN = "zbroker"
 INTERNAL_ZAP_DOMAIN = "zbroker-internal"  # the coordinator's actor endpoint: the broker's own key only

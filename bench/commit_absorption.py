@@ -41,10 +41,10 @@ from urllib.parse import urlsplit
 import asyncpg
 import zmq
 
-from actors.commit_writer import shell
-from protocol import codec
-from protocol import messages as m
-from storage.offsets.base import split_schema
+from zbroker.actors.commit_writer import shell
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.storage.offsets.base import split_schema
 
 
 def _percentile(values: list[float], q: float) -> float | None:

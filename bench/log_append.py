@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from protocol.batch import encode_values, iter_stored_batches
-from storage.log import LogConfig, PartitionLog
+from zbroker.protocol.batch import encode_values, iter_stored_batches
+from zbroker.storage.log import LogConfig, PartitionLog
 
 
 def main(argv: list[str] | None = None) -> None:

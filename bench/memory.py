@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from protocol import messages as m
+from zbroker.protocol import messages as m
 from zbroker.client import Admin, Producer
 from zbroker.client.sync import Connection
 from zbroker.supervisor import start_broker

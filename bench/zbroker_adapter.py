@@ -549,7 +549,7 @@ def _connect_to_partition_actors(conn: Any, topic: str) -> None:
     in a phase of tens of milliseconds is a measurable part of it, and one
     that grows with the number of actors. Done before the clock starts.
     """
-    from protocol import messages as m
+    from zbroker.protocol import messages as m
 
     conn.refresh([topic])
     endpoints = {conn.endpoint(topic, p) for p in range(conn.metadata.partitions(topic))}

@@ -3,10 +3,10 @@
 This package is the only place frames are packed or unpacked. See docs/PROTOCOL.md.
 """
 
-from protocol.codec import (Envelope, decode_any, decode_reply, decode_request, encode_error,
+from zbroker.protocol.codec import (Envelope, decode_any, decode_reply, decode_request, encode_error,
                             encode_reply, encode_request)
-from protocol.errors import ErrorCode, ProtocolError, ZBrokerError
-from protocol.messages import PROTOCOL_VERSION, SUPPORTED_VERSIONS
+from zbroker.protocol.errors import ErrorCode, ProtocolError, ZBrokerError
+from zbroker.protocol.messages import PROTOCOL_VERSION, SUPPORTED_VERSIONS
 
 __all__ = [
     "Envelope", "decode_any", "decode_reply", "decode_request", "encode_error", "encode_reply",

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import msgpack
 
-from protocol.errors import CorruptBatch
+from zbroker.protocol.errors import CorruptBatch
 
 BATCH_MAGIC = b"ZBB1"
 BATCH_HEADER = struct.Struct(">4sIIQIqqi")

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import msgpack
 
-from protocol import messages as m
-from protocol.errors import ProtocolError, TooLarge, UnknownOp, UnsupportedVersion, ZBrokerError
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ProtocolError, TooLarge, UnknownOp, UnsupportedVersion, ZBrokerError
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4

@@ -16,7 +16,7 @@ import re
 import types
 from typing import Any, ClassVar, get_type_hints
 
-from protocol.errors import ProtocolError, UnsupportedVersion
+from zbroker.protocol.errors import ProtocolError, UnsupportedVersion
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import zmq
 
-from protocol.errors import RequestTimeout, ZBrokerError
-from protocol.messages import MAX_LEASE_MS
+from zbroker.protocol.errors import RequestTimeout, ZBrokerError
+from zbroker.protocol.messages import MAX_LEASE_MS
 
 DEFAULT_URL = os.environ.get("ZBROKER_URL", "tcp://127.0.0.1:7400")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what actors.runtime.configure_logging knows
@@ -74,10 +74,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
-    from actors.partition_log.core import FsyncPolicy
-    from actors.partition_log.shell import run
-    from actors.runtime import wildcard_error
-    from actors.security import KeyRing
+    from zbroker.actors.partition_log.core import FsyncPolicy
+    from zbroker.actors.partition_log.shell import run
+    from zbroker.actors.runtime import wildcard_error
+    from zbroker.actors.security import KeyRing
     from zbroker.client import Admin
     FsyncPolicy.parse(args.fsync)
     if not args.advertise_host and wildcard_error(args.bind):
@@ -95,7 +95,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from actors.security import keygen
+    from zbroker.actors.security import keygen
     written = keygen(args.dir, clients=args.client)
     for name, path in written.items():
         print(f"{name}: {path}")
@@ -605,7 +605,7 @@ def _client_logging() -> None:
     """The client library's log lines (a failed batch, a fetch retried) go to stderr, where
     the `error:` line goes: stdout carries only records and results, so it can be piped.
     ZBROKER_LOG_LEVEL (default warning) sets how much is shown."""
-    from actors.runtime import configure_logging  # the actors' processes configure their own
+    from zbroker.actors.runtime import configure_logging  # the actors' processes configure their own
     configure_logging(os.environ.get("ZBROKER_LOG_LEVEL", "warning"))
 
 

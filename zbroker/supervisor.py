@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from actors import runtime
+from zbroker.actors import runtime
 
 BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 5.0
@@ -158,19 +158,19 @@ class Supervisor:
         # offsets. Now the loser's coordinator cannot bind, and nothing of it dials out.
         self.coordinator_bound = str(data / "run" / "coordinator.bound")
         self.children: list[_Child] = [
-            _Child("coordinator", "actors.group_coordinator.shell:run",
+            _Child("coordinator", "zbroker.actors.group_coordinator.shell:run",
                    {"endpoint": config.bind_endpoint(config.port),
                     "internal_endpoint": config.bind_endpoint(config.port + 1),
                     "data_dir": str(data / "coordinator"), "log_level": config.log_level,
                     "curve_dir": config.curve_dir, "bound_file": self.coordinator_bound,
                     "advertise_host": config.advertise_host}),
-            _Child("commit-writer", "actors.commit_writer.shell:run",
+            _Child("commit-writer", "zbroker.actors.commit_writer.shell:run",
                    {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
                     "log_level": config.log_level, "curve_dir": config.curve_dir}),
         ]
         for i in range(config.partition_actors):
             self.children.append(_Child(
-                f"partition-{i}", "actors.partition_log.shell:run",
+                f"partition-{i}", "zbroker.actors.partition_log.shell:run",
                 {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(data / "partitions"),
                  "bind": config.partition_bind(i), "advertise_host": config.advertise_host, "fsync": config.fsync,
                  "log_level": config.log_level, "curve_dir": config.curve_dir}))
@@ -231,8 +231,8 @@ class Supervisor:
 
     def _settings_error(self) -> str | None:
         """A setting an actor could not start with, found before anything is created."""
-        from actors.partition_log.core import FsyncPolicy
-        from actors.security import KeyRing
+        from zbroker.actors.partition_log.core import FsyncPolicy
+        from zbroker.actors.security import KeyRing
         try:
             FsyncPolicy.parse(self.config.fsync)
         except ValueError as err:
@@ -245,8 +245,8 @@ class Supervisor:
                 KeyRing(self.config.curve_dir)
             except (OSError, ValueError) as err:
                 return f"cannot load the CurveZMQ keys in {self.config.curve_dir}: {err}"
-        from protocol.errors import ZBrokerError
-        from storage.offsets.base import open_offset_store
+        from zbroker.protocol.errors import ZBrokerError
+        from zbroker.storage.offsets.base import open_offset_store
         try:
             open_offset_store(self.config.resolved_offsets_url())  # builds it; connects to nothing
         except ZBrokerError as err:
@@ -274,12 +274,12 @@ class Supervisor:
         does not exist, the role or password is wrong). The commit writer would retry for
         ever and the broker never become healthy. A server that does not answer is left
         to those retries: it may be starting too."""
-        from storage.offsets.base import open_offset_store
+        from zbroker.storage.offsets.base import open_offset_store
 
         url = self.config.resolved_offsets_url()
         if urlsplit(url).scheme.lower() not in ("postgresql", "postgres"):
             return None
-        from storage.offsets.postgres import refused_for_good
+        from zbroker.storage.offsets.postgres import refused_for_good
 
         reason = refused_for_good(open_offset_store(url, connect_timeout=3.0))
         return None if reason is None else f"--offsets: {reason}"
@@ -313,7 +313,7 @@ class Supervisor:
         signal.signal(signal.SIGHUP, self._on_signal)
         problem = self._settings_error()
         if problem is None:
-            from storage.log.partition_log import make_directories_durably
+            from zbroker.storage.log.partition_log import make_directories_durably
             make_directories_durably(Path(self.config.data_dir), Path(self.config.data_dir))
             if not self._lock_data_dir():
                 return 1
@@ -539,8 +539,8 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
 def wait_ready(url: str, *, partition_actors: int = 1, timeout: float = 30.0,
                curve_dir: str | Path | None = None) -> dict:
     """Block until the coordinator answers status with every actor healthy and offsets loaded."""
-    from actors.security import KeyRing
-    from protocol.errors import ZBrokerError
+    from zbroker.actors.security import KeyRing
+    from zbroker.protocol.errors import ZBrokerError
     from zbroker.client import Admin
 
     deadline = time.monotonic() + timeout

@@ -56,9 +56,9 @@ import collections
 import dataclasses
 from typing import Any
 
-from protocol import messages as m
-from protocol.errors import ProtocolError, ShuttingDown, Unavailable, ZBrokerError
-from storage.offsets.base import OffsetRow
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ProtocolError, ShuttingDown, Unavailable, ZBrokerError
+from zbroker.storage.offsets.base import OffsetRow
 
 Key = tuple[str, str, int]
 

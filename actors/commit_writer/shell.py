@@ -38,16 +38,16 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from actors import runtime
-from actors.security import ClientKeys, KeyRing
+from zbroker.actors import runtime
+from zbroker.actors.security import ClientKeys, KeyRing
 
-from actors.commit_writer.core import (
+from zbroker.actors.commit_writer.core import (
     CommitWriterCore, Effect, Flush, Load, Probe, Reply, ReplyError, Status, WriterConfig,
 )
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import ProtocolError, ShuttingDown, UnknownOp, ZBrokerError
-from storage.offsets import OffsetStoreError, open_offset_store
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ProtocolError, ShuttingDown, UnknownOp, ZBrokerError
+from zbroker.storage.offsets import OffsetStoreError, open_offset_store
 
 IDENTITY = b"writer"
 SHUTDOWN_GRACE_MS = 2000.0

@@ -82,15 +82,15 @@ import dataclasses
 import heapq
 from typing import Any, Callable
 
-from actors.group_coordinator.assignor import assign
-from actors.group_coordinator.effects import (DeadLetter, Log, PersistGroupConfig, PersistOffsets, Reply,
+from zbroker.actors.group_coordinator.assignor import assign
+from zbroker.actors.group_coordinator.effects import (DeadLetter, Log, PersistGroupConfig, PersistOffsets, Reply,
                                               ReplyError)
-from actors.group_coordinator.group_state import Group, GroupConfig, Key, LeaseRecord, Member, ParkedPoll
-from actors.group_coordinator.partition_state import (AHEAD, TIMEOUT, DeadLettering, Lease, LogRange, PartitionState,
+from zbroker.actors.group_coordinator.group_state import Group, GroupConfig, Key, LeaseRecord, Member, ParkedPoll
+from zbroker.actors.group_coordinator.partition_state import (AHEAD, TIMEOUT, DeadLettering, Lease, LogRange, PartitionState,
                                                       Piece)
-from actors.group_coordinator.ranges import RangeSet
-from protocol import messages as m
-from protocol.errors import (ErrorCode, Fenced, ProtocolError, StaleLease, Unavailable, UnknownGroup,
+from zbroker.actors.group_coordinator.ranges import RangeSet
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import (ErrorCode, Fenced, ProtocolError, StaleLease, Unavailable, UnknownGroup,
                              UnknownMember, UnknownTopic, ZBrokerError)
 
 __all__ = ["DEAD_LETTER_RETRY_MS", "GroupConfig", "GroupCoordinatorCore"]

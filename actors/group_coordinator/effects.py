@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.errors import ZBrokerError
-from protocol.messages import Message
+from zbroker.protocol.errors import ZBrokerError
+from zbroker.protocol.messages import Message
 
 
 @dataclass(frozen=True, slots=True)

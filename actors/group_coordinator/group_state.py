@@ -12,9 +12,9 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.group_coordinator.partition_state import LogRange, PartitionState
-from actors.group_coordinator.ranges import RangeSet
-from protocol.messages import MAX_LEASE_MS, MAX_TOPIC_NAME_CHARS
+from zbroker.actors.group_coordinator.partition_state import LogRange, PartitionState
+from zbroker.actors.group_coordinator.ranges import RangeSet
+from zbroker.protocol.messages import MAX_LEASE_MS, MAX_TOPIC_NAME_CHARS
 
 Key = tuple[str, int]  # (topic, partition)
 

@@ -31,7 +31,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from actors.group_coordinator.ranges import RangeMap, RangeSet
+from zbroker.actors.group_coordinator.ranges import RangeMap, RangeSet
 
 NEW, TIMEOUT, REBALANCE, RESTART, AHEAD = "new", "timeout", "rebalance", "restart", "ahead"
 

@@ -31,15 +31,15 @@ from typing import Any, Callable
 
 import zmq
 
-from actors import runtime, security
-from actors.wire import recv_frames
-from actors.group_coordinator import effects as fx
-from actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
-from actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import decode_fetched, encode_records
-from protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists, Unauthorized, Unavailable,
+from zbroker.actors import runtime, security
+from zbroker.actors.wire import recv_frames
+from zbroker.actors.group_coordinator import effects as fx
+from zbroker.actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
+from zbroker.actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import decode_fetched, encode_records
+from zbroker.protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists, Unauthorized, Unavailable,
                              UnknownOp, ZBrokerError)
 
 TURN_BUDGET = 512

@@ -28,10 +28,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from protocol.errors import ProtocolError, TopicExists, Unavailable, UnknownTopic
-from protocol.messages import validate_topic_name
-from storage.log.config import InvalidSetting
-from storage.log.partition_log import LogConfig
+from zbroker.protocol.errors import ProtocolError, TopicExists, Unavailable, UnknownTopic
+from zbroker.protocol.messages import validate_topic_name
+from zbroker.storage.log.config import InvalidSetting
+from zbroker.storage.log.partition_log import LogConfig
 
 Key = tuple[str, int]
 

@@ -46,11 +46,11 @@ from typing import Any, Callable, Iterable
 
 import structlog
 
-from protocol import messages as m
-from protocol.batch import stored_range, validate_payload
-from protocol.errors import (NotOwner, OffsetOutOfRange, ProtocolError, TooLarge, Unauthorized, UnknownOp,
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import stored_range, validate_payload
+from zbroker.protocol.errors import (NotOwner, OffsetOutOfRange, ProtocolError, TooLarge, Unauthorized, UnknownOp,
                              ZBrokerError)
-from storage.log.partition_log import LogConfig, PartitionLog
+from zbroker.storage.log.partition_log import LogConfig, PartitionLog
 
 log = structlog.get_logger("zbroker.partition")
 
@@ -101,7 +101,7 @@ class Limits:
     max_fetch_bytes: int = 4 << 20
 
     def to_dict(self) -> dict:
-        from protocol.codec import MAX_HEADER_BYTES
+        from zbroker.protocol.codec import MAX_HEADER_BYTES
         return {"max_batch_bytes": self.max_batch_bytes, "max_fetch_bytes": self.max_fetch_bytes,
                 "max_header_bytes": MAX_HEADER_BYTES}
 

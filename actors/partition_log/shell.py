@@ -18,15 +18,15 @@ from typing import Any
 
 import zmq
 
-from actors import runtime, security
-from actors.wire import recv_frames
-from actors.partition_log.core import (OUT_OF_FILES, FsyncPolicy, Limits, OpenFailed, OutOfFiles,
+from zbroker.actors import runtime, security
+from zbroker.actors.wire import recv_frames
+from zbroker.actors.partition_log.core import (OUT_OF_FILES, FsyncPolicy, Limits, OpenFailed, OutOfFiles,
                                        PartitionActorCore, Reply, ReplyError, detached, partitions_for_open_files)
-from protocol import codec
-from protocol import messages as m
-from protocol.messages import validate_topic_name
-from protocol.errors import ErrorCode, ProtocolError, ZBrokerError
-from storage.log.partition_log import LogConfig, PartitionLog, make_directories_durably, run_sync_jobs
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.messages import validate_topic_name
+from zbroker.protocol.errors import ErrorCode, ProtocolError, ZBrokerError
+from zbroker.storage.log.partition_log import LogConfig, PartitionLog, make_directories_durably, run_sync_jobs
 
 TURN_BUDGET = 512
 REGISTER_RETRY_MS = 1000

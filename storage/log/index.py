@@ -29,7 +29,7 @@ from array import array
 from bisect import bisect_right
 from pathlib import Path
 
-from protocol.batch import BATCH_HEADER_SIZE
+from zbroker.protocol.batch import BATCH_HEADER_SIZE
 
 ENTRY_SIZE = 8
 if array("I").itemsize != 4:

@@ -42,13 +42,13 @@ from pathlib import Path
 
 import structlog
 
-from protocol.batch import BATCH_HEADER_SIZE, build_batch_header, parse_batch_header
-from protocol.errors import OffsetOutOfRange
-from storage.log.config import LogConfig
-from storage.log.index import OffsetIndex, write_index_file
-from storage.log.producers import ProducerStates
-from storage.log.recovery import RecoveryReport, recover
-from storage.log.segment import DATA_SUFFIX, Segment
+from zbroker.protocol.batch import BATCH_HEADER_SIZE, build_batch_header, parse_batch_header
+from zbroker.protocol.errors import OffsetOutOfRange
+from zbroker.storage.log.config import LogConfig
+from zbroker.storage.log.index import OffsetIndex, write_index_file
+from zbroker.storage.log.producers import ProducerStates
+from zbroker.storage.log.recovery import RecoveryReport, recover
+from zbroker.storage.log.segment import DATA_SUFFIX, Segment
 
 __all__ = ["LogConfig", "PartitionLog", "RecoveryReport"]
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 
-from protocol.errors import DuplicateSequence
+from zbroker.protocol.errors import DuplicateSequence
 
 REMEMBERED_BATCHES = 4096
 

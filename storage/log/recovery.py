@@ -49,11 +49,11 @@ from typing import Callable, NamedTuple
 
 import structlog
 
-from protocol.batch import BatchHeader
-from storage.log.config import LogConfig
-from storage.log.index import OffsetIndex, read_index_file, write_index_file
-from storage.log.producers import ProducerStates
-from storage.log.segment import (
+from zbroker.protocol.batch import BatchHeader
+from zbroker.storage.log.config import LogConfig
+from zbroker.storage.log.index import OffsetIndex, read_index_file, write_index_file
+from zbroker.storage.log.producers import ProducerStates
+from zbroker.storage.log.segment import (
     DATA_SUFFIX,
     INDEX_SUFFIX,
     ScanResult,

@@ -30,9 +30,9 @@ from typing import Callable, NamedTuple
 
 import structlog
 
-from protocol.batch import BATCH_HEADER_SIZE, BatchHeader, batch_crc_ok, parse_batch_header
-from protocol.errors import CorruptBatch
-from storage.log.index import OffsetIndex, write_index_file
+from zbroker.protocol.batch import BATCH_HEADER_SIZE, BatchHeader, batch_crc_ok, parse_batch_header
+from zbroker.protocol.errors import CorruptBatch
+from zbroker.storage.log.index import OffsetIndex, write_index_file
 
 log = structlog.get_logger("zbroker.log")
 

@@ -4,7 +4,7 @@
 `storage.offsets.base` for the row model and the monotonic guard.
 """
 
-from storage.offsets.base import (
+from zbroker.storage.offsets.base import (
     InvalidOffsetsUrl,
     OffsetRow,
     OffsetStore,

@@ -38,7 +38,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import structlog
 
-from protocol.errors import ErrorCode, ZBrokerError
+from zbroker.protocol.errors import ErrorCode, ZBrokerError
 
 log = structlog.get_logger("zbroker.offsets")
 
@@ -216,7 +216,7 @@ def load_migrations(backend: str) -> list[Migration]:
     version table makes reapplying rare, the SQL makes it harmless.
     """
     out = []
-    folder = importlib.resources.files("storage.offsets").joinpath("migrations")
+    folder = importlib.resources.files("zbroker.storage.offsets").joinpath("migrations")
     suffix = f".{backend}.sql"
     for entry in folder.iterdir():
         if not entry.name.endswith(suffix):
@@ -265,7 +265,7 @@ def open_offset_store(url: str, *, schema: str | None = None, **options) -> Offs
     schema = check_schema(schema if schema is not None else (url_schema or None))
     scheme = urlsplit(url).scheme.lower()
     if scheme == "sqlite":
-        from storage.offsets.sqlite import SQLiteOffsetStore
+        from zbroker.storage.offsets.sqlite import SQLiteOffsetStore
 
         prefix = "sqlite:///"
         if not url.startswith(prefix) or len(url) == len(prefix):
@@ -273,7 +273,7 @@ def open_offset_store(url: str, *, schema: str | None = None, **options) -> Offs
         path = url[len(prefix):]  # SQLAlchemy's convention: a 4th slash makes it absolute
         return SQLiteOffsetStore(path, schema=schema, **options)
     if scheme in ("postgresql", "postgres"):
-        from storage.offsets.postgres import PostgresOffsetStore
+        from zbroker.storage.offsets.postgres import PostgresOffsetStore
 
         return PostgresOffsetStore(url, schema=schema, **options)
     if not scheme:  # a bare path or name; it holds no password to keep out of the message

@@ -32,7 +32,7 @@ from typing import Awaitable, Callable, Iterable, TypeVar
 
 import asyncpg
 
-from storage.offsets.base import (
+from zbroker.storage.offsets.base import (
     MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations, stored_holes,
 )
 

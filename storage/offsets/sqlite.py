@@ -29,7 +29,7 @@ import sqlite3
 import time
 from typing import Callable, Iterable, TypeVar
 
-from storage.offsets.base import (
+from zbroker.storage.offsets.base import (
     MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations, stored_holes,
 )
 

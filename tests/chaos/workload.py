@@ -568,7 +568,7 @@ class ChaosRun:
         return pg
 
     def _sample_describe(self, admin):
-        from protocol.errors import ZBrokerError
+        from zbroker.protocol.errors import ZBrokerError
         from zbroker.client import Admin
 
         try:
@@ -642,7 +642,7 @@ class ChaosRun:
 
     def drain(self) -> None:
         """Stop producing, keep consuming until every acked record is finished and committed == log end."""
-        from protocol.errors import ZBrokerError
+        from zbroker.protocol.errors import ZBrokerError
         from zbroker.client import Admin
 
         cfg = self.config

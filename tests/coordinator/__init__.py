@@ -10,10 +10,10 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
-from actors.group_coordinator.effects import DeadLetter, Log, PersistOffsets, Reply, ReplyError
-from protocol import messages as m
-from protocol.errors import ZBrokerError
+from zbroker.actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
+from zbroker.actors.group_coordinator.effects import DeadLetter, Log, PersistOffsets, Reply, ReplyError
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ZBrokerError
 
 PARKED = object()  # what Driver.call returns for a poll that is waiting
 

@@ -1,8 +1,8 @@
 """Ahead leases: an exclusive member leases the next offsets before they exist (Poll.ahead)."""
 
-from actors.group_coordinator.core import GroupConfig
-from protocol import messages as m
-from protocol.errors import StaleLease
+from zbroker.actors.group_coordinator.core import GroupConfig
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import StaleLease
 from tests.coordinator import PARKED, Driver
 
 

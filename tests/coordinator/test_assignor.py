@@ -6,7 +6,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.group_coordinator.assignor import assign
+from zbroker.actors.group_coordinator.assignor import assign
 
 
 def counts(assignment, topic=None):

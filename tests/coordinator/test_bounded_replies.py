@@ -8,10 +8,10 @@ are dead-lettered; a small ack could also make the coordinator build a huge repl
 
 import pytest
 
-from actors.group_coordinator.core import MAX_REASON_BYTES, STALE_REPORT_LIMIT, GroupConfig
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import ZBrokerError
+from zbroker.actors.group_coordinator.core import MAX_REASON_BYTES, STALE_REPORT_LIMIT, GroupConfig
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ZBrokerError
 from tests.coordinator import Driver
 
 
@@ -95,7 +95,7 @@ def test_a_poll_carrying_stale_acks_still_fits_beside_the_records_it_leases():
     """The acks riding on a poll are echoed back when stale. Their topics are bounded by
     the longest topic name (a longer one is BAD_REQUEST), which the poll reply's budget
     for deliveries leaves room for."""
-    from protocol.errors import ProtocolError
+    from zbroker.protocol.errors import ProtocolError
 
     d = Driver(config=GroupConfig(max_in_flight=100_000, ack_timeout_ms=60_000))
     d.log_range("t", 0, 0, 4000)

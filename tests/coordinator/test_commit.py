@@ -1,7 +1,7 @@
 """Committed offsets: the contiguous finished prefix, persisted once per call, durable apart."""
 
-from actors.group_coordinator.core import GroupConfig
-from protocol.errors import StaleLease
+from zbroker.actors.group_coordinator.core import GroupConfig
+from zbroker.protocol.errors import StaleLease
 from tests.coordinator import Driver
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from actors.group_coordinator.core import DEAD_LETTER_RETRY_MS, GroupConfig
-from actors.group_coordinator.effects import DeadLetter
-from protocol import messages as m
-from protocol.errors import StaleLease, TooLarge, Unauthorized, Unavailable
+from zbroker.actors.group_coordinator.core import DEAD_LETTER_RETRY_MS, GroupConfig
+from zbroker.actors.group_coordinator.effects import DeadLetter
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import StaleLease, TooLarge, Unauthorized, Unavailable
 from tests.coordinator import PARKED, Driver, deliveries_of
 
 
@@ -312,7 +312,7 @@ def test_statistics_report_range_entries_not_records():
 
 
 def test_a_member_parks_a_bounded_number_of_polls_and_the_oldest_gives_way():
-    from actors.group_coordinator.core import MAX_PARKED_PER_MEMBER
+    from zbroker.actors.group_coordinator.core import MAX_PARKED_PER_MEMBER
     d = Driver(logs={("t", 0): (0, 0)})
     a = d.join()
     for _ in range(MAX_PARKED_PER_MEMBER + 5):

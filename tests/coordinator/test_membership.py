@@ -1,8 +1,8 @@
 """Membership, generations, fencing, sticky assignment and revocation."""
 
-from actors.group_coordinator.core import GroupConfig
-from protocol import messages as m
-from protocol.errors import Fenced, StaleLease, UnknownMember, UnknownTopic
+from zbroker.actors.group_coordinator.core import GroupConfig
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import Fenced, StaleLease, UnknownMember, UnknownTopic
 from tests.coordinator import PARKED, Driver, deliveries_of
 
 

@@ -39,10 +39,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from actors.group_coordinator.core import DEAD_LETTER_RETRY_MS, GroupConfig, GroupCoordinatorCore
-from actors.group_coordinator.effects import DeadLetter, PersistOffsets, Reply, ReplyError
-from protocol import messages as m
-from protocol.errors import Fenced, StaleLease, Unavailable, UnknownMember
+from zbroker.actors.group_coordinator.core import DEAD_LETTER_RETRY_MS, GroupConfig, GroupCoordinatorCore
+from zbroker.actors.group_coordinator.effects import DeadLetter, PersistOffsets, Reply, ReplyError
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import Fenced, StaleLease, Unavailable, UnknownMember
 
 P = 2  # partitions of topic "t"
 ACK_TIMEOUT = 1_000

@@ -1,8 +1,8 @@
 """Acks riding on a poll (Poll.acks): applied like an `ack`, before the poll leases anything."""
 
-from actors.group_coordinator.core import GroupConfig
-from protocol import messages as m
-from protocol.errors import Fenced
+from zbroker.actors.group_coordinator.core import GroupConfig
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import Fenced
 from tests.coordinator import PARKED, Driver
 
 

@@ -32,10 +32,10 @@ import random
 
 import pytest
 
-from actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
-from actors.group_coordinator.effects import DeadLetter, Log, PersistOffsets, Reply, ReplyError
-from protocol import messages as m
-from protocol.errors import ZBrokerError
+from zbroker.actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
+from zbroker.actors.group_coordinator.effects import DeadLetter, Log, PersistOffsets, Reply, ReplyError
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ZBrokerError
 
 G = "g"
 

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.group_coordinator.ranges import RangeMap, RangeSet
+from zbroker.actors.group_coordinator.ranges import RangeMap, RangeSet
 
 
 def test_add_merges_overlapping_and_adjacent_ranges():

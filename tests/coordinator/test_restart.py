@@ -2,10 +2,10 @@
 
 import pytest
 
-from actors.group_coordinator.core import GroupConfig
-from actors.group_coordinator.effects import PersistGroupConfig
-from protocol import messages as m
-from protocol.errors import StaleLease, Unavailable, UnknownGroup, UnknownTopic
+from zbroker.actors.group_coordinator.core import GroupConfig
+from zbroker.actors.group_coordinator.effects import PersistGroupConfig
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import StaleLease, Unavailable, UnknownGroup, UnknownTopic
 from tests.coordinator import Driver
 
 

@@ -4,9 +4,9 @@ delayed nacks cost work in proportion to what is due, not to everything held.
 Work is counted (entries, compactions, pieces visited), never timed.
 """
 
-from actors.group_coordinator.core import GroupConfig
-from actors.group_coordinator.ranges import RangeMap
-from protocol import messages as m
+from zbroker.actors.group_coordinator.core import GroupConfig
+from zbroker.actors.group_coordinator.ranges import RangeMap
+from zbroker.protocol import messages as m
 from tests.coordinator import Driver, ranges_of
 
 MILLION = 1_000_000

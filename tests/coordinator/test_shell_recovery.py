@@ -7,14 +7,14 @@ import dataclasses
 
 import structlog
 
-from actors.group_coordinator.effects import DeadLetter
-from actors.group_coordinator.group_state import GroupConfig, default_dlq_topic
-from actors.group_coordinator.shell import LOAD_PAGE_ROWS, CoordinatorShell
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import Record
-from protocol.errors import ErrorCode, TooLarge
-from protocol.messages import validate_topic_name
+from zbroker.actors.group_coordinator.effects import DeadLetter
+from zbroker.actors.group_coordinator.group_state import GroupConfig, default_dlq_topic
+from zbroker.actors.group_coordinator.shell import LOAD_PAGE_ROWS, CoordinatorShell
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import Record
+from zbroker.protocol.errors import ErrorCode, TooLarge
+from zbroker.protocol.messages import validate_topic_name
 
 
 def _shell(tmp_path):

@@ -9,11 +9,11 @@ import time
 
 import structlog
 
-from actors.group_coordinator import effects as fx
-from actors.group_coordinator.shell import ADVANCE_COALESCE_MS, ADVANCE_RESEND_MS, CoordinatorShell
-from protocol import codec
-from protocol import messages as m
-from storage.offsets import OffsetStoreError
+from zbroker.actors.group_coordinator import effects as fx
+from zbroker.actors.group_coordinator.shell import ADVANCE_COALESCE_MS, ADVANCE_RESEND_MS, CoordinatorShell
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.storage.offsets import OffsetStoreError
 
 
 def _shell(tmp_path):
@@ -126,10 +126,10 @@ class KeysetStore:
 def test_offsets_load_reads_each_row_once_and_goes_on_from_a_page_that_failed(tmp_path):
     import asyncio
 
-    from actors import runtime
-    from actors.commit_writer.core import WriterConfig
-    from actors.commit_writer.shell import CommitWriterShell
-    from storage.offsets import OffsetRow
+    from zbroker.actors import runtime
+    from zbroker.actors.commit_writer.core import WriterConfig
+    from zbroker.actors.commit_writer.shell import CommitWriterShell
+    from zbroker.storage.offsets import OffsetRow
 
     rows = [OffsetRow(f"g{i // 100:04d}", "orders", i % 100, 5, [], 1, 0) for i in range(20_000)]
     store = KeysetStore(rows)
@@ -166,8 +166,8 @@ def test_offsets_load_reads_each_row_once_and_goes_on_from_a_page_that_failed(tm
 def test_a_flush_a_probe_and_a_load_starting_together_prepare_the_store_once(tmp_path):
     import asyncio
 
-    from actors.commit_writer.core import WriterConfig
-    from actors.commit_writer.shell import CommitWriterShell
+    from zbroker.actors.commit_writer.core import WriterConfig
+    from zbroker.actors.commit_writer.shell import CommitWriterShell
 
     writer = CommitWriterShell("tcp://127.0.0.1:1", f"sqlite:///{tmp_path}/x.db", WriterConfig())
     calls = []
@@ -198,7 +198,7 @@ def test_a_late_reply_to_the_previous_coordinator_is_not_taken_for_the_new_ones(
     connection then. The new coordinator must not match such a reply to a request of its
     own: a page of rows after some key taken for its first page loads a partial table, and
     the partitions missing from it start over (from the log end for a "latest" group)."""
-    from actors import runtime
+    from zbroker.actors import runtime
 
     wire = []
     monkeypatch.setattr(runtime, "send_reply", lambda sock, identity, frames, what="reply": wire.append(frames))

@@ -13,10 +13,10 @@ import zlib
 
 import msgpack
 
-from protocol import codec
-from protocol.batch import (BATCH_HEADER_SIZE, CorruptBatch, build_batch_header, decode_fetched,
+from zbroker.protocol import codec
+from zbroker.protocol.batch import (BATCH_HEADER_SIZE, CorruptBatch, build_batch_header, decode_fetched,
                             iter_stored_batches, payload_record_count, validate_payload)
-from protocol.errors import ProtocolError
+from zbroker.protocol.errors import ProtocolError
 
 
 def check_request(frames: list[bytes]) -> None:

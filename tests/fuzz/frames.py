@@ -37,11 +37,11 @@ from typing import Any, Callable, Iterable
 import msgpack
 from hypothesis import strategies as st
 
-from actors.group_coordinator.topics import validate_topic_name
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import encode_records
-from protocol.errors import ProtocolError
+from zbroker.actors.group_coordinator.topics import validate_topic_name
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import encode_records
+from zbroker.protocol.errors import ProtocolError
 
 U64 = 1 << 64
 BOUNDARY_INTS = [0, 1, -1, 127, 128, 255, 256, 65535, 65536, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32,

@@ -30,9 +30,9 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import ProtocolError
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ProtocolError
 from tests.fuzz.frames import FrameMutator
 
 MIB = 1 << 20

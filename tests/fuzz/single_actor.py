@@ -15,8 +15,8 @@ from typing import Any
 
 import zmq
 
-from protocol import codec
-from protocol.errors import ProtocolError
+from zbroker.protocol import codec
+from zbroker.protocol.errors import ProtocolError
 
 
 def _child(target: str, args: tuple, kwargs: dict, log_file: str) -> None:

@@ -37,9 +37,9 @@ import msgpack
 import pytest
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import Fenced, UnknownMember
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import Fenced, UnknownMember
 from tests.fuzz import frames as fz
 from tests.fuzz.frames import CoordinatorContext, FrameMutator
 from tests.fuzz.harness import (MIB, ActorWatch, FuzzPump, ValidClient, actor_endpoint, alive,
@@ -325,7 +325,7 @@ def test_partition_actor_survives_100k_fuzzed_frames(start, tmp_path, rng, fuzz_
 def _run_writer(endpoint: str, url: str, log_file: str) -> None:
     import os
 
-    from actors.commit_writer.shell import run
+    from zbroker.actors.commit_writer.shell import run
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)  # one warning per rejected frame: keep them out of the test output
     os.close(fd)

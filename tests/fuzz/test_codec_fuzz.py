@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import NotOwner, ProtocolError
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import NotOwner, ProtocolError
 from tests.fuzz import codec_targets as tgt
 from tests.fuzz import frames as fz
 from tests.fuzz.frames import CoordinatorContext, FrameMutator

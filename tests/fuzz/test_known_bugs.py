@@ -60,10 +60,10 @@ import pytest
 import structlog
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import CorruptBatch, build_batch_header, decode_fetched
-from protocol.errors import ProtocolError
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import CorruptBatch, build_batch_header, decode_fetched
+from zbroker.protocol.errors import ProtocolError
 from tests.fuzz.harness import actor_endpoint, alive
 from tests.fuzz.single_actor import bind_router, spawn_actor, stop_actor, wait_for_request
 from zbroker.client import Admin
@@ -99,7 +99,7 @@ def still_alive_after(proc, seconds: float = 1.5) -> bool:
 def test_a_malformed_reply_to_a_pending_coordinator_request_does_not_kill_it(tmp_path, sender, reply):
     ctx = zmq.Context()
     endpoint = f"tcp://127.0.0.1:{free_port_block(1)}"
-    coordinator = spawn_actor("actors.group_coordinator.shell:run", endpoint, str(tmp_path / "coord"),
+    coordinator = spawn_actor("zbroker.actors.group_coordinator.shell:run", endpoint, str(tmp_path / "coord"),
                               log_file=str(tmp_path / "coordinator.log"), log_level="warning")
     writer = other = None
     try:
@@ -191,7 +191,7 @@ class LonePartitionActor:
         self.router, endpoint = bind_router(self.ctx)
         self.data = tmp_path / "partitions"
         self.log_file = tmp_path / "partition.log"
-        self.proc = spawn_actor("actors.partition_log.shell:run", "p9", endpoint, str(self.data),
+        self.proc = spawn_actor("zbroker.actors.partition_log.shell:run", "p9", endpoint, str(self.data),
                                 log_file=str(self.log_file), log_level="warning")
         self.client: zmq.Socket | None = None
         try:
@@ -279,7 +279,7 @@ def restore_structlog():
 
 
 def test_actor_logs_carry_the_traceback_of_an_internal_error(tmp_path, restore_structlog, monkeypatch):
-    from actors import runtime
+    from zbroker.actors import runtime
 
     log_path = tmp_path / "actor.log"
     with open(log_path, "w") as stream:

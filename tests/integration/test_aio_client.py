@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from protocol.errors import ZBrokerError
+from zbroker.protocol.errors import ZBrokerError
 from zbroker.client import Admin, Producer
 from zbroker.client.aio import AsyncAdmin, AsyncConsumer, AsyncProducer
 from zbroker.client.sync import Connection, fetch

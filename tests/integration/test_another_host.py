@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from actors import runtime
+from zbroker.actors import runtime
 from zbroker.client import Admin, Consumer, Producer
 from zbroker.supervisor import start_broker
 

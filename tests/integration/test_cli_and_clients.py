@@ -361,8 +361,8 @@ def test_a_malformed_tell_on_the_internal_endpoint_gets_no_reply(broker):
     import msgpack  # malformed frames are built by hand: the codec would refuse them
     import zmq
 
-    from protocol import codec
-    from protocol import messages as m
+    from zbroker.protocol import codec
+    from zbroker.protocol import messages as m
     from tests.fuzz.harness import actor_endpoint
 
     ctx = zmq.Context()

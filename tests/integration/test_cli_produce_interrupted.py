@@ -12,8 +12,8 @@ import time
 
 import zmq
 
-from protocol import codec
-from protocol import messages as m
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
 
 
 class HungPartition:

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from protocol import messages as m
-from protocol.errors import ErrorCode, Fenced, StaleLease
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ErrorCode, Fenced, StaleLease
 from zbroker.client import Admin, Consumer, Producer, fetch
 from zbroker.client.sync import Connection
 from zbroker.supervisor import wait_ready

@@ -9,10 +9,10 @@ import pytest
 import zmq
 import zmq.auth
 
-from actors.security import Acl, ClientKeys, KeyRing, Permissions, keygen
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import RequestTimeout, Unauthorized, Unavailable
+from zbroker.actors.security import Acl, ClientKeys, KeyRing, Permissions, keygen
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import RequestTimeout, Unauthorized, Unavailable
 from zbroker.client import Admin, Consumer, Producer
 
 pytestmark = pytest.mark.processes
@@ -274,7 +274,7 @@ def test_keygen_never_leaves_a_secret_key_readable_by_others_not_even_for_a_mome
     # keygen narrowed it to 0600 only after every pair was written: until then, or for
     # good if keygen was interrupted (Ctrl-C while making many client keys), any local
     # user could copy the broker's secret key and pose as one of its actors.
-    import actors.security as security
+    import zbroker.actors.security as security
 
     real = zmq.auth.create_certificates
     seen = {}

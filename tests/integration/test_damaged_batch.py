@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.log.segment import DATA_SUFFIX
+from zbroker.storage.log.segment import DATA_SUFFIX
 from zbroker.client import Admin, Consumer, Producer
 from zbroker.client.aio import AsyncConsumer
 

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from protocol import messages as m
+from zbroker.protocol import messages as m
 from tests.integration.test_consumer_groups import produce_values, wait_committed
 from zbroker.client import Admin, Consumer
 
@@ -130,7 +130,7 @@ def test_a_nack_split_over_several_requests_applies_every_chunk_when_one_range_i
     the first range stale): 4000 applied, offset 8000 among them, one STALE_LEASE."""
     import asyncio
 
-    from protocol.errors import StaleLease
+    from zbroker.protocol.errors import StaleLease
     from zbroker.client.aio import AsyncConsumer
 
     n = 8002

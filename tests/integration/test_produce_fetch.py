@@ -14,10 +14,10 @@ import msgpack
 import pytest
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import decode_fetched, encode_records
-from protocol.errors import ErrorCode, UnknownTopic
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import decode_fetched, encode_records
+from zbroker.protocol.errors import ErrorCode, UnknownTopic
 from zbroker.client import Admin, Connection, Producer, fetch
 from zbroker.client.sync import ProduceError
 from zbroker.supervisor import wait_ready

@@ -13,8 +13,8 @@ import msgpack
 import pytest
 import zmq
 
-from protocol import codec
-from protocol import messages as m
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
 from zbroker.client import Admin
 
 pytestmark = pytest.mark.processes

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from protocol.errors import ErrorCode, ZBrokerError
+from zbroker.protocol.errors import ErrorCode, ZBrokerError
 from tests.integration.test_consumer_groups import drain, produce_values, wait_committed
 from tests.support.pg import dsn_host_port, dsn_via, with_schema
 from tests.support.tcp_proxy import TcpProxy

@@ -37,10 +37,10 @@ import time
 import pytest
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import encode_records
-from protocol.errors import ErrorCode
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import encode_records
+from zbroker.protocol.errors import ErrorCode
 from tests.fuzz.harness import MIB, alive, open_fds, rss_bytes
 from zbroker.client import Admin, Producer
 from zbroker.client.sync import Connection, ProduceError

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protocol.batch import Record, decode_fetched, encode_records, parse_batch_header
-from storage.log import LogConfig, PartitionLog
+from zbroker.protocol.batch import Record, decode_fetched, encode_records, parse_batch_header
+from zbroker.storage.log import LogConfig, PartitionLog
 
 
 def record_value(tag: int, index: int, value_size: int) -> bytes:

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from protocol.batch import BATCH_HEADER_SIZE, iter_stored_batches
-from protocol.errors import OffsetOutOfRange
-from storage.log.index import OffsetIndex
+from zbroker.protocol.batch import BATCH_HEADER_SIZE, iter_stored_batches
+from zbroker.protocol.errors import OffsetOutOfRange
+from zbroker.storage.log.index import OffsetIndex
 from tests.log.support import batch_spans, make_payload, open_log, read_all, read_records, record_value
 
 

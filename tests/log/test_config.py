@@ -1,6 +1,6 @@
 import pytest
 
-from storage.log import LogConfig
+from zbroker.storage.log import LogConfig
 
 
 def test_defaults_round_trip_through_a_dict():

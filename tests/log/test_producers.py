@@ -2,8 +2,8 @@
 
 import pytest
 
-from protocol.errors import DuplicateSequence
-from storage.log.producers import REMEMBERED_BATCHES
+from zbroker.protocol.errors import DuplicateSequence
+from zbroker.storage.log.producers import REMEMBERED_BATCHES
 from tests.log.support import make_payload, open_log, read_all
 
 PRODUCER = 7

@@ -7,7 +7,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.batch import iter_stored_batches
+from zbroker.protocol.batch import iter_stored_batches
 from tests.log.support import make_payload, open_log, read_all, read_records, record_value
 
 appends = st.tuples(st.just("append"), st.integers(1, 20), st.integers(0, 300))

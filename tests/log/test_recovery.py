@@ -3,7 +3,7 @@
 import pytest
 from structlog.testing import capture_logs
 
-from protocol.batch import BATCH_HEADER_SIZE
+from zbroker.protocol.batch import BATCH_HEADER_SIZE
 from tests.log.support import (batch_spans, make_payload, open_log, read_all, read_records, record_value,
                                restore_files, snapshot_files)
 
@@ -248,7 +248,7 @@ def test_a_rolled_segment_gets_its_index_only_when_a_flush_has_made_its_data_dur
         index_job = next(i for i, job in enumerate(jobs) if job[0] == "index" and job[1].stem == segment.stem)
         assert kinds[index_job - 1] == "fd", "each index is written right after its segment's fsync"
     assert jobs[-1][0] == "path" and jobs[-1][1] == tmp_path, "the directory is synced last: new index files"
-    from storage.log.partition_log import run_sync_jobs
+    from zbroker.storage.log.partition_log import run_sync_jobs
     run_sync_jobs(jobs)
     assert sorted(p.stem for p in tmp_path.glob("*.index")) == [p.stem for p in closed]
     plog.close()
@@ -294,7 +294,7 @@ def test_a_failed_sync_job_closes_the_descriptors_of_the_jobs_after_it(tmp_path)
     import errno
     import os
 
-    from storage.log.partition_log import run_sync_jobs
+    from zbroker.storage.log.partition_log import run_sync_jobs
 
     (tmp_path / "f").write_bytes(b"x")
     base = os.open(tmp_path / "f", os.O_RDONLY)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from protocol.errors import DuplicateSequence, OffsetOutOfRange
+from zbroker.protocol.errors import DuplicateSequence, OffsetOutOfRange
 from tests.log.support import make_payload, open_log, read_all
 
 BATCH = 175          # make_payload(tag, 5) plus the header

@@ -29,13 +29,13 @@ import msgpack
 import pytest
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import build_batch_header, decode_fetched, encode_records, iter_stored_batches, validate_payload
-from protocol.errors import (RETRIABLE, CorruptBatch, DuplicateSequence, ErrorCode, Fenced, OffsetOutOfRange,
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import build_batch_header, decode_fetched, encode_records, iter_stored_batches, validate_payload
+from zbroker.protocol.errors import (RETRIABLE, CorruptBatch, DuplicateSequence, ErrorCode, Fenced, OffsetOutOfRange,
                              ProtocolError, StaleLease, TopicExists, UnknownMember, UnknownOp, UnknownTopic,
                              ZBrokerError)
-from protocol.partitioner import partition_for_key
+from zbroker.protocol.partitioner import partition_for_key
 
 pytestmark = pytest.mark.node
 

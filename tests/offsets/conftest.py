@@ -14,8 +14,8 @@ from typing import Iterator
 
 import pytest
 
-from storage.offsets import OffsetStore, open_offset_store
-from storage.offsets.base import TABLE
+from zbroker.storage.offsets import OffsetStore, open_offset_store
+from zbroker.storage.offsets.base import TABLE
 # pg_dsn, pg_schema and pg_schema_factory come from the root conftest, so that
 # every directory shares one session fixture (and at most one throwaway cluster).
 from tests.support.pg import PgFrontendCounter, dsn_host_port, dsn_via, pg_execute, with_schema

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from storage.offsets import OffsetRow, OffsetStoreError, open_offset_store
+from zbroker.storage.offsets import OffsetRow, OffsetStoreError, open_offset_store
 from tests.support import pg as pg_support
 from tests.support.pg import PgSession, ThrowawayCluster, dsn_host_port, dsn_via, with_schema
 from tests.support.tcp_proxy import TcpProxy

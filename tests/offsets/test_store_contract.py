@@ -9,7 +9,7 @@ import socket
 import asyncpg
 import pytest
 
-from storage.offsets import OffsetRow, OffsetStoreError, open_offset_store
+from zbroker.storage.offsets import OffsetRow, OffsetStoreError, open_offset_store
 
 MAX_INT64 = (1 << 63) - 1
 

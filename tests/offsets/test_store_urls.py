@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from storage.offsets import InvalidOffsetsUrl, open_offset_store
-from storage.offsets.postgres import PostgresOffsetStore
-from storage.offsets.sqlite import SQLiteOffsetStore
+from zbroker.storage.offsets import InvalidOffsetsUrl, open_offset_store
+from zbroker.storage.offsets.postgres import PostgresOffsetStore
+from zbroker.storage.offsets.sqlite import SQLiteOffsetStore
 
 
 @pytest.mark.parametrize("url, path, schema", [

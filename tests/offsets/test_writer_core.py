@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.commit_writer.core import (
+from zbroker.actors.commit_writer.core import (
     CommitWriterCore, Flush, Load, Probe, Reply, ReplyError, Status, WriterConfig,
 )
-from protocol.errors import ErrorCode
-from storage.offsets import OffsetRow, winner
+from zbroker.protocol.errors import ErrorCode
+from zbroker.storage.offsets import OffsetRow, winner
 
 
 def adv(partition=0, committed=0, holes=None, generation=1, epoch=0, group="g", topic="t") -> list:

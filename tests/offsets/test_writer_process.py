@@ -20,11 +20,11 @@ import msgpack
 import pytest
 import zmq
 
-from actors.commit_writer import shell
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import ErrorCode
-from storage.offsets import OffsetRow, open_offset_store
+from zbroker.actors.commit_writer import shell
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ErrorCode
+from zbroker.storage.offsets import OffsetRow, open_offset_store
 from tests.support.pg import PgSession, dsn_host_port, dsn_via, with_schema
 from tests.support.tcp_proxy import TcpProxy
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
-from protocol import messages as m
-from protocol.codec import Envelope
-from protocol.errors import ZBrokerError
+from zbroker.protocol import messages as m
+from zbroker.protocol.codec import Envelope
+from zbroker.protocol.errors import ZBrokerError
 from zbroker.client.aio import AsyncConnection, AsyncConsumer
 from zbroker.client.core import MetadataCache
 

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from protocol.codec import Envelope
-from protocol.errors import StaleLease, Unavailable
-from protocol.messages import Ack, AckReply, NackReply, Poll, PollReply
+from zbroker.protocol.codec import Envelope
+from zbroker.protocol.errors import StaleLease, Unavailable
+from zbroker.protocol.messages import Ack, AckReply, NackReply, Poll, PollReply
 from tests.support.aio_coordinator import ScriptedCoordinator, offline_consumer
 from zbroker.client.aio import AsyncConsumer
 from zbroker.client.core import RANGES_PER_REQUEST, ConsumedRecord
@@ -92,7 +92,7 @@ def test_close_raises_when_the_held_acks_could_not_be_sent():
 
 
 def test_a_long_poll_timeout_asks_for_at_most_the_longest_wait():
-    from protocol import messages as m
+    from zbroker.protocol import messages as m
 
     class AwayCoordinator(ScriptedCoordinator):
         def answer(self, msg):
@@ -106,8 +106,8 @@ def test_a_long_poll_timeout_asks_for_at_most_the_longest_wait():
 
 
 def test_the_heartbeat_goes_on_when_a_re_join_fails():
-    from protocol import messages as m
-    from protocol.errors import Fenced, RequestTimeout
+    from zbroker.protocol import messages as m
+    from zbroker.protocol.errors import Fenced, RequestTimeout
     c = _bare_member(None)
     c.session_timeout_ms = 150  # a beat every 50 ms
     calls = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from protocol import messages as m
-from protocol.batch import build_batch_header, encode_values
-from protocol.errors import Fenced, UnknownMember
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import build_batch_header, encode_values
+from zbroker.protocol.errors import Fenced, UnknownMember
 from tests.support.aio_coordinator import ScriptedCoordinator, offline_consumer
 from zbroker.client.core import ConsumedRecord
 

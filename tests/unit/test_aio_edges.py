@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from protocol import messages as m
-from protocol.batch import build_batch_header, encode_values
-from protocol.errors import ErrorCode, Unavailable
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import build_batch_header, encode_values
+from zbroker.protocol.errors import ErrorCode, Unavailable
 from tests.support.aio_coordinator import ScriptedCoordinator, offline_consumer
 from tests.unit.test_aio_consumer import consumed
 from zbroker.client.aio import AsyncConsumer, AsyncProducer

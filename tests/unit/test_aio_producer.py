@@ -8,8 +8,8 @@ import contextlib
 
 import pytest
 
-from protocol import messages as m
-from protocol.errors import ErrorCode, Unavailable
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ErrorCode, Unavailable
 from zbroker.client.aio import AsyncProducer
 from zbroker.client.sync import ProduceError
 

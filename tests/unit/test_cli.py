@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import zbroker.client
-from protocol.errors import ErrorCode, ZBrokerError
+from zbroker.protocol.errors import ErrorCode, ZBrokerError
 from zbroker import cli
 
 

@@ -5,8 +5,8 @@ import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.batch import encode_columns, encode_records, encode_values, validate_payload
-from protocol.partitioner import partition_for_key
+from zbroker.protocol.batch import encode_columns, encode_records, encode_values, validate_payload
+from zbroker.protocol.partitioner import partition_for_key
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, Deduper, DeliveryHandle, checked_partition,
                                  checked_record, checked_topics,
                                  checked_timestamp, group_by_lease)
@@ -254,7 +254,7 @@ def test_metadata_endpoints_of_an_assignment_skip_what_is_not_known():
 def test_a_partition_whose_sequences_run_out_moves_to_a_new_producer_id():
     # Sequences are signed 32-bit on the wire: batch 2**31 of one (producer_id, partition)
     # would be refused with BAD_REQUEST, failing every record in it and after it.
-    from protocol import messages as m
+    from zbroker.protocol import messages as m
     from zbroker.client.core import MAX_SEQUENCE
     acc = BatchAccumulator(batch_size=1, batch_bytes=1 << 20, producer_id=17)
     acc._sequences[("t", 0)] = MAX_SEQUENCE

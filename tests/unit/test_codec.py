@@ -9,13 +9,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import (BATCH_HEADER_SIZE, Record, build_batch_header, decode_fetched, encode_records, encode_values,
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import (BATCH_HEADER_SIZE, Record, build_batch_header, decode_fetched, encode_records, encode_values,
                             uniform_record_count, validate_by_decoding,
                             iter_stored_batches, parse_batch_header, payload_record_count, validate_payload)
-from protocol.errors import CorruptBatch, ErrorCode, NotOwner, ProtocolError, StaleLease, ZBrokerError
-from protocol.partitioner import partition_for_key
+from zbroker.protocol.errors import CorruptBatch, ErrorCode, NotOwner, ProtocolError, StaleLease, ZBrokerError
+from zbroker.protocol.partitioner import partition_for_key
 from zbroker.client.core import ConsumedRecord
 
 settings.register_profile("zbroker", deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -452,7 +452,7 @@ def payload_record_count_or_one(payload: bytes) -> int:
 def test_a_uniform_batch_with_one_timestamp_is_read_off_its_bytes(timestamp, value_size, monkeypatch):
     """The byte path really is taken (msgpack is never asked to decode the batch) and
     gives the stored values, with the batch's timestamp on every record."""
-    import protocol.batch as batch
+    import zbroker.protocol.batch as batch
 
     values = [bytes([i]) * value_size for i in range(5)]
     payload = encode_values(values, timestamp)
@@ -480,7 +480,7 @@ def test_group_names_and_dead_letter_topics_the_broker_cannot_store_are_refused_
 
 
 def test_the_longest_group_name_the_writer_stores_is_accepted():
-    from actors.commit_writer.core import MAX_NAME_CHARS
+    from zbroker.actors.commit_writer.core import MAX_NAME_CHARS
     env = codec.decode_request(codec.encode_request(m.Join(group="g" * MAX_NAME_CHARS, topics=["t"]), 1))
     assert env.msg.group == "g" * MAX_NAME_CHARS
     assert codec.decode_request(codec.encode_request(m.ConfigureGroup(group="g", dlq=""), 1)).msg.dlq == ""

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import ShuttingDown, Unavailable
+from zbroker.protocol.errors import ShuttingDown, Unavailable
 from zbroker.client.core import AckAccumulator, ConsumedRecord
 from zbroker.client.sync import Consumer
 

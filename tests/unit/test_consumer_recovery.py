@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from protocol import codec
-from protocol import messages as m
-from protocol.errors import Fenced, NotOwner, RequestTimeout, Unavailable
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import Fenced, NotOwner, RequestTimeout, Unavailable
 from tests.unit.test_consumer_acks import acked_set, bare_consumer, records_of
 from tests.unit.test_read_ahead import stored
 from zbroker.client.core import MetadataCache
@@ -258,7 +258,7 @@ def test_a_failed_read_ahead_fetch_under_an_ahead_lease_is_sent_again(monkeypatc
 
 
 def test_a_consumer_loop_waits_out_retriable_errors_and_raises_the_others():
-    from protocol.errors import ProtocolError, RequestTimeout, Unavailable
+    from zbroker.protocol.errors import ProtocolError, RequestTimeout, Unavailable
     from zbroker.client.sync import RetryBackoff
 
     slept = []
@@ -277,7 +277,7 @@ def test_a_consumer_loop_waits_out_retriable_errors_and_raises_the_others():
 def test_run_rides_out_a_retriable_error_on_its_acks(monkeypatch):
     # A reviewer's point: run() retried a retriable poll, but UNAVAILABLE answered to an
     # ack (the coordinator reloading offsets after a restart) still escaped from it.
-    from protocol.errors import Unavailable
+    from zbroker.protocol.errors import Unavailable
 
     def acks_answer(corr, msg):
         return codec.Envelope(op="ack", corr_id=corr, error=Unavailable("coordinator is loading offsets"))

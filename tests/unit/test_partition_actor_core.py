@@ -2,12 +2,12 @@
 
 import pytest
 
-from actors.partition_log.core import FsyncPolicy, OpenFailed, PartitionActorCore, Reply, ReplyError
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import decode_fetched, encode_records
-from protocol.errors import ErrorCode
-from storage.log.partition_log import LogConfig, PartitionLog
+from zbroker.actors.partition_log.core import FsyncPolicy, OpenFailed, PartitionActorCore, Reply, ReplyError
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import decode_fetched, encode_records
+from zbroker.protocol.errors import ErrorCode
+from zbroker.storage.log.partition_log import LogConfig, PartitionLog
 
 
 class Opener:
@@ -160,7 +160,7 @@ def test_reports_carry_changed_partitions_only(core):
 
 
 def test_reports_are_paced_a_quiet_partition_is_reported_at_once(core):
-    from actors.partition_log.core import REPORT_PACE_MS
+    from zbroker.actors.partition_log.core import REPORT_PACE_MS
 
     assert core.take_report(1_000) is not None  # the initial open: at once
     produce(core, b"a", partition=0)
@@ -179,7 +179,7 @@ def test_unknown_op_is_an_error_reply(core):
 
 
 def test_interval_fsync_can_run_on_a_background_thread(tmp_path):
-    from storage.log.partition_log import run_sync_jobs
+    from zbroker.storage.log.partition_log import run_sync_jobs
     handed_off = []
     core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("interval:100"),
                               background_sync=handed_off.append)
@@ -194,7 +194,7 @@ def test_interval_fsync_can_run_on_a_background_thread(tmp_path):
 
 
 def test_past_the_cap_the_oldest_waiting_fetch_is_answered_and_each_is_answered_once(core, monkeypatch):
-    from actors.partition_log import core as core_module
+    from zbroker.actors.partition_log import core as core_module
 
     monkeypatch.setattr(core_module, "MAX_PARKED_FETCHES", 3)
     wait = lambda p: env(m.Fetch(topic="t", partition=p, offset=0, max_wait_ms=1000))  # noqa: E731
@@ -256,7 +256,7 @@ def test_fsync_never_does_not_sync_at_open(tmp_path, monkeypatch):
 def test_fsync_always_fetches_in_an_appending_turn_wait_for_the_sync(tmp_path):
     # A waiting fetch whose deadline falls in the turn, a plain fetch after the produce and
     # an evicted waiting fetch: none may carry the record before end_turn's fsync.
-    import actors.partition_log.core as core_module
+    import zbroker.actors.partition_log.core as core_module
     core = PartitionActorCore("p0", open_log=Opener(tmp_path), fsync=FsyncPolicy.parse("always"))
     core.on_assign([["t", 0, None]], 0)
     assert core.handle("expiring", env(m.Fetch(topic="t", partition=0, offset=0, max_wait_ms=100)), 0) == []
@@ -292,7 +292,7 @@ def test_out_of_file_descriptors_defers_the_partitions_and_the_open_ones_keep_se
     # same crash for ever, taking every other topic on it down too.
     import errno
 
-    from actors.partition_log.core import OutOfFiles
+    from zbroker.actors.partition_log.core import OutOfFiles
 
     files_left = [3]
 
@@ -326,7 +326,7 @@ def test_an_actor_opens_no_more_partitions_than_its_descriptors_can_serve(tmp_pa
     # A reviewer's point: opening until EMFILE left no descriptor for a fetch of an old
     # segment, a roll or an fsync, each an I/O error that stops the actor; it restarted
     # and opened up to the limit again. The budget defers the rest instead.
-    from actors.partition_log.core import partitions_for_open_files
+    from zbroker.actors.partition_log.core import partitions_for_open_files
 
     assert partitions_for_open_files(1024) == 76 and partitions_for_open_files(100) == 1
     core = PartitionActorCore("p0", open_log=Opener(tmp_path), max_open_partitions=3)
@@ -338,7 +338,7 @@ def test_an_actor_opens_no_more_partitions_than_its_descriptors_can_serve(tmp_pa
 
 
 def test_the_registration_names_the_partitions_not_open_and_why(tmp_path):
-    from actors.partition_log.core import NO_FILES_LEFT
+    from zbroker.actors.partition_log.core import NO_FILES_LEFT
 
     class LockedThree(Opener):
         def __call__(self, topic, partition, config, now_ms):
@@ -364,7 +364,7 @@ def test_the_registration_names_the_partitions_not_open_and_why(tmp_path):
     [["t", p, "why"] for p in range(m.MAX_NOT_OPEN_LISTED + 1)],
 ])
 def test_a_registration_with_a_malformed_not_open_list_is_refused(not_open):
-    from protocol.errors import ProtocolError
+    from zbroker.protocol.errors import ProtocolError
 
     fields = {"actor_id": "a", "endpoint": "tcp://x", "storage_id": "s", "pid": 1, "partitions": [],
               "not_open": not_open}
@@ -446,7 +446,7 @@ def test_follow_needs_an_integer_id_with_room_for_its_replies(core):
 
 
 def test_followed_fetches_stay_within_the_cap_on_waiting_fetches(core, monkeypatch):
-    import actors.partition_log.core as core_module
+    import zbroker.actors.partition_log.core as core_module
     monkeypatch.setattr(core_module, "MAX_PARKED_FETCHES", 2)
     follow_fetch(core, follow=5, token="one")
     follow_fetch(core, follow=5, token="two")

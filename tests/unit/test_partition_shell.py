@@ -7,8 +7,8 @@ import pytest
 import structlog
 import zmq
 
-from actors import runtime
-from actors.partition_log import shell
+from zbroker.actors import runtime
+from zbroker.actors.partition_log import shell
 
 
 def test_a_failed_background_fsync_stops_the_loop():
@@ -54,9 +54,9 @@ def test_a_refused_produce_frees_its_payload_without_the_cycle_collector(monkeyp
     import gc
     import weakref
 
-    from actors.partition_log.core import PartitionActorCore
-    from protocol import codec
-    from protocol import messages as m
+    from zbroker.actors.partition_log.core import PartitionActorCore
+    from zbroker.protocol import codec
+    from zbroker.protocol import messages as m
 
     monkeypatch.setattr(shell, "_send", lambda route, frames, must_arrive=False: None)  # no sockets
     core = PartitionActorCore("x", open_log=shell.LockedLogOpener(tmp_path))
@@ -83,8 +83,8 @@ def test_a_new_partition_directory_is_durable_in_its_parents_before_it_is_served
     # not the directories holding the new entries (logs/<topic>, logs, the data dir).
     import os
 
-    from storage.log import partition_log
-    from storage.log.partition_log import LogConfig
+    from zbroker.storage.log import partition_log
+    from zbroker.storage.log.partition_log import LogConfig
 
     synced = []
     real_fsync = os.fsync
@@ -113,7 +113,7 @@ def test_directory_entries_are_synced_up_to_the_root_even_when_someone_else_made
     # A reviewer's points: the supervisor made the data directory with a plain mkdir, so
     # the actor found it there and never synced its parent; and after a failed fsync the
     # opener's retry found every directory there and synced nothing.
-    from storage.log import partition_log
+    from zbroker.storage.log import partition_log
 
     synced, failures = [], [OSError(5, "Input/output error")]
     real = partition_log._fsync_path

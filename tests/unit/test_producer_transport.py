@@ -7,9 +7,9 @@ import types
 
 import zmq
 
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import decode_fetched
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import decode_fetched
 from zbroker.client.aio import AsyncProducer, RecordWindow
 from zbroker.client.core import MetadataCache
 from zbroker.client.sync import Producer
@@ -44,11 +44,11 @@ class _AsyncBroker:
 
 def _as_stored(payload: bytes) -> bytes:
     """A produce payload framed as the log stores it, so the test can read its records back."""
-    from storage.log.partition_log import PartitionLog  # noqa: F401 (the layout lives in storage)
+    from zbroker.storage.log.partition_log import PartitionLog  # noqa: F401 (the layout lives in storage)
     import tempfile
     from pathlib import Path
-    from storage.log.partition_log import LogConfig
-    from protocol.batch import validate_payload
+    from zbroker.storage.log.partition_log import LogConfig
+    from zbroker.protocol.batch import validate_payload
     with tempfile.TemporaryDirectory() as d:
         plog = PartitionLog.open(Path(d), LogConfig(), now_ms=0)
         plog.append(payload, validate_payload(payload), append_time_ms=0, producer_id=0, producer_seq=-1)
@@ -153,7 +153,7 @@ def test_a_produce_reply_that_arrives_during_a_metadata_refresh_is_not_lost():
 def test_a_batch_over_the_frame_limit_fails_with_too_large_without_being_sent(monkeypatch):
     # An actor's socket drops such a frame without a reply: sent, it timed out and was sent
     # again at every retry, and failed minutes later as a TIMEOUT that hid the cause.
-    from protocol.errors import ErrorCode
+    from zbroker.protocol.errors import ErrorCode
     from zbroker.client.sync import ProduceError
 
     monkeypatch.setattr("zbroker.client.core.MAX_FRAME_BYTES", 1000)

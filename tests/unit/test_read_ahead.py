@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.batch import build_batch_header, decode_fetched, encode_records, stored_range
-from protocol.errors import CorruptBatch
+from zbroker.protocol.batch import build_batch_header, decode_fetched, encode_records, stored_range
+from zbroker.protocol.errors import CorruptBatch
 from zbroker.client.core import ConsumedRecord, ReadAhead
 
 KEY = ("t", 0)

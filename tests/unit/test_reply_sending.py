@@ -8,8 +8,8 @@ import pytest
 import structlog
 import zmq
 
-from actors import runtime
-from actors.wire import recv_frames
+from zbroker.actors import runtime
+from zbroker.actors.wire import recv_frames
 
 _endpoints = itertools.count()
 

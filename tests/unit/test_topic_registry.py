@@ -2,8 +2,8 @@
 
 import pytest
 
-from actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
-from protocol.errors import ProtocolError, TopicExists, UnknownTopic
+from zbroker.actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
+from zbroker.protocol.errors import ProtocolError, TopicExists, UnknownTopic
 
 
 def owners(reg: TopicRegistry, topic: str) -> list:
@@ -112,8 +112,8 @@ def test_snapshot_restore_round_trip():
 
 
 def test_the_actor_registry_is_bounded_and_forgets_long_dead_actors():
-    from actors.group_coordinator import topics
-    from protocol.errors import Unavailable
+    from zbroker.actors.group_coordinator import topics
+    from zbroker.protocol.errors import Unavailable
 
     reg = TopicRegistry(actor_timeout_ms=100)
     reg.register("real", "tcp://real", "s1", 1, [], 0)

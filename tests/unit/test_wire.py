@@ -8,7 +8,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.wire import recv_frames, send_frames
+from zbroker.actors.wire import recv_frames, send_frames
 
 _endpoints = itertools.count()
 

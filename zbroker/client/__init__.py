@@ -1,6 +1,6 @@
 """The zbroker Python client: sync (`Admin`, `Producer`, `Consumer`) and asyncio (`zbroker.client.aio`)."""
 
-from protocol.batch import Record
+from zbroker.protocol.batch import Record
 from zbroker.client.core import ConsumedRecord, DeliveryHandle, Deduper, record_id
 from zbroker.client.sync import DEFAULT_URL, Admin, Connection, Consumer, ProduceError, Producer, fetch
 

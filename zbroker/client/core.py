@@ -22,10 +22,10 @@ from collections import OrderedDict
 from operator import itemgetter
 from typing import Any, Container, Iterable
 
-from protocol.batch import Record, encode_columns, encode_values, stored_range
-from protocol.codec import MAX_FRAME_BYTES
-from protocol.errors import StaleLease, TooLarge, UnknownPartition, UnknownTopic
-from protocol.partitioner import partition_for_key
+from zbroker.protocol.batch import Record, encode_columns, encode_values, stored_range
+from zbroker.protocol.codec import MAX_FRAME_BYTES
+from zbroker.protocol.errors import StaleLease, TooLarge, UnknownPartition, UnknownTopic
+from zbroker.protocol.partitioner import partition_for_key
 
 
 class ConsumedRecord(Record):

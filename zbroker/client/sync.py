@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterable, Iterator
 import structlog
 import zmq
 
-from actors.security import ClientKeys
-from actors.wire import recv_frames, send_frames
-from protocol import codec
-from protocol import messages as m
-from protocol.batch import decode_fetched
-from protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, StaleLease, Unavailable,
+from zbroker.actors.security import ClientKeys
+from zbroker.actors.wire import recv_frames, send_frames
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import decode_fetched
+from zbroker.protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, StaleLease, Unavailable,
                              UnknownMember, ZBrokerError)
 from zbroker.client.core import (AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord, DeliveryHandle,
                                  MetadataCache, PendingBatch, ReadAhead, group_by_lease,
