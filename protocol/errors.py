@@ -35,6 +35,11 @@ class ErrorCode(str, enum.Enum):
     SHUTTING_DOWN = "SHUTTING_DOWN"
     TIMEOUT = "TIMEOUT"
     INTERNAL = "INTERNAL"
+    # Replication and clustering (hello's `features` says which an actor sends).
+    NOT_LEADER = "NOT_LEADER"
+    NOT_ENOUGH_REPLICAS = "NOT_ENOUGH_REPLICAS"
+    STALE_EPOCH = "STALE_EPOCH"
+    NOT_COORDINATOR = "NOT_COORDINATOR"
 
 
 # Whether a client may retry the same request unchanged and expect it to work
@@ -60,6 +65,16 @@ RETRIABLE: dict[ErrorCode, bool] = {
     ErrorCode.SHUTTING_DOWN: True,
     ErrorCode.TIMEOUT: True,
     ErrorCode.INTERNAL: False,
+    # Another replica leads the partition now: refresh metadata (data.leader is a hint).
+    ErrorCode.NOT_LEADER: True,
+    # Fewer in-sync replicas (or, for create_topic, fewer qualifying actors) than
+    # required: retriable because replicas catch up and actors register.
+    ErrorCode.NOT_ENOUGH_REPLICAS: True,
+    # The sender's leader or coordinator epoch is older than the receiver's: the
+    # sender was replaced and must not retry; it learns the new state instead.
+    ErrorCode.STALE_EPOCH: False,
+    # This node's coordinator stands by: follow data.leader, or try the next node.
+    ErrorCode.NOT_COORDINATOR: True,
 }
 
 
@@ -186,12 +201,28 @@ class RequestTimeout(ZBrokerError):
     code = ErrorCode.TIMEOUT
 
 
+class NotLeader(ZBrokerError):
+    code = ErrorCode.NOT_LEADER
+
+
+class NotEnoughReplicas(ZBrokerError):
+    code = ErrorCode.NOT_ENOUGH_REPLICAS
+
+
+class StaleEpoch(ZBrokerError):
+    code = ErrorCode.STALE_EPOCH
+
+
+class NotCoordinator(ZBrokerError):
+    code = ErrorCode.NOT_COORDINATOR
+
+
 _BY_CODE: dict[ErrorCode, type[ZBrokerError]] = {
     cls.code: cls
     for cls in (
         ProtocolError, UnsupportedVersion, UnknownOp, TooLarge, UnknownTopic, UnknownPartition,
         TopicExists, NotOwner, Fenced, UnknownMember, StaleLease, OffsetOutOfRange,
         DuplicateSequence, CorruptBatch, UnknownGroup, Unauthorized, Unavailable, ShuttingDown,
-        RequestTimeout,
+        RequestTimeout, NotLeader, NotEnoughReplicas, StaleEpoch, NotCoordinator,
     )
 }

@@ -57,6 +57,7 @@ export const RETRIABLE = Object.freeze({
   FENCED: true, UNKNOWN_MEMBER: true, STALE_LEASE: false, OFFSET_OUT_OF_RANGE: false,
   DUPLICATE_SEQUENCE: false, CORRUPT_BATCH: false, UNKNOWN_GROUP: false, UNAUTHORIZED: false,
   UNAVAILABLE: true, SHUTTING_DOWN: true, TIMEOUT: true, INTERNAL: false,
+  NOT_LEADER: true, NOT_ENOUGH_REPLICAS: true, STALE_EPOCH: false, NOT_COORDINATOR: true,
 });
 
 /** Every error this module throws. `code` is a stable wire code; `data` carries the facts. */
@@ -557,7 +558,7 @@ function backoffMs(attempt, deadline) {
   return Math.max(0, Math.min(25 * 2 ** attempt, 1000, deadline - Date.now()));
 }
 // Errors after which a partition request is retried once metadata has been refreshed (s.7).
-const REFRESH_CODES = new Set(["NOT_OWNER", "UNAVAILABLE", "SHUTTING_DOWN", "TIMEOUT"]);
+const REFRESH_CODES = new Set(["NOT_OWNER", "NOT_LEADER", "UNAVAILABLE", "SHUTTING_DOWN", "TIMEOUT"]);
 
 /** Open a client to the coordinator at `url` and say hello. */
 export async function connect(url = DEFAULT_URL, options = {}) {
