@@ -30,7 +30,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated workloads: produce (all four variants), produce_1k, "
                              "produce_fsync_always, produce_unbatched, consume, latency, scale_out, "
                              "redelivery, commits, memory")
-    parser.add_argument("--peers", default="rabbitmq,nats,redis", help="comma-separated peers to compare")
+    parser.add_argument("--peers", default=",".join(harness.Config.peers), help="comma-separated peers to compare")
     parser.add_argument("--no-peers", action="store_true", help="zbroker and the ceiling only")
     parser.add_argument("--no-zbroker", action="store_true", help="peers and the ceiling only")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the raw-ZeroMQ ceiling")
@@ -57,9 +57,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     peers = [] if args.no_peers else [p.strip() for p in args.peers.split(",") if p.strip()]
-    unknown = [p for p in peers if p not in ("rabbitmq", "nats", "redis")]
+    known = harness.Config.peers
+    unknown = [p for p in peers if p not in known]
     if unknown:
-        parser.error(f"unknown peer(s) {', '.join(unknown)}; choose from rabbitmq, nats, redis")
+        parser.error(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     args.peer_list = tuple(peers)
     return args
 

@@ -109,7 +109,7 @@ class Counts:
 class Config:
     scale: float = 1.0
     workloads: tuple[str, ...] = WORKLOADS
-    peers: tuple[str, ...] = ("rabbitmq", "nats", "redis")
+    peers: tuple[str, ...] = ("rabbitmq", "nats", "redis", "pgqueuer", "procrastinate", "pgmq")
     include_zbroker: bool = True
     ceiling: bool = True
     phase_timeout_s: float = 300.0

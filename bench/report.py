@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("zbroker", "rabbitmq", "nats", "redis")
+SYSTEMS = ("zbroker", "rabbitmq", "nats", "redis", "pgqueuer", "procrastinate", "pgmq")
 PEERS = SYSTEMS[1:]
 # zbroker's latency workload also runs with a publisher that does not linger;
 # that run is a variant row beside the systems, kept out of the per-system maps
@@ -43,7 +43,7 @@ CEILING_FOR_ROW = {
     "consume_ack": "batched_100",
 }
 COLORS = {"zbroker": "tab:blue", "rabbitmq": "tab:orange", "nats": "tab:green", "redis": "tab:red",
-          "zmq_ceiling": "tab:gray"}
+          "pgqueuer": "tab:purple", "procrastinate": "tab:brown", "pgmq": "tab:pink", "zmq_ceiling": "tab:gray"}
 TEMPLATE = Path(__file__).resolve().parent / "RESULTS.md.tmpl"
 
 
@@ -282,8 +282,8 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out: list[str] = []
 
     out.append("### Throughput (records/s; higher is better)\n")
-    out.append("| workload | zbroker | rabbitmq | nats | redis | zmq ceiling | zbroker / ceiling |")
-    out.append("|---|---:|---:|---:|---:|---:|---:|")
+    out.append(f"| workload | {' | '.join(SYSTEMS)} | zmq ceiling | zbroker / ceiling |")
+    out.append("|---|" + "---:|" * (len(SYSTEMS) + 2))
     for row in THROUGHPUT_ROWS:
         cells = [_cell(w[row].get(s), status[s].get(row, "not run"), notes) for s in SYSTEMS]
         ceiling = _cell(w[row].get("zmq_ceiling"), status.get("zmq_ceiling", {}).get(row, "not run"), notes)
@@ -293,8 +293,8 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
 
     out.append("\n### zbroker / peer, same run (throughput: >1 means zbroker is faster; "
                "latency p99: <1 means zbroker is faster)\n")
-    out.append("| workload | vs rabbitmq | vs nats | vs redis |")
-    out.append("|---|---:|---:|---:|")
+    out.append(f"| workload | {' | '.join('vs ' + p for p in PEERS)} |")
+    out.append("|---|" + "---:|" * len(PEERS))
     for row, values in w["zbroker_over_peer"].items():
         title = ROW_TITLES.get(row, "latency p99")
         out.append(f"| {title} | " + " | ".join(
@@ -332,8 +332,8 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
                       else "No ratio: a row is missing or incomplete."))
 
     out.append("\n### Server CPU per record (µs of utime+stime; all server processes)\n")
-    out.append("| workload | zbroker | rabbitmq | nats | redis | zmq ceiling (receiver) |")
-    out.append("|---|---:|---:|---:|---:|---:|")
+    out.append(f"| workload | {' | '.join(SYSTEMS)} | zmq ceiling (receiver) |")
+    out.append("|---|" + "---:|" * (len(SYSTEMS) + 1))
     for row in THROUGHPUT_ROWS:
         values = w["server_cpu_us_per_record"][row]
         cells = [_cell(values.get(s), status[s].get(row, "not run"), notes, 1) for s in SYSTEMS]

@@ -28,9 +28,30 @@ def _redis() -> Adapter:
     return RedisStreams()
 
 
+def _pgqueuer() -> Adapter:
+    from bench.peers.pg_queues import PgQueuer
+
+    return PgQueuer()
+
+
+def _procrastinate() -> Adapter:
+    from bench.peers.pg_queues import Procrastinate
+
+    return Procrastinate()
+
+
+def _pgmq() -> Adapter:
+    from bench.peers.pg_queues import Pgmq
+
+    return Pgmq()
+
+
 # Imported lazily: a missing client library makes only that peer "skipped".
 PEERS: dict[str, Callable[[], Adapter]] = {
     "rabbitmq": _rabbitmq,
     "nats": _nats,
     "redis": _redis,
+    "pgqueuer": _pgqueuer,
+    "procrastinate": _procrastinate,
+    "pgmq": _pgmq,
 }

@@ -59,9 +59,10 @@ def test_summary_has_the_latest_json_shape(results):
     s = report.summarize(results)
     w = s["workloads"]
     assert w["produce"] == {"zbroker": 100_000, "rabbitmq": 40_000, "nats": None, "redis": None,
-                            "zmq_ceiling": 1_000_000}
+                            "pgqueuer": None, "procrastinate": None, "pgmq": None, "zmq_ceiling": 1_000_000}
     assert w["consume_ack"]["zbroker"] == 50_000 and w["consume_ack"]["zmq_ceiling"] == 1_000_000
-    assert w["latency_p99_ms"] == {"zbroker": 2.0, "rabbitmq": 8.0, "nats": None, "redis": None}
+    assert w["latency_p99_ms"] == {"zbroker": 2.0, "rabbitmq": 8.0, "nats": None, "redis": None,
+                                   "pgqueuer": None, "procrastinate": None, "pgmq": None}
     assert w["server_cpu_us_per_record"]["produce"]["zbroker"] == 8.0
     assert w["server_cpu_us_per_record"]["produce"]["zmq_ceiling"] == 1.0
     assert s["machine"]["nproc"] == 2 and s["command"] == "python -m bench"
@@ -69,7 +70,8 @@ def test_summary_has_the_latest_json_shape(results):
 
 def test_ratios_come_from_the_same_run_and_never_divide_by_missing(results):
     w = report.summarize(results)["workloads"]
-    assert w["zbroker_over_peer"]["produce"] == {"rabbitmq": 2.5, "nats": None, "redis": None}
+    assert w["zbroker_over_peer"]["produce"] == {"rabbitmq": 2.5, "nats": None, "redis": None,
+                                                 "pgqueuer": None, "procrastinate": None, "pgmq": None}
     assert w["zbroker_over_peer"]["consume_ack"]["rabbitmq"] == 2.0
     assert w["zbroker_over_peer"]["latency_p99"]["rabbitmq"] == 0.25
     assert w["zbroker_fraction_of_ceiling"]["produce"] == pytest.approx(0.1)
@@ -115,7 +117,8 @@ def test_the_no_linger_latency_row_appears_only_when_it_ran_and_stays_out_of_the
     zb["latency_linger_0"]["publisher"]["linger_ms"] = 0.0
     s = report.summarize(results)
     w = s["workloads"]
-    assert w["latency_p99_ms"] == {"zbroker": 2.0, "rabbitmq": 8.0, "nats": None, "redis": None}
+    assert w["latency_p99_ms"] == {"zbroker": 2.0, "rabbitmq": 8.0, "nats": None, "redis": None,
+                                   "pgqueuer": None, "procrastinate": None, "pgmq": None}
     assert w["latency_variants_ms"]["zbroker_linger_0"]["p99"] == 40.0
     assert w["zbroker_over_peer"]["latency_p99"]["rabbitmq"] == 0.25  # the main row's ratio
     assert list(s["latency_cdf"]) == ["zbroker", "rabbitmq"] and list(s["latency_variants_cdf"]) == [
@@ -257,7 +260,8 @@ def test_a_ceiling_that_timed_out_or_failed_says_so_in_its_cells(results):
     throughput = rows["| produce 100 B, fsync interval"]
     assert "| 400,000 (timed out [" in throughput, throughput
     unbatched = rows["| produce 100 B, one record per request"]
-    assert "failed [" in unbatched.split(" | ")[5], unbatched
+    ceiling_column = 1 + len(report.SYSTEMS)  # after the title and one cell per system
+    assert "failed [" in unbatched.split(" | ")[ceiling_column], unbatched
     assert "zmq pusher did not start" in md
     cpu_row = [line for line in md.split("### Server CPU per record")[1].splitlines()
                if line.startswith("| produce 100 B, fsync interval")][0]
