@@ -48,6 +48,10 @@ log = logging.getLogger("bench")
 BASE_RECORDS = 200_000
 BASE_LEASES = 10_000
 LATENCY_RATE = 5_000
+# The latency workload runs again at this rate for every system (and the bare relay): at
+# 5,000/s nothing is busy, at 50,000/s the per-record cost of each path shows in its tail.
+LATENCY_HIGH_RATE = 50_000
+LATENCY_HIGH = "latency_50k"
 LATENCY_SECONDS = 5.0
 WINDOW = 1_000
 LATENCY_GRACE_S = 30.0
@@ -93,6 +97,7 @@ class Counts:
     leases: int
     latency_rate: int
     latency_seconds: float
+    latency_high_rate: int = LATENCY_HIGH_RATE
 
     @staticmethod
     def for_scale(scale: float) -> "Counts":
@@ -259,6 +264,7 @@ class Harness:
                                                  lambda phase, spec=spec: adapter.produce(spec, phase))
         if "latency" in selected:
             phases["latency"] = self._latency(adapter, "latency", pids)
+            phases[LATENCY_HIGH] = self._latency(adapter, LATENCY_HIGH, pids, rate=counts.latency_high_rate)
         if adapter.name != "zbroker":
             return
         if "produce" in selected:
@@ -277,15 +283,16 @@ class Harness:
                                                  lambda phase: adapter.redelivery(counts.leases, phase))
 
     def _latency(self, adapter: Adapter, workload: str, pids: Callable[[], list[int]],
-                 **options: Any) -> dict[str, Any]:
+                 rate: int | None = None, **options: Any) -> dict[str, Any]:
         counts = self.config.counts
+        rate = rate or counts.latency_rate
         phase = self._measure(
-            adapter.name, workload, int(counts.latency_rate * counts.latency_seconds), pids,
-            lambda phase: adapter.latency(counts.latency_rate, counts.latency_seconds, 100, phase, **options),
+            adapter.name, workload, int(rate * counts.latency_seconds), pids,
+            lambda phase: adapter.latency(rate, counts.latency_seconds, 100, phase, **options),
             # A paced run has a known length: wait for stragglers, not for the general bound.
             timeout_s=min(self.config.phase_timeout_s, counts.latency_seconds + LATENCY_GRACE_S))
         # The schedule, beside the measured `seconds` (which it must not overwrite).
-        phase.update(rate=counts.latency_rate, paced_seconds=counts.latency_seconds)
+        phase.update(rate=rate, paced_seconds=counts.latency_seconds)
         return phase
 
     def _scale_out(self, adapter: Adapter) -> dict[str, Any]:
@@ -314,20 +321,21 @@ class Harness:
                                      lambda phase, mode=mode, size=size: run_ceiling(
                                          mode, self.config.counts.records, size, phase))
         if "latency" in self.config.workloads:
-            out["latency"] = self._latency_ceiling()
+            out["latency"] = self._latency_ceiling("latency", self.config.counts.latency_rate)
+            out[LATENCY_HIGH] = self._latency_ceiling(LATENCY_HIGH, self.config.counts.latency_high_rate)
         return out
 
-    def _latency_ceiling(self) -> dict[str, Any]:
+    def _latency_ceiling(self, workload: str, rate: int) -> dict[str, Any]:
         """The latency workload's schedule through a bare relay: the floor of its p99 here."""
         from bench.zmq_ceiling import run_latency_ceiling
 
         counts = self.config.counts
         relay_pids: list[int] = []
         phase = self._measure(
-            "zmq_ceiling", "latency", int(counts.latency_rate * counts.latency_seconds), lambda: list(relay_pids),
-            lambda phase: run_latency_ceiling(counts.latency_rate, counts.latency_seconds, 100, phase, relay_pids),
+            "zmq_ceiling", workload, int(rate * counts.latency_seconds), lambda: list(relay_pids),
+            lambda phase: run_latency_ceiling(rate, counts.latency_seconds, 100, phase, relay_pids),
             timeout_s=min(self.config.phase_timeout_s, counts.latency_seconds + LATENCY_GRACE_S))
-        phase.update(rate=counts.latency_rate, paced_seconds=counts.latency_seconds)
+        phase.update(rate=rate, paced_seconds=counts.latency_seconds)
         return phase
 
 

@@ -26,6 +26,7 @@ PEERS = SYSTEMS[1:]
 # that run is a variant row beside the systems, kept out of the per-system maps
 # (`latency_p99_ms`, `latency_ms`, `latency_cdf`) that scripts read.
 LATENCY_VARIANTS = {"zbroker_linger_0": ("zbroker", "latency_linger_0")}
+LATENCY_HIGH = "latency_50k"  # bench.harness.LATENCY_HIGH: the latency workload at the high rate
 THROUGHPUT_ROWS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched", "consume_ack")
 ROW_TITLES = {
     "produce": "produce 100 B, fsync interval",
@@ -168,6 +169,19 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
             latency_cdf["zmq_ceiling"] = cdf
     workloads["latency_p99_ms"] = {s: (v or {}).get("p99") for s, v in latency_ms.items()}
     workloads["latency_ms"] = latency_ms
+    # The same schedule at the high rate, for every system and the bare relay.
+    high_ms: dict[str, Any] = {}
+    for system in (*SYSTEMS, "zmq_ceiling"):
+        if system == "zmq_ceiling":
+            phase = ceiling.get(LATENCY_HIGH)
+            text = _status_text(phase) if phase else "not run"
+        else:
+            phase, text = _phase(results, system, LATENCY_HIGH)
+        status.setdefault(system, {})[LATENCY_HIGH] = _latency_status(phase, text)
+        high_ms[system], _cdf = _latency_entry(phase)
+        if phase and phase.get("rate"):
+            workloads["latency_high_rate"] = phase["rate"]
+    workloads["latency_50k_ms"] = high_ms
     workloads["latency_variants_ms"] = variants_ms
     workloads["server_cpu_us_per_record"] = cpu
 
@@ -185,6 +199,8 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     # says nothing about the ones that did not.
     complete_p99 = {s: p99 for s, p99 in workloads["latency_p99_ms"].items() if status[s].get("latency") == "ok"}
     zb_ratio["latency_p99"] = {peer: ratio(complete_p99.get("zbroker"), complete_p99.get(peer)) for peer in PEERS}
+    high_p99 = {s: v["p99"] for s, v in high_ms.items() if v and status[s].get(LATENCY_HIGH) == "ok"}
+    zb_ratio["latency_50k_p99"] = {peer: ratio(high_p99.get("zbroker"), high_p99.get(peer)) for peer in PEERS}
     workloads["zbroker_over_peer"] = zb_ratio
     workloads["zbroker_fraction_of_ceiling"] = {row: complete_ratio(row, "zmq_ceiling") for row in THROUGHPUT_ROWS}
     # Latency the other way round: how many times the bare relay's p99 zbroker's is.
@@ -296,7 +312,8 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out.append(f"| workload | {' | '.join('vs ' + p for p in PEERS)} |")
     out.append("|---|" + "---:|" * len(PEERS))
     for row, values in w["zbroker_over_peer"].items():
-        title = ROW_TITLES.get(row, "latency p99")
+        title = ROW_TITLES.get(row, {"latency_p99": "latency p99",
+                                     "latency_50k_p99": "latency p99 at the high rate"}.get(row, row))
         out.append(f"| {title} | " + " | ".join(
             "–" if values.get(p) is None else f"{values[p]:.2f}×" for p in PEERS) + " |")
 
@@ -330,6 +347,26 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
                    "others here and do better. "
                    + ("zbroker's p99 is " + f"{over_ceiling:.2f}× the relay's." if over_ceiling is not None
                       else "No ratio: a row is missing or incomplete."))
+
+    high = w.get("latency_50k_ms") or {}
+    rate = w.get("latency_high_rate")  # present only when some system ran the high rate
+    if rate:
+        out.append(f"\n### Publish-to-receive latency (ms) at {rate:,} records/s\n")
+        out.append("| system | p50 | p99 | p99.9 | max | received / sent | publisher max lag |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|")
+        for series, lat in high.items():
+            text = status.get(series, {}).get(LATENCY_HIGH, "not run")
+            if series == "zmq_ceiling" and lat is None and text == "not run":
+                continue
+            title = latency_title(series, lat)
+            if lat is None:
+                out.append(f"| {title} | {_cell(None, text, notes)} | | | | | |")
+                continue
+            if text != "ok":
+                title += f" ({notes.mark(text)})"
+            out.append(f"| {title} | {_num(lat['p50'], 2)} | {_num(lat['p99'], 2)} | {_num(lat['p99_9'], 2)} | "
+                       f"{_num(lat['max'], 2)} | {_num(lat.get('received'))} / {_num(lat.get('sent'))} | "
+                       f"{_num(lat.get('publisher_max_lag_ms'), 1)} ms |")
 
     out.append("\n### Server CPU per record (µs of utime+stime; all server processes)\n")
     out.append(f"| workload | {' | '.join(SYSTEMS)} | zmq ceiling (receiver) |")

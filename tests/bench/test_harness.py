@@ -24,14 +24,16 @@ def test_every_workload_runs_in_order_and_consume_reads_what_produce_wrote():
     zb = MemoryQueue("zbroker", skip={"scale_out", "redelivery"})
     results = run({"zbroker": zb})
     assert zb.calls == ["setup", "produce", "consume_ack", "produce_1k", "produce_fsync_always",
-                        "produce_unbatched", "latency", "produce_send_many", "latency linger_ms=0.0",
-                        "teardown"]
+                        "produce_unbatched", "latency", "latency", "produce_send_many",
+                        "latency linger_ms=0.0", "teardown"]
     phases = results["systems"]["zbroker"]["phases"]
     assert phases["latency_linger_0"]["status"] == "ok" and phases["latency_linger_0"]["publisher"]["linger_ms"] == 0.0
     assert phases["produce"]["records"] == phases["consume_ack"]["records"] == 200
     assert all(phases[w]["status"] == "ok" for w in ("produce", "consume_ack", "produce_1k", "latency"))
     assert phases["latency"]["latency_ms"]["p50"] == pytest.approx(0.25, abs=0.06)
     assert phases["latency"]["received"] == 5000  # 5,000/s for at least 1 s
+    # The same schedule again at the high rate, for every system.
+    assert phases["latency_50k"]["rate"] == 50_000 and phases["latency_50k"]["received"] == 50_000
     assert results["systems"]["zbroker"]["durability"] == {"produce": "kept in a list"}
 
 

@@ -266,3 +266,23 @@ def test_a_ceiling_that_timed_out_or_failed_says_so_in_its_cells(results):
     cpu_row = [line for line in md.split("### Server CPU per record")[1].splitlines()
                if line.startswith("| produce 100 B, fsync interval")][0]
     assert "1.0 (timed out [" in cpu_row.split(" | ")[-1], cpu_row
+
+
+def test_the_high_rate_latency_table_and_its_ratio_come_from_the_same_run(results):
+    results["systems"]["zbroker"]["phases"]["latency_50k"] = {**latency(3.0), "rate": 50_000}
+    results["systems"]["rabbitmq"]["phases"]["latency_50k"] = {**latency(12.0), "rate": 50_000}
+    results["ceiling"]["latency_50k"] = {**latency(1.5), "rate": 50_000}
+    s = report.summarize(results)
+    w = s["workloads"]
+    assert w["latency_high_rate"] == 50_000
+    assert w["latency_50k_ms"]["zbroker"]["p99"] == 3.0 and w["latency_50k_ms"]["zmq_ceiling"]["p99"] == 1.5
+    assert w["zbroker_over_peer"]["latency_50k_p99"]["rabbitmq"] == 0.25
+    assert w["zbroker_over_peer"]["latency_50k_p99"]["nats"] is None  # not run: compared with nothing
+    md = report.render_markdown(s, chart="latest.png")
+    table = md.split("at 50,000 records/s")[1].split("###")[0]
+    assert "| zbroker | 0.75 | 3.00 |" in table and "| rabbitmq | 3.00 | 12.00 |" in table
+    assert "bare relay" in table
+
+
+def test_no_high_rate_table_when_no_system_ran_it(results):
+    assert "records/s\n" not in report.render_markdown(report.summarize(results), chart="latest.png")
