@@ -60,8 +60,11 @@ LATENCY_NO_LINGER = "latency_linger_0"
 PRODUCE_BULK = "produce_send_many"  # zbroker only: the same produce through the bulk call
 
 PRODUCE_VARIANTS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched")
-WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "scale_out", "redelivery", "commits", "memory")
-ZBROKER_ONLY = ("scale_out", "redelivery")
+WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "scale_out", "partitions", "redelivery", "commits",
+             "memory")
+ZBROKER_ONLY = ("scale_out", "partitions", "redelivery")
+# Records per row of the partition-count table (100,000 at scale 1, as issue #29 measured).
+BASE_PARTITION_RECORDS = 100_000
 # Which raw-ZeroMQ shape bounds each workload: (mode, record size).
 CEILING_FOR = {
     "produce": ("batched", 100),
@@ -278,6 +281,8 @@ class Harness:
             phases[LATENCY_NO_LINGER] = self._latency(adapter, LATENCY_NO_LINGER, pids, linger_ms=0.0)
         if "scale_out" in selected:
             phases["scale_out"] = self._scale_out(adapter)
+        if "partitions" in selected:
+            phases["partitions"] = self._partition_counts(adapter)
         if "redelivery" in selected:
             phases["redelivery"] = self._measure(adapter.name, "redelivery", counts.leases, pids,
                                                  lambda phase: adapter.redelivery(counts.leases, phase))
@@ -294,6 +299,22 @@ class Harness:
         # The schedule, beside the measured `seconds` (which it must not overwrite).
         phase.update(rate=rate, paced_seconds=counts.latency_seconds)
         return phase
+
+    def _partition_counts(self, adapter: Adapter) -> dict[str, Any]:
+        count = max(100, round(BASE_PARTITION_RECORDS * self.config.scale))
+
+        def make_phase(workload: str, target: int) -> Phase:
+            return self._phase(adapter.name, workload, target, adapter.server_pids)
+
+        try:
+            from bench.zbroker_adapter import PARTITION_COUNTS
+
+            return {"status": "ok", **adapter.partition_counts(count, 100, list(PARTITION_COUNTS), make_phase)}
+        except Skipped as exc:
+            return {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:
+            log.error("partitions failed:\n%s", traceback.format_exc())
+            return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
 
     def _scale_out(self, adapter: Adapter) -> dict[str, Any]:
         counts = self.config.counts

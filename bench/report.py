@@ -212,7 +212,7 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     workloads["produce_send_many"] = ({"status": _status_text(bulk), "msgs_s": bulk.get("msgs_s"),
                                       "server_cpu_us_per_record": bulk.get("server_cpu_us_per_record")}
                                      if bulk else {"status": "not run"})
-    for name in ("scale_out", "redelivery"):
+    for name in ("scale_out", "partitions", "redelivery"):
         if zb is None:
             workloads[name] = {"status": "not run"}
         elif zb.get("status") != "ok":
@@ -380,6 +380,7 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out.append("\n### zbroker only\n")
     out.append(_render_bulk_produce(w.get("produce_send_many", {}), w["produce"].get("zbroker"), notes))
     out.append(_render_scale_out(w.get("scale_out", {}), notes))
+    out.append(_render_partition_counts(w.get("partitions", {}), notes))
     out.append(_render_redelivery(w.get("redelivery", {}), notes))
     out.append(_render_commits(w.get("commits", {}), notes))
     out.append(_render_memory(w.get("memory", {}), notes))
@@ -475,6 +476,33 @@ def _render_bulk_produce(entry: dict[str, Any], per_record: float | None, notes:
             f"same batching and window): {_num(entry['msgs_s'])} records/s{versus}, server CPU "
             f"{_num(entry.get('server_cpu_us_per_record'), 1)} µs/record{flag}. The rows compared with the peers "
             f"call `send()` once per record, as their clients are called once per record.\n")
+
+
+def _render_partition_counts(entry: dict[str, Any], notes: _Footnotes) -> str:
+    title = "Partition count (one topic on one partition actor, records round-robin, Python client, window 1,000)"
+    if entry.get("status") != "ok" or "rows" not in entry:
+        return f"\n{title}: {_status_cell(entry, notes)}\n"
+    rows = entry["rows"]
+    smallest = rows.get(min(rows, key=int)) if rows else None
+    lines = [f"\n{title}, {_num(entry.get('records'))} records per row. The last columns are each row over "
+             f"the {min(rows, key=int)}-partition row of the same run (goal at 1,024: at least half).\n",
+             "| partitions | produce rec/s | consume + ack rec/s | produce vs fewest | consume + ack vs fewest |",
+             "|---:|---:|---:|---:|---:|"]
+    for partitions in sorted(rows, key=int):
+        row = rows[partitions]
+        cells = []
+        for role in ("produce", "consume_ack"):
+            phase = row.get(role) or {}
+            cells.append(_cell(phase.get("msgs_s") if _usable(phase) else None, _status_text(phase), notes))
+        fractions = []
+        for role in ("produce", "consume_ack"):
+            base = (smallest or {}).get(role) or {}
+            here = row.get(role) or {}
+            both = _status_text(base) == "ok" and _status_text(here) == "ok"
+            value = ratio(here.get("msgs_s"), base.get("msgs_s")) if both else None
+            fractions.append("–" if value is None else f"{value:.0%}")
+        lines.append(f"| {int(partitions):,} | {cells[0]} | {cells[1]} | {fractions[0]} | {fractions[1]} |")
+    return "\n".join(lines) + "\n"
 
 
 def _render_redelivery(entry: dict[str, Any], notes: _Footnotes) -> str:

@@ -59,6 +59,9 @@ LATENCY_LINGER_MS = 1.0
 # Scale-out rows are measured this many times each, interleaved (see ZBroker.scale_out): with
 # three, the median of a 0.1 s phase still moved by a fifth between full runs on one VM.
 SCALE_OUT_ROUNDS = 5
+# The partition-count table (issue #29): one topic of this many partitions on one
+# partition actor, records spread round-robin, through the Python client.
+PARTITION_COUNTS = (4, 64, 256, 1024)
 
 
 def _client_api():
@@ -164,6 +167,26 @@ def _produce(url: str, topic: str, count: int, payload: bytes, spec: ProduceSpec
             else:  # one call per record, as an application sends and as the peers' rows do
                 for _ in range(n):
                     send(topic, payload)
+            sent += n
+            phase.advance(n)  # sent; flush() below waits until every one is acknowledged
+        producer.flush()
+        phase.end()
+    finally:
+        producer.close()
+
+
+def _produce_round_robin(url: str, topic: str, partitions: int, count: int, payload: bytes, phase: Phase) -> None:
+    """`count` records over `partitions`, record i to partition i % partitions, window 1,000."""
+    _, Producer, _, _ = _client_api()
+    producer = Producer(url, linger_ms=2, batch_size=PRODUCE_BATCH, max_in_flight_records=1000)
+    try:
+        phase.begin()
+        send = producer.send
+        sent = 0
+        while sent < count and not phase.expired:
+            n = min(CHUNK, count - sent)
+            for i in range(sent, sent + n):
+                send(topic, payload, partition=i % partitions)
             sent += n
             phase.advance(n)  # sent; flush() below waits until every one is acknowledged
         producer.flush()
@@ -288,6 +311,33 @@ class ZBroker(Adapter):
         return {**recorder.summary(), "publisher": {**publisher.finish(), "linger_ms": linger_ms}}
 
     # -- zbroker-only workloads ---------------------------------------------
+
+    def partition_counts(self, count: int, size: int, counts: list[int],
+                         make_phase: Callable[[str, int], Phase]) -> dict[str, Any]:
+        """Produce then consume+ack `count` records on one topic of P partitions, for each P.
+
+        Each P gets a new broker with one partition actor, so the rows differ in the
+        partition count alone; what grows with it is messages per record (every produce
+        and fetch names one partition)."""
+        rows: dict[str, Any] = {}
+        for partitions in counts:
+            def run(broker: _Broker, partitions: int = partitions) -> dict[str, Any]:
+                topic = broker.create_topic(f"{self.main_topic}-p{partitions}", partitions=partitions)
+                produce = make_phase(f"partitions[{partitions}] produce", count)
+                _produce_round_robin(broker.url, topic, partitions, count, bytes(size), produce)
+                consume = make_phase(f"partitions[{partitions}] consume_ack", count)
+                _consume(broker.url, topic, f"bench-{self.run_id}-p{partitions}", count, consume)
+                return {"produce": produce.result(), "consume_ack": consume.result()}
+
+            try:
+                rows[str(partitions)] = self._with_broker(run)
+            except Skipped:
+                raise
+            except Exception as exc:  # one broken row loses that row, not the table
+                log.error("partition count %d failed:\n%s", partitions, traceback.format_exc())
+                failed = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+                rows[str(partitions)] = {"produce": failed, "consume_ack": failed}
+        return {"rows": rows, "records": count}
 
     def scale_out(self, count: int, size: int, actors: list[int], clients: int,
                   make_phase: Callable[[str, int], Phase]) -> dict[str, Any]:

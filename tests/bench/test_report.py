@@ -286,3 +286,16 @@ def test_the_high_rate_latency_table_and_its_ratio_come_from_the_same_run(result
 
 def test_no_high_rate_table_when_no_system_ran_it(results):
     assert "records/s\n" not in report.render_markdown(report.summarize(results), chart="latest.png")
+
+
+def test_the_partition_count_table_compares_each_row_with_the_fewest_partitions(results):
+    results["systems"]["zbroker"]["phases"]["partitions"] = {"status": "ok", "records": 1000, "rows": {
+        "4": {"produce": phase(800_000), "consume_ack": phase(600_000)},
+        "1024": {"produce": phase(400_000), "consume_ack": phase(30_000, status="timed_out", reason="300 s")},
+    }}
+    md = report.render_markdown(report.summarize(results), chart="latest.png")
+    table = md.split("Partition count")[1].split("###")[0]
+    assert "| 4 | 800,000 | 600,000 | 100% | 100% |" in table
+    # A timed-out row keeps its rate, flagged, and is compared with nothing.
+    row = [line for line in table.splitlines() if line.startswith("| 1,024 |")][0]
+    assert row.startswith("| 1,024 | 400,000 | 30,000 (timed out [") and row.endswith("| 50% | – |"), row
