@@ -149,7 +149,9 @@ def _tail(path: str, lines: int = 5) -> str:
         return "(none)"
 
 
-def _produce(url: str, topic: str, count: int, payload: bytes, spec: ProduceSpec, phase: Phase) -> None:
+def _produce(url: str, topic: str, count: int, payload: bytes, spec: ProduceSpec, phase: Phase,
+             round_robin: int = 0) -> None:
+    """`round_robin` = P sends record i to partition i % P (the partition-count table)."""
     _, Producer, _, _ = _client_api()
     if spec.batched:
         producer = Producer(url, linger_ms=2, batch_size=min(PRODUCE_BATCH, spec.window),
@@ -164,29 +166,12 @@ def _produce(url: str, topic: str, count: int, payload: bytes, spec: ProduceSpec
             n = min(CHUNK, count - sent)
             if spec.bulk:
                 producer.send_many(topic, [payload] * n)
+            elif round_robin:
+                for i in range(sent, sent + n):
+                    send(topic, payload, partition=i % round_robin)
             else:  # one call per record, as an application sends and as the peers' rows do
                 for _ in range(n):
                     send(topic, payload)
-            sent += n
-            phase.advance(n)  # sent; flush() below waits until every one is acknowledged
-        producer.flush()
-        phase.end()
-    finally:
-        producer.close()
-
-
-def _produce_round_robin(url: str, topic: str, partitions: int, count: int, payload: bytes, phase: Phase) -> None:
-    """`count` records over `partitions`, record i to partition i % partitions, window 1,000."""
-    _, Producer, _, _ = _client_api()
-    producer = Producer(url, linger_ms=2, batch_size=PRODUCE_BATCH, max_in_flight_records=1000)
-    try:
-        phase.begin()
-        send = producer.send
-        sent = 0
-        while sent < count and not phase.expired:
-            n = min(CHUNK, count - sent)
-            for i in range(sent, sent + n):
-                send(topic, payload, partition=i % partitions)
             sent += n
             phase.advance(n)  # sent; flush() below waits until every one is acknowledged
         producer.flush()
@@ -324,7 +309,8 @@ class ZBroker(Adapter):
             def run(broker: _Broker, partitions: int = partitions) -> dict[str, Any]:
                 topic = broker.create_topic(f"{self.main_topic}-p{partitions}", partitions=partitions)
                 produce = make_phase(f"partitions[{partitions}] produce", count)
-                _produce_round_robin(broker.url, topic, partitions, count, bytes(size), produce)
+                _produce(broker.url, topic, count, bytes(size), ProduceSpec("partitions", count, size), produce,
+                         round_robin=partitions)
                 consume = make_phase(f"partitions[{partitions}] consume_ack", count)
                 _consume(broker.url, topic, f"bench-{self.run_id}-p{partitions}", count, consume)
                 return {"produce": produce.result(), "consume_ack": consume.result()}
