@@ -44,7 +44,7 @@ import zmq
 from zbroker.actors.commit_writer import shell
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
-from zbroker.storage.offsets.base import split_schema
+from zbroker.storage.offsets.urls import split_schema
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -246,7 +246,7 @@ class Supervisor:
             except (OSError, ValueError) as err:
                 return f"cannot load the CurveZMQ keys in {self.config.curve_dir}: {err}"
         from zbroker.protocol.errors import ZBrokerError
-        from zbroker.storage.offsets.base import open_offset_store
+        from zbroker.storage.offsets.urls import open_offset_store
         try:
             open_offset_store(self.config.resolved_offsets_url())  # builds it; connects to nothing
         except ZBrokerError as err:
@@ -274,7 +274,7 @@ class Supervisor:
         does not exist, the role or password is wrong). The commit writer would retry for
         ever and the broker never become healthy. A server that does not answer is left
         to those retries: it may be starting too."""
-        from zbroker.storage.offsets.base import open_offset_store
+        from zbroker.storage.offsets.urls import open_offset_store
 
         url = self.config.resolved_offsets_url()
         if urlsplit(url).scheme.lower() not in ("postgresql", "postgres"):

@@ -21,9 +21,9 @@ old epoch arrives late and is then ignored. `winner` is the same rule in
 Python, used to fold duplicate keys of one batch (a single ``INSERT … ON
 CONFLICT`` may not touch a row twice) and by the commit writer to coalesce.
 
-Backends live beside this module (`sqlite`, `postgres`) and are picked by
-`open_offset_store` from a URL. Both are tested by one contract suite
-(tests/offsets/test_store_contract.py).
+Backends live beside this module (`sqlite`, `postgres`) and import it; this
+module imports neither. `urls.open_offset_store` picks one from a URL. Both
+are tested by one contract suite (tests/offsets/test_store_contract.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ import abc
 import dataclasses
 import importlib.resources
 import json
-import re
 from typing import Iterable
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import structlog
 
@@ -45,11 +43,6 @@ log = structlog.get_logger("zbroker.offsets")
 TABLE = "consumer_group_offsets"
 MIGRATIONS_TABLE = "zbroker_schema_migrations"
 
-# Schema names end up quoted inside SQL text, so they are restricted to plain
-# identifiers rather than escaped: a name that needs quoting is a mistake.
-_SCHEMA_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-
-
 class OffsetStoreError(ZBrokerError):
     """The offset store failed. Retriable: the database may come back.
 
@@ -58,12 +51,6 @@ class OffsetStoreError(ZBrokerError):
     """
 
     code = ErrorCode.UNAVAILABLE
-
-
-class InvalidOffsetsUrl(ZBrokerError):
-    """``--offsets`` names no backend we know, or an unusable schema."""
-
-    code = ErrorCode.BAD_REQUEST
 
 
 @dataclasses.dataclass(slots=True)
@@ -228,55 +215,3 @@ def load_migrations(backend: str) -> list[Migration]:
     if len({mig.version for mig in out}) != len(out):
         raise ZBrokerError("two migrations share a version", backend=backend)
     return out
-
-
-def check_schema(schema: str | None) -> str | None:
-    if schema is not None and not _SCHEMA_RE.match(schema):
-        raise InvalidOffsetsUrl(f"schema {schema!r} is not a plain identifier", schema=schema)
-    return schema
-
-
-def split_schema(url: str) -> tuple[str, str | None]:
-    """Take a ``schema=`` query parameter out of `url`; the rest goes to the driver."""
-    # By hand rather than urlunsplit, which rewrites "sqlite:///x" to "sqlite:/x".
-    base, sep, query = url.partition("?")
-    schema = None
-    rest = []
-    for k, v in parse_qsl(query, keep_blank_values=True):
-        if k == "schema":
-            schema = v
-        else:
-            rest.append((k, v))
-    return (base + "?" + urlencode(rest) if rest else base), schema
-
-
-def open_offset_store(url: str, *, schema: str | None = None, **options) -> OffsetStore:
-    """Build an (unconnected) store from an ``--offsets`` URL.
-
-    ``sqlite:///relative.db``, ``sqlite:////absolute.db``, ``sqlite:///:memory:``
-    or ``postgresql://user@host:port/db`` (``postgres://`` too). A ``schema=``
-    query parameter, or the `schema` argument (which wins), puts the tables in
-    that schema: a PostgreSQL schema, or for SQLite an attached database file
-    ``<path>.<schema>``. `options` go to the backend's constructor (timeouts).
-    """
-    if not isinstance(url, str):
-        raise InvalidOffsetsUrl("offsets URL must be a string", got=type(url).__name__)
-    url, url_schema = split_schema(url)
-    schema = check_schema(schema if schema is not None else (url_schema or None))
-    scheme = urlsplit(url).scheme.lower()
-    if scheme == "sqlite":
-        from zbroker.storage.offsets.sqlite import SQLiteOffsetStore
-
-        prefix = "sqlite:///"
-        if not url.startswith(prefix) or len(url) == len(prefix):
-            raise InvalidOffsetsUrl("SQLite URL must look like sqlite:///path", url=url)
-        path = url[len(prefix):]  # SQLAlchemy's convention: a 4th slash makes it absolute
-        return SQLiteOffsetStore(path, schema=schema, **options)
-    if scheme in ("postgresql", "postgres"):
-        from zbroker.storage.offsets.postgres import PostgresOffsetStore
-
-        return PostgresOffsetStore(url, schema=schema, **options)
-    if not scheme:  # a bare path or name; it holds no password to keep out of the message
-        raise InvalidOffsetsUrl(f"{url!r} is not a URL: use sqlite:///path or postgresql://user@host/db", url=url)
-    raise InvalidOffsetsUrl(f"unknown offsets backend {scheme!r}; use sqlite:/// or postgresql://",
-                            scheme=scheme)
