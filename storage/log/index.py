@@ -59,6 +59,13 @@ class OffsetIndex:
             self.positions.append(position)
             self._last_position = position
 
+    def cut_at(self, position: int) -> None:
+        """Drop the entries at or past `position` (the data was truncated there), so that
+        later batches get entries exactly where a rebuild from the data would put them."""
+        keep = bisect_right(self.positions, position - 1)
+        del self.relative_offsets[keep:], self.positions[keep:]
+        self._last_position = self.positions[-1] if self.positions else 0
+
     def lookup(self, relative_offset: int) -> tuple[int, int]:
         """The last entry at or below `relative_offset`, as (relative offset, position)."""
         i = bisect_right(self.relative_offsets, relative_offset)

@@ -29,6 +29,17 @@ recovery rebuilds the last segment's index from the data anyway.
 
 Recovery on open lives in `recovery.py`; idempotent-producer state in
 `producers.py`. Nothing here reads a clock: times are arguments.
+
+Replicated partitions (the replica core in actors/partition_log/replica.py)
+use three more things, none of which an unreplicated log touches: the
+leader-epoch cache (`epochs.py`, `self.epochs`), `append_stored` (a
+follower writes the leader's stored batches byte for byte, offsets and all)
+and `truncate_to` (a follower cuts a divergent tail). Truncation is ordered
+for crashes: segment files are deleted newest first and the cut segment is
+cut and fsynced before the epoch checkpoint is rewritten, so a crash at any
+point leaves a contiguous log that is at most longer than asked, never
+shorter, and a checkpoint that recovery trims to the log (`trimmed_to`);
+the follower simply truncates again when it next hears from its leader.
 """
 
 from __future__ import annotations
@@ -42,12 +53,13 @@ from pathlib import Path
 
 import structlog
 
-from zbroker.protocol.batch import BATCH_HEADER_SIZE, build_batch_header, parse_batch_header
-from zbroker.protocol.errors import OffsetOutOfRange
+from zbroker.protocol.batch import BATCH_HEADER_SIZE, batch_crc_ok, build_batch_header, parse_batch_header
+from zbroker.protocol.errors import CorruptBatch, OffsetOutOfRange
 from zbroker.storage.log.config import LogConfig
+from zbroker.storage.log.epochs import LeaderEpochCache
 from zbroker.storage.log.index import OffsetIndex, write_index_file
 from zbroker.storage.log.producers import ProducerStates
-from zbroker.storage.log.recovery import RecoveryReport, recover
+from zbroker.storage.log.recovery import RecoveryReport, producers_of, recover
 from zbroker.storage.log.segment import DATA_SUFFIX, Segment
 
 __all__ = ["LogConfig", "PartitionLog", "RecoveryReport"]
@@ -86,6 +98,10 @@ class PartitionLog:
         self._rolled_since_flush: list[Segment] = []
         self._directory_dirty = directory_changed
         self._closed = False
+        # Only a replicated partition ever writes one; an absent file is an empty cache.
+        self.epochs = LeaderEpochCache.load(directory)
+        if len(self.epochs):
+            self.epochs.trimmed_to(self.log_end)
 
     @classmethod
     def open(cls, directory: Path, config: LogConfig, *, now_ms: int) -> "PartitionLog":
@@ -169,6 +185,141 @@ class PartitionLog:
         one that is no longer (or never was) remembered.
         """
         return self._producers.check(producer_id, producer_seq)
+
+    # -- replication (never called for an unreplicated partition) -------------------------
+
+    def append_stored(self, data: bytes | memoryview) -> int:
+        """Append a leader's stored batches verbatim (headers, offsets, times and all);
+        returns the new log end. Not durable until `flush`.
+
+        Every batch is checked (whole, CRC, continues the log end) before any is
+        written, so a bad frame from the network changes nothing.
+        """
+        self._check_open()
+        view = memoryview(data)
+        spans: list[tuple[int, int, object]] = []
+        position = 0
+        expected = self.log_end
+        while position < len(view):
+            header = parse_batch_header(view, position)
+            end = position + header.total_size
+            if header.base_offset != expected:
+                raise CorruptBatch("a replicated batch does not continue the log", base_offset=header.base_offset,
+                                   log_end=expected)
+            if not batch_crc_ok(view, position, header):
+                raise CorruptBatch("replicated batch CRC mismatch", base_offset=header.base_offset)
+            spans.append((position, end, header))
+            expected = header.next_offset
+            position = end
+        for start, end, header in spans:
+            segment = self._active
+            batch_size = end - start
+            if segment.size and (segment.size + batch_size > self.config.segment_bytes
+                                 or header.base_offset - segment.base_offset > MAX_U32):
+                segment = self._roll()
+            position = segment.size
+            _write_batch(segment.fd, bytes(view[start:start + BATCH_HEADER_SIZE]),
+                         view[start + BATCH_HEADER_SIZE:end], position)
+            segment.index.note_batch(header.base_offset - segment.base_offset, position)
+            segment.size = position + batch_size
+            segment.next_offset = header.next_offset
+            stamp = header.append_time_ms
+            if segment.newest_append_time_ms is None or stamp > segment.newest_append_time_ms:
+                segment.newest_append_time_ms = stamp
+            self._last_append_time_ms = max(self._last_append_time_ms, stamp)
+            self._size_bytes += batch_size
+            if header.producer_id:
+                self._producers.record(header.producer_id, header.producer_seq, header.base_offset,
+                                       header.record_count)
+        return self.log_end
+
+    def truncate_to(self, offset: int) -> int:
+        """Cut the log so that it ends at `offset` (at the start of the batch holding it,
+        if that is lower); returns the new log end. Durable before it returns.
+
+        Crash ordering (see the module comment): later segments are deleted
+        newest first, the cut segment is cut and fsynced, the directory is
+        fsynced, and only then the epoch checkpoint is trimmed. Producer state
+        is rebuilt from what remains, as recovery would.
+        """
+        self._check_open()
+        if offset >= self.log_end:
+            return self.log_end
+        if offset < self.log_start:
+            raise OffsetOutOfRange("cannot truncate below the log start (reset the log instead)",
+                                   log_start=self.log_start, log_end=self.log_end, offset=offset)
+        keep = bisect_right(self._base_offsets, offset) - 1
+        if keep and self._base_offsets[keep] == offset:
+            # Cut to a segment boundary: the segment before it becomes the active one again,
+            # as in a log that never rolled there (and rolls there again, as the leader did).
+            keep -= 1
+        target = self._segments[keep]
+        for segment in reversed(self._segments[keep + 1:]):
+            self._read_fds.pop(segment.base_offset, None)
+            segment.close_fd()
+            segment.data_path.unlink()
+            segment.index_path.unlink(missing_ok=True)
+        del self._segments[keep + 1:], self._base_offsets[keep + 1:]
+        if offset < target.next_offset:
+            self._read_fd(target)  # position_of reads through segment.fd
+            position = target.position_of(offset)
+            new_end = parse_batch_header(os.pread(target.fd, BATCH_HEADER_SIZE, position)).base_offset
+        else:
+            position, new_end = target.size, target.next_offset
+        if target is not self._active:
+            self._read_fds.pop(target.base_offset, None)
+            target.close_fd()
+            # The active segment's index lives in memory only (recovery rebuilds it).
+            target.index_path.unlink(missing_ok=True)
+            target.fd = os.open(target.data_path, os.O_RDWR | os.O_APPEND)
+            if target in self._rolled_since_flush:
+                self._rolled_since_flush.remove(target)
+            self._active = target
+        os.ftruncate(target.fd, position)
+        os.fsync(target.fd)
+        _fsync_path(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        target.index.cut_at(position)
+        target.size = position
+        target.next_offset = new_end
+        if position == 0:
+            target.newest_append_time_ms = None
+        self._rolled_since_flush = [s for s in self._rolled_since_flush if s in self._segments]
+        self._read_cache.clear()
+        self._size_bytes = sum(segment.size for segment in self._segments)
+        self.epochs.truncate_from_end(new_end)
+        self._rebuild_producers()
+        log.warning("log.truncated_to", directory=str(self.directory), offset=new_end, asked=offset)
+        return new_end
+
+    def reset_to(self, offset: int) -> None:
+        """Throw the whole log away and start it empty at `offset` (a follower that holds
+        nothing the leader still has: a lost disk, or a leader whose retention moved past it)."""
+        self._check_open()
+        for segment in reversed(self._segments):
+            segment.close_fd()
+            segment.data_path.unlink()
+            segment.index_path.unlink(missing_ok=True)
+        self._read_fds.clear()
+        self._read_cache.clear()
+        self._rolled_since_flush.clear()
+        fresh = Segment(self.directory, offset, OffsetIndex(self.config.index_interval_bytes))
+        fresh.fd = os.open(fresh.data_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        os.fsync(fresh.fd)
+        _fsync_path(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        self._segments = [fresh]
+        self._base_offsets = [offset]
+        self._active = fresh
+        self._size_bytes = 0
+        self.epochs.clear()
+        self._producers = ProducerStates()
+        self._directory_dirty = False
+        log.warning("log.reset", directory=str(self.directory), offset=offset)
+
+    def _rebuild_producers(self) -> None:
+        window = self._segments[-self.config.producer_window_segments:]
+        self._producers = producers_of(window)
+        if len(self._segments) > len(window) or self._segments[0].base_offset != 0:
+            self._producers.only_remembered_is_known()
 
     def _roll(self) -> Segment:
         old = self._active

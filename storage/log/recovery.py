@@ -143,7 +143,7 @@ def recover(directory: Path, config: LogConfig, *, now_ms: int) -> RecoveredLog:
                 # it is now, as the running log counts it (`_forget_producers_outside_window`)
                 # and the next open will: with fewer segments it reaches further back than
                 # the walk above did, and an acknowledged batch there would be appended again.
-                producers = _producers_of(segments[-config.producer_window_segments:])
+                producers = producers_of(segments[-config.producer_window_segments:])
     if len(segments) > config.producer_window_segments or segments[0].base_offset != 0:
         # Batches in segments not scanned (or deleted by retention) are not remembered.
         producers.only_remembered_is_known()
@@ -227,7 +227,7 @@ def _rebase_empty_last(directory: Path, segment: Segment, next_offset: int, conf
     return rebased
 
 
-def _producers_of(segments: list[Segment]) -> ProducerStates:
+def producers_of(segments: list[Segment]) -> ProducerStates:
     """Producer state from a header walk of the intact part of `segments`."""
     producers = ProducerStates()
 
