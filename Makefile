@@ -4,9 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NODE_STAMP := clients/node/node_modules/.installed
+LOADGEN := bench/loadgen/zbload
 DURATION ?= 1800
 
-.PHONY: up test test-fast bench chaos node clean
+.PHONY: up test test-fast bench chaos node loadgen clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,12 +21,20 @@ $(NODE_STAMP): clients/node/package.json
 
 node: $(NODE_STAMP)
 
+# The C load generator of the broker-capacity rows, from Debian's libzmq and msgpack-c.
+$(LOADGEN): bench/loadgen/zbload.c bench/loadgen/Makefile
+	pkg-config --exists libzmq msgpack 2>/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libzmq3-dev libmsgpack-dev pkg-config)
+	$(MAKE) -s -C bench/loadgen
+
+loadgen: $(LOADGEN)
+
 ## Run a single-node broker in the foreground on its embedded defaults.
 up: $(STAMP)
 	$(VENV)/bin/zbroker up
 
 ## The whole suite, PostgreSQL and Node.js tests included.
-test: $(STAMP) $(NODE_STAMP)
+test: $(STAMP) $(NODE_STAMP) $(LOADGEN)
 	$(PY) -m pytest -q --durations=15
 
 ## Unit tests only (no processes, no services).
@@ -33,7 +42,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
 ## Side-by-side benchmark against RabbitMQ, NATS JetStream, Redis Streams and raw ZeroMQ.
-bench: $(STAMP)
+bench: $(STAMP) $(LOADGEN)
 	$(PY) -m bench
 
 ## The long chaos run: make chaos DURATION=1800
@@ -41,4 +50,4 @@ chaos: $(STAMP)
 	$(PY) -m pytest -q tests/chaos -m chaos --chaos-duration=$(DURATION) -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) clients/node/node_modules build *.egg-info
+	rm -rf $(VENV) clients/node/node_modules build *.egg-info $(LOADGEN)

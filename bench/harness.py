@@ -60,9 +60,11 @@ LATENCY_NO_LINGER = "latency_linger_0"
 PRODUCE_BULK = "produce_send_many"  # zbroker only: the same produce through the bulk call
 
 PRODUCE_VARIANTS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched")
-WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "scale_out", "partitions", "redelivery", "commits",
-             "memory")
-ZBROKER_ONLY = ("scale_out", "partitions", "redelivery")
+WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "capacity", "scale_out", "partitions", "redelivery",
+             "commits", "memory")
+ZBROKER_ONLY = ("capacity", "scale_out", "partitions", "redelivery")
+# The broker-capacity rows send this many times the Python rows' records (bench.zbroker_adapter).
+CAPACITY_RECORDS_FACTOR = 5
 # Records per row of the partition-count table (100,000 at scale 1, as issue #29 measured).
 BASE_PARTITION_RECORDS = 100_000
 # Which raw-ZeroMQ shape bounds each workload: (mode, record size).
@@ -283,6 +285,9 @@ class Harness:
             phases["scale_out"] = self._scale_out(adapter)
         if "partitions" in selected:
             phases["partitions"] = self._partition_counts(adapter)
+        if "capacity" in selected:
+            phases["capacity"] = self._zbroker_only(adapter, "capacity", lambda make_phase: adapter.capacity(
+                counts.records * CAPACITY_RECORDS_FACTOR, 100, make_phase))
         if "redelivery" in selected:
             phases["redelivery"] = self._measure(adapter.name, "redelivery", counts.leases, pids,
                                                  lambda phase: adapter.redelivery(counts.leases, phase))
@@ -301,19 +306,24 @@ class Harness:
         return phase
 
     def _partition_counts(self, adapter: Adapter) -> dict[str, Any]:
-        count = max(100, round(BASE_PARTITION_RECORDS * self.config.scale))
+        from bench.zbroker_adapter import PARTITION_COUNTS
 
+        count = max(100, round(BASE_PARTITION_RECORDS * self.config.scale))
+        return self._zbroker_only(adapter, "partitions", lambda make_phase: adapter.partition_counts(
+            count, 100, list(PARTITION_COUNTS), make_phase))
+
+    def _zbroker_only(self, adapter: Adapter, name: str,
+                      body: Callable[[Callable[[str, int], Phase]], dict[str, Any]]) -> dict[str, Any]:
+        """A zbroker-only workload of several phases: its status, and what `body` returns."""
         def make_phase(workload: str, target: int) -> Phase:
             return self._phase(adapter.name, workload, target, adapter.server_pids)
 
         try:
-            from bench.zbroker_adapter import PARTITION_COUNTS
-
-            return {"status": "ok", **adapter.partition_counts(count, 100, list(PARTITION_COUNTS), make_phase)}
+            return {"status": "ok", **body(make_phase)}
         except Skipped as exc:
             return {"status": "skipped", "reason": str(exc)}
         except Exception as exc:
-            log.error("partitions failed:\n%s", traceback.format_exc())
+            log.error("%s failed:\n%s", name, traceback.format_exc())
             return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
 
     def _scale_out(self, adapter: Adapter) -> dict[str, Any]:

@@ -212,7 +212,7 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     workloads["produce_send_many"] = ({"status": _status_text(bulk), "msgs_s": bulk.get("msgs_s"),
                                       "server_cpu_us_per_record": bulk.get("server_cpu_us_per_record")}
                                      if bulk else {"status": "not run"})
-    for name in ("scale_out", "partitions", "redelivery"):
+    for name in ("capacity", "scale_out", "partitions", "redelivery"):
         if zb is None:
             workloads[name] = {"status": "not run"}
         elif zb.get("status") != "ok":
@@ -379,6 +379,7 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
 
     out.append("\n### zbroker only\n")
     out.append(_render_bulk_produce(w.get("produce_send_many", {}), w["produce"].get("zbroker"), notes))
+    out.append(_render_capacity(w.get("capacity", {}), w, notes))
     out.append(_render_scale_out(w.get("scale_out", {}), notes))
     out.append(_render_partition_counts(w.get("partitions", {}), notes))
     out.append(_render_redelivery(w.get("redelivery", {}), notes))
@@ -476,6 +477,29 @@ def _render_bulk_produce(entry: dict[str, Any], per_record: float | None, notes:
             f"same batching and window): {_num(entry['msgs_s'])} records/s{versus}, server CPU "
             f"{_num(entry.get('server_cpu_us_per_record'), 1)} µs/record{flag}. The rows compared with the peers "
             f"call `send()` once per record, as their clients are called once per record.\n")
+
+
+def _render_capacity(entry: dict[str, Any], w: dict[str, Any], notes: _Footnotes) -> str:
+    title = "Broker capacity, driven by a load generator in C (the Python client out of the way)"
+    if entry.get("status") != "ok":
+        return f"\n{title}: {_status_cell(entry, notes)}\n"
+    lines = [f"\n{title}: {entry.get('how')}, {_num(entry.get('records'))} records. The load generator's CPU "
+             "per record is its own (getrusage), the server's is every broker process's.\n",
+             "| workload | records/s | server CPU µs/rec | load generator CPU µs/rec | "
+             "Python client rec/s (same run) | capacity / Python client |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for role, title_row, python_row in (("produce", "produce 100 B", "produce"),
+                                        ("consume_ack", "consume + ack", "consume_ack")):
+        phase = entry.get(role) or {}
+        text = _status_text(phase)
+        rate = phase.get("msgs_s") if _usable(phase) else None
+        python = (w.get(python_row) or {}).get("zbroker")
+        versus = ratio(rate, python) if text == "ok" else None
+        lines.append(f"| {title_row} | {_cell(rate, text, notes)} | "
+                     f"{_num(phase.get('server_cpu_us_per_record'), 2)} | "
+                     f"{_num(phase.get('loadgen_cpu_us_per_record'), 2)} | {_num(python)} | "
+                     f"{'–' if versus is None else f'{versus:.2f}×'} |")
+    return "\n".join(lines) + "\n"
 
 
 def _render_partition_counts(entry: dict[str, Any], notes: _Footnotes) -> str:

@@ -59,6 +59,9 @@ LATENCY_LINGER_MS = 1.0
 # Scale-out rows are measured this many times each, interleaved (see ZBroker.scale_out): with
 # three, the median of a 0.1 s phase still moved by a fifth between full runs on one VM.
 SCALE_OUT_ROUNDS = 5
+# The C load generator (bench/loadgen/zbload.c) for the broker-capacity rows: the same
+# window and batch as the Python rows, more records (bench.harness.CAPACITY_RECORDS_FACTOR).
+LOADGEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loadgen", "zbload")
 # The partition-count table (issue #29): one topic of this many partitions on one
 # partition actor, records spread round-robin, through the Python client.
 PARTITION_COUNTS = (4, 64, 256, 1024)
@@ -365,6 +368,50 @@ class ZBroker(Adapter):
         rows = {n: {role: scale_out_summary([r[role] for r in row_runs]) for role in ("produce", "consume_ack")}
                 for n, row_runs in runs.items()}
         return {"partitions": 4, "client_processes": clients, "rounds": SCALE_OUT_ROUNDS, "actors": rows}
+
+    def capacity(self, count: int, size: int, make_phase: Callable[[str, int], Phase]) -> dict[str, Any]:
+        """Produce then consume+ack through the C load generator: what the broker does when
+        the client is not the limit. Each phase also reports the load generator's own CPU
+        per record, so the table shows it is cheaper than the broker it drives."""
+        import json
+        import subprocess
+
+        built = subprocess.run(["make", "-s", "-C", os.path.dirname(LOADGEN)], capture_output=True, text=True)
+        if built.returncode != 0 or not os.path.exists(LOADGEN):
+            raise Skipped(f"the C load generator did not build (needs gcc, libzmq3-dev, libmsgpack-dev, "
+                          f"pkg-config): {(built.stderr or built.stdout).strip()[-300:]}")
+
+        def run(broker: _Broker) -> dict[str, Any]:
+            topic = broker.create_topic(f"{self.main_topic}-capacity")
+            out = {}
+            commands = {
+                "produce": [LOADGEN, "produce", broker.url, topic, str(count), str(size), "1000", str(PRODUCE_BATCH)],
+                "consume_ack": [LOADGEN, "consume", broker.url, topic, f"bench-{self.run_id}-capacity",
+                                str(count), "1000"],
+            }
+            for role, command in commands.items():
+                phase = make_phase(f"capacity {role}", count)
+                phase.begin()
+                done = subprocess.run(command, capture_output=True, text=True, timeout=phase.timeout_s)
+                phase.end()
+                if done.returncode != 0:
+                    out[role] = {"status": "failed", "reason": f"zbload: {done.stderr.strip()[-300:]}"}
+                    continue
+                report = json.loads(done.stdout)
+                phase.records = report["records"]
+                result = phase.result()
+                # The load generator's own clock brackets only its traffic (not its start-up).
+                result["seconds"] = report["seconds"]
+                result["msgs_s"] = report["records"] / report["seconds"] if report["seconds"] else None
+                result["loadgen_cpu_s"] = report["cpu_s"]
+                result["loadgen_cpu_us_per_record"] = report["cpu_s"] * 1e6 / max(1, report["records"])
+                result["requests"] = report["requests"]
+                out[role] = result
+            return out
+
+        return {"records": count, "how": "bench/loadgen/zbload (C, libzmq + msgpack-c), window 1,000, "
+                                         f"{PRODUCE_BATCH} records per produce request, acks as ranges on the "
+                                         "next poll", **self._with_broker(run)}
 
     def redelivery(self, leases: int, phase: Phase) -> dict[str, Any]:
         """A consumer dies holding `leases` records; time until another member has them all."""

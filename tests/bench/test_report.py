@@ -299,3 +299,15 @@ def test_the_partition_count_table_compares_each_row_with_the_fewest_partitions(
     # A timed-out row keeps its rate, flagged, and is compared with nothing.
     row = [line for line in table.splitlines() if line.startswith("| 1,024 |")][0]
     assert row.startswith("| 1,024 | 400,000 | 30,000 (timed out [") and row.endswith("| 50% | – |"), row
+
+
+def test_the_capacity_rows_show_both_cpu_figures_and_the_python_client_beside_them(results):
+    results["systems"]["zbroker"]["phases"]["capacity"] = {
+        "status": "ok", "records": 1000, "how": "zbload",
+        "produce": phase(2_000_000, cpu_us=0.4, loadgen_cpu_us_per_record=0.1),
+        "consume_ack": phase(1_000_000, cpu_us=0.8, status="failed", reason="zbload: no reply"),
+    }
+    md = report.render_markdown(report.summarize(results), chart="latest.png")
+    table = md.split("Broker capacity")[1].split("###")[0]
+    assert "| produce 100 B | 2,000,000 | 0.40 | 0.10 | 100,000 | 20.00× |" in table
+    assert "| consume + ack | failed [" in table and table.count("×") == 1
