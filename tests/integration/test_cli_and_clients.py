@@ -16,6 +16,7 @@ import pytest
 from zbroker.client import Admin, Producer, fetch
 from zbroker.client.aio import AsyncAdmin, AsyncConsumer, AsyncProducer
 from zbroker.client.sync import Connection
+from tests.support.processes import default_signal_dispositions
 
 pytestmark = pytest.mark.processes
 
@@ -108,7 +109,8 @@ def _wait_for_log_end(broker_url: str, topic: str, records: int, timeout: float 
 def _produce(broker_url: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "zbroker", "produce", *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "ZBROKER_URL": broker_url})
+                            env={**os.environ, "ZBROKER_URL": broker_url},
+                            preexec_fn=default_signal_dispositions)
 
 
 def test_cli_produce_sends_a_line_within_its_linger_not_when_the_next_comes(broker):
@@ -123,7 +125,7 @@ def test_cli_produce_sends_a_line_within_its_linger_not_when_the_next_comes(brok
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate()  # closes the pipes too: a leaked one fails a later test
     assert proc.returncode == 0, err
     lines = cli(broker.url, "fetch", "live", "--partition", "0", "--json").stdout.splitlines()
     assert [json.loads(line)["value"] for line in lines] == ["a", "b"]
@@ -145,7 +147,7 @@ def test_cli_produce_interrupted_sends_what_it_read_and_says_so(broker, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate()  # closes the pipes too: a leaked one fails a later test
     assert proc.returncode == 128 + sig, err
     assert _log_end(broker.url, "orders") == 3  # "three" was sent; the unfinished line was not
     assert "3 record(s) acknowledged, 0 not sent" in err, err
@@ -162,7 +164,7 @@ def test_cli_produce_count_interrupted_says_what_was_acknowledged(broker):
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate()  # closes the pipes too: a leaked one fails a later test
     assert proc.returncode == 130, err
     said = re.search(r"(\d+) record\(s\) acknowledged, 0 not sent", err)
     assert said, err
@@ -181,7 +183,8 @@ def test_cli_consume_stopped_by_sigterm_acks_what_it_printed_and_leaves_the_grou
     cli(broker.url, "topics", "create", "jobs")
     cli(broker.url, "produce", "jobs", stdin="".join(f"job-{i}\n" for i in range(5)))
     consume = subprocess.Popen([sys.executable, "-m", "zbroker", "consume", "jobs", "--group", "g"],
-                               stdout=subprocess.PIPE, text=True, env={**os.environ, "ZBROKER_URL": broker.url})
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "ZBROKER_URL": broker.url},
+                               preexec_fn=default_signal_dispositions)
     with consume.stdout:
         printed = [consume.stdout.readline() for _ in range(5)]
         assert all(line.startswith("0@") for line in printed)
@@ -394,7 +397,8 @@ def test_cli_consume_rides_out_a_coordinator_restart(broker):
         producer.produce("steady", [b"a%d" % i for i in range(100)], partition=0)
     consumer = subprocess.Popen([sys.executable, "-m", "zbroker", "consume", "steady", "--group", "steady",
                                  "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "ZBROKER_URL": broker.url})
+                                env={**os.environ, "ZBROKER_URL": broker.url},
+                                preexec_fn=default_signal_dispositions)
     wanted = {f"a{i}" for i in range(100)} | {f"b{i}" for i in range(100)}
     seen: set[str] = set()
     try:
@@ -411,5 +415,6 @@ def test_cli_consume_rides_out_a_coordinator_restart(broker):
     finally:
         if consumer.poll() is None:
             consumer.kill()
+            consumer.communicate()
     assert seen == wanted, err[-3000:]
     assert consumer.returncode == 128 + signal.SIGTERM, err[-3000:]  # stopped, not failed

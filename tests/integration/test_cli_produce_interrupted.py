@@ -14,6 +14,7 @@ import zmq
 
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
+from tests.support.processes import default_signal_dispositions
 
 
 class HungPartition:
@@ -59,7 +60,8 @@ def test_produce_stops_within_its_flush_time_when_signalled_with_a_full_window(t
     with lines.open("rb") as stdin:
         proc = subprocess.Popen([sys.executable, "-m", "zbroker", "produce", "t"], stdin=stdin,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "ZBROKER_URL": hung.url})
+                                env={**os.environ, "ZBROKER_URL": hung.url},
+                                preexec_fn=default_signal_dispositions)
     try:
         deadline = time.monotonic() + 20
         while hung.produces < 10 and time.monotonic() < deadline:  # 10 batches of 1000: the window is full
