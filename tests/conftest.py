@@ -16,6 +16,9 @@ import pytest
 from tests.support.pg import *  # noqa: F401,F403  (pg_dsn, pg_schema: one session fixture for every directory)
 from zbroker.supervisor import BrokerHandle, start_broker
 
+# A test that starts a process must carry the `processes` marker (make test-fast leaves those out).
+pytest_plugins = ["tests.support.process_guard"]
+
 
 def pytest_addoption(parser):
     parser.addoption("--chaos-duration", type=float, default=180.0,

@@ -102,6 +102,7 @@ def test_us_per_record(cpu_s, records, expected):
     assert us_per_record(cpu_s, records) == expected
 
 
+@pytest.mark.processes
 def test_the_precise_clock_of_another_process_agrees_with_its_ticks():
     # A child that burns CPU for a while: the nanosecond clock and /proc's ticks
     # must tell the same story (within a couple of 10 ms ticks), and the sample

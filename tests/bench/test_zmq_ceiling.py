@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from bench.adapter import Phase
 from bench.zmq_ceiling import run_latency_ceiling
 
 
+@pytest.mark.processes  # the relay runs in a multiprocessing child
 def test_the_latency_ceiling_delivers_every_record_through_the_relay():
     relay_pids: list[int] = []
     phase = Phase(system="zmq_ceiling", workload="latency", target=400, timeout_s=60,

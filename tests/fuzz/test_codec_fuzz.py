@@ -137,6 +137,7 @@ def test_100k_mutated_frames_through_every_decoder():
             tgt.check_stored(frame, verify_crc=False)
 
 
+@pytest.mark.processes
 def test_atheris_coverage_guided_fuzz_of_the_decoders(tmp_path):
     pytest.importorskip("atheris", reason="atheris is not installed (pip install atheris)")
     corpus = tmp_path / "corpus"

@@ -10,11 +10,14 @@ import sys
 import threading
 import time
 
+import pytest
 import zmq
 
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from tests.support.processes import default_signal_dispositions
+
+pytestmark = pytest.mark.processes
 
 
 class HungPartition:

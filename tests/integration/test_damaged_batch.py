@@ -12,6 +12,8 @@ from zbroker.storage.log.segment import DATA_SUFFIX
 from zbroker.client import Admin, Consumer, Producer
 from zbroker.client.aio import AsyncConsumer
 
+pytestmark = pytest.mark.processes
+
 
 def _flip_last_byte(data_dir: Path, topic: str, partition: int) -> None:
     segments = sorted((data_dir / "partitions" / "logs" / topic / str(partition)).glob("*" + DATA_SUFFIX))

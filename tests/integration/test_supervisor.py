@@ -16,6 +16,8 @@ from zbroker.client import Admin, Consumer, Producer
 from tests.support.processes import all_gone
 from zbroker.supervisor import free_port_block
 
+pytestmark = pytest.mark.processes
+
 
 def _up(*args, timeout=60):
     return subprocess.run([sys.executable, "-m", "zbroker", "up", *args], capture_output=True, text=True,

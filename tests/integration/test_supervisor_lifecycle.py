@@ -10,9 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from zbroker.client import Admin
 from tests.support.processes import all_gone
 from zbroker.supervisor import free_port_block, wait_ready
+
+pytestmark = pytest.mark.processes
 
 
 def _pids(data: Path) -> dict:

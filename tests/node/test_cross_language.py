@@ -37,7 +37,7 @@ from zbroker.protocol.errors import (RETRIABLE, CorruptBatch, DuplicateSequence,
                              ZBrokerError)
 from zbroker.protocol.partitioner import partition_for_key
 
-pytestmark = pytest.mark.node
+pytestmark = [pytest.mark.node, pytest.mark.processes]  # each test runs node
 
 REPO = Path(__file__).resolve().parents[2]
 PROTOCOL_MD = REPO / "docs" / "PROTOCOL.md"

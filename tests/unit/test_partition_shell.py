@@ -140,6 +140,7 @@ def test_directory_entries_are_synced_up_to_the_root_even_when_someone_else_made
         partition_log.make_directories_durably(tmp_path / "elsewhere", data)
 
 
+@pytest.mark.processes
 def test_an_actor_waiting_for_its_coordinator_can_be_killed_without_stalling_the_next(tmp_path):
     # A reviewer's point: a process killed inside multiprocessing.Event.wait() left the
     # Event's condition counting it, and the coordinator's set() then blocked for ever.
