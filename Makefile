@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 NODE_STAMP := clients/node/node_modules/.installed
 LOADGEN := bench/loadgen/zbload
 DURATION ?= 1800
+# What needs no process and no service: everything else in tests/.
+FAST := not processes and not postgres and not node
 
 .PHONY: up test test-fast bench chaos node loadgen clean
 
@@ -37,9 +39,10 @@ up: $(STAMP)
 test: $(STAMP) $(NODE_STAMP) $(LOADGEN)
 	$(PY) -m pytest -q --durations=15
 
-## Unit tests only (no processes, no services).
+## Every test that starts no process and needs no service, from the whole tests/ tree
+## (the coordinator's stateful model with 30 examples rather than make test's 300).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/unit
+	ZBROKER_MODEL_EXAMPLES=30 $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "$(FAST)" tests
 
 ## Side-by-side benchmark against RabbitMQ, NATS JetStream, Redis Streams and raw ZeroMQ.
 bench: $(STAMP) $(LOADGEN)

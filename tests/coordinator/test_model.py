@@ -32,6 +32,7 @@ topic, and after every step compares the core's answers with it:
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from collections import Counter
 
@@ -690,7 +691,9 @@ class SharedCoordinatorMachine(CoordinatorMachine):
     MODE = "shared"
 
 
-SETTINGS = settings(max_examples=300, stateful_step_count=100, deadline=None,
+# `make test` runs the full 300; `make test-fast` fewer (ZBROKER_MODEL_EXAMPLES), for a quick loop.
+SETTINGS = settings(max_examples=int(os.environ.get("ZBROKER_MODEL_EXAMPLES", "300")), stateful_step_count=100,
+                    deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 TestExclusiveGroup = CoordinatorMachine.TestCase
