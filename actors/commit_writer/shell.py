@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from typing import Any
 
 import structlog
@@ -65,10 +64,6 @@ def run(coordinator_endpoint: str, offsets_url: str, *, flush_interval_ms: float
     runtime.tune_gc()
     asyncio.run(shell.main())
     runtime.ignore_stop_signals()
-
-
-def _now_ms() -> float:
-    return time.monotonic() * 1000.0
 
 
 class CommitWriterShell:
@@ -133,7 +128,7 @@ class CommitWriterShell:
             await self.store.close()
             self.sock.close(linger=0)
             self.ctx.term()
-            self.log.info("commit writer stopped", **_brief(self.core.statistics(_now_ms())))
+            self.log.info("commit writer stopped", **_brief(self.core.statistics(runtime.now_ms_fine())))
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.log.info("stopping", signal=signal.Signals(sig).name)
@@ -141,24 +136,24 @@ class CommitWriterShell:
         self._wake.set()
 
     async def _drain(self) -> None:
-        start = _now_ms()
+        start = runtime.now_ms_fine()
         self._apply(self.core.begin_shutdown(start))
-        while not self.core.drained and _now_ms() - start < SHUTDOWN_GRACE_MS:
+        while not self.core.drained and runtime.now_ms_fine() - start < SHUTDOWN_GRACE_MS:
             self._turn()
             await self._sleep_until_due(start + SHUTDOWN_GRACE_MS)
         if not self.core.drained:
             self.log.warning("stopping with offsets not yet durable",
-                             pending_keys=self.core.statistics(_now_ms())["pending_keys"])
-        self._apply(self.core.abort(_now_ms()))
+                             pending_keys=self.core.statistics(runtime.now_ms_fine())["pending_keys"])
+        self._apply(self.core.abort(runtime.now_ms_fine()))
 
     def _turn(self) -> None:
-        self._apply(self.core.on_tick(_now_ms()))
+        self._apply(self.core.on_tick(runtime.now_ms_fine()))
 
     async def _sleep_until_due(self, cap_ms: float | None) -> None:
         deadline = self.core.next_deadline()
         if cap_ms is not None:
             deadline = cap_ms if deadline is None else min(deadline, cap_ms)
-        timeout = None if deadline is None else max(0.0, deadline - _now_ms()) / 1000.0
+        timeout = None if deadline is None else max(0.0, deadline - runtime.now_ms_fine()) / 1000.0
         self._wake.clear()
         if timeout == 0.0:
             await asyncio.sleep(0)  # due now: still let the receiver and store tasks run
@@ -184,7 +179,7 @@ class CommitWriterShell:
             await asyncio.sleep(0)
 
     def _on_frames(self, frames: list[bytes]) -> None:
-        now = _now_ms()
+        now = runtime.now_ms_fine()
         try:
             is_reply, env = codec.decode_any(frames)
         except ProtocolError as exc:
@@ -267,10 +262,10 @@ class CommitWriterShell:
             await self._ensure_store()
             await self.store.upsert(flush.rows)
         except OffsetStoreError as exc:
-            effects = self.core.on_flush_failed(flush.flush_id, _now_ms(), error=exc.message)
+            effects = self.core.on_flush_failed(flush.flush_id, runtime.now_ms_fine(), error=exc.message)
             self._store_failed("flush failed", exc, rows=len(flush.rows))
         else:
-            effects = self.core.on_flush_done(flush.flush_id, _now_ms())
+            effects = self.core.on_flush_done(flush.flush_id, runtime.now_ms_fine())
         self._apply(effects)
         self._wake.set()
 
@@ -279,10 +274,10 @@ class CommitWriterShell:
             await self._ensure_store()
             await self.store.ping()
         except OffsetStoreError as exc:
-            effects = self.core.on_flush_failed(probe.flush_id, _now_ms(), error=exc.message)
+            effects = self.core.on_flush_failed(probe.flush_id, runtime.now_ms_fine(), error=exc.message)
             self._store_failed("store probe failed", exc)
         else:
-            effects = self.core.on_flush_done(probe.flush_id, _now_ms())
+            effects = self.core.on_flush_done(probe.flush_id, runtime.now_ms_fine())
         self._apply(effects)
         self._wake.set()
 
@@ -305,7 +300,7 @@ class CommitWriterShell:
         self._send(codec.encode_reply(m.LoadOffsetsReply(rows=[r.to_wire() for r in page], more=more), corr_id))
 
     def _store_failed(self, event: str, exc: ZBrokerError, **extra: Any) -> None:
-        stats = self.core.statistics(_now_ms())
+        stats = self.core.statistics(runtime.now_ms_fine())
         self.log.warning(event, **{**exc.data, **extra, "error": exc.message,
                                    "consecutive_failures": stats["consecutive_failures"],
                                    "retry_in_ms": stats["backoff_ms"], "pending_keys": stats["pending_keys"]})

@@ -7,6 +7,17 @@ each owned partition the core holds a `PartitionLog` (storage/log), opened
 through an injected `open_log` callable so that tests can hand it a log on a
 temporary directory; the core itself touches no socket and reads no clock.
 
+clocks
+    Every deadline here (waiting fetches, the fsync interval, open retries,
+    the once-a-second registration, report pacing) is on ``now_ms``, the
+    shell's monotonic clock, the same one the coordinator and the commit
+    writer run on: a wall clock stepped back by NTP would otherwise hold the
+    registration back past the coordinator's 5 s dead-actor timeout. The wall
+    clock is passed separately as ``wall_ms`` and used only where a time is
+    stored: a batch's append time, a recovery report, and retention by time
+    (which compares those stored times). A caller driving one hand clock may
+    omit ``wall_ms``; it then equals ``now_ms``.
+
 produce
     Checked in this order: ownership (NOT_OWNER, retriable: the client
     refreshes metadata), size (TOO_LARGE), payload shape (every record is
@@ -181,6 +192,7 @@ def partitions_for_open_files(limit: int) -> int:
     return max(1, (limit - RESERVED_FDS) // FDS_PER_PARTITION)
 
 
+# (topic, partition, config, wall_ms): wall_ms stamps the log's recovery report.
 LogOpener = Callable[[str, int, LogConfig, int], PartitionLog]
 
 
@@ -222,7 +234,7 @@ class PartitionActorCore:
 
     # -- assignment -------------------------------------------------------------------------
 
-    def on_assign(self, assignment: Iterable, now_ms: int) -> list:
+    def on_assign(self, assignment: Iterable, now_ms: int, *, wall_ms: int | None = None) -> list:
         """Own exactly the partitions in ``assignment`` ([[topic, partition, config], ...])."""
         wanted: dict[tuple[str, int], LogConfig] = {}
         for item in assignment:
@@ -234,10 +246,10 @@ class PartitionActorCore:
                 effects += self._release(key, now_ms)
         self._wanted = {k: c for k, c in wanted.items() if k not in self.logs}
         self._why_not_open = {k: why for k, why in self._why_not_open.items() if k in self._wanted}
-        self._open_wanted(now_ms)
+        self._open_wanted(now_ms, now_ms if wall_ms is None else wall_ms)
         return effects
 
-    def _open_wanted(self, now_ms: int) -> None:
+    def _open_wanted(self, now_ms: int, wall_ms: int) -> None:
         out_of_files = 0
         for key, config in list(self._wanted.items()):
             if out_of_files:
@@ -249,7 +261,7 @@ class PartitionActorCore:
                 self._why_not_open[key] = NO_FILES_LEFT
                 continue
             try:
-                plog = self._open_log(key[0], key[1], config, now_ms)
+                plog = self._open_log(key[0], key[1], config, wall_ms)
                 if self.fsync.mode != "never":
                     # What the previous owner wrote but had not yet fsynced when it died is
                     # made durable before any of it is served or reported.
@@ -312,7 +324,8 @@ class PartitionActorCore:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def handle(self, token: Any, env, now_ms: int, *, from_coordinator: bool = False) -> list:
+    def handle(self, token: Any, env, now_ms: int, *, wall_ms: int | None = None,
+               from_coordinator: bool = False) -> list:
         """Dispatch one decoded request envelope.
 
         ``assign`` is obeyed only on the coordinator's connection: on the client
@@ -323,7 +336,7 @@ class PartitionActorCore:
             if op == "assign" and not from_coordinator:
                 raise Unauthorized("assign is accepted only from the coordinator", op=op)
             if op == "produce":
-                return self.produce(token, env.msg, env.frames, now_ms)
+                return self.produce(token, env.msg, env.frames, now_ms, wall_ms=wall_ms)
             if op == "fetch":
                 return self.fetch(token, env.msg, now_ms, env.corr_id)
             if op == "hello":
@@ -333,14 +346,15 @@ class PartitionActorCore:
             if op == "status":
                 return [Reply(token, m.StatusReply(actors=[self.status(now_ms)]))]
             if op == "assign":
-                effects = self.on_assign(env.msg.assignment, now_ms)
+                effects = self.on_assign(env.msg.assignment, now_ms, wall_ms=wall_ms)
                 return effects + [Reply(token, self.assignment_reply())]
             raise UnknownOp(f"op {op!r} is not served by a partition actor", op=op)
         except ZBrokerError as err:
             self.counters["errors"] += 1
             return [ReplyError(token, op, detached(err))]
 
-    def produce(self, token: Any, msg: m.Produce, frames: list, now_ms: int) -> list:
+    def produce(self, token: Any, msg: m.Produce, frames: list, now_ms: int, *,
+                wall_ms: int | None = None) -> list:
         self.counters["produce_requests"] += 1
         key = (msg.topic, msg.partition)
         plog = self._owned_log(key)
@@ -357,8 +371,8 @@ class PartitionActorCore:
                 self.counters["duplicates"] += 1
                 return self._produce_reply(token, m.ProduceReply(base_offset=earlier[0], count=earlier[1],
                                                                  duplicate=True))
-        base = plog.append(payload, count, append_time_ms=now_ms, producer_id=msg.producer_id,
-                           producer_seq=msg.sequence)
+        base = plog.append(payload, count, append_time_ms=now_ms if wall_ms is None else wall_ms,
+                           producer_id=msg.producer_id, producer_seq=msg.sequence)
         self.counters["records_appended"] += count
         self.counters["bytes_appended"] += len(payload)
         self._dirty_since_sync.add(key)
@@ -523,7 +537,8 @@ class PartitionActorCore:
                 self.counters["fsyncs"] += 1
         self._dirty_since_sync.clear()
 
-    def tick(self, now_ms: int) -> list:
+    def tick(self, now_ms: int, *, wall_ms: int | None = None) -> list:
+        wall = now_ms if wall_ms is None else wall_ms
         effects: list = []
         while self._parked_heap and self._parked_heap[0].deadline_ms <= now_ms:
             parked = heapq.heappop(self._parked_heap)
@@ -551,11 +566,11 @@ class PartitionActorCore:
                     self._background_sync(jobs)
                 self._next_fsync_ms = None
         if self._wanted and now_ms >= self._next_open_retry_ms:
-            self._open_wanted(now_ms)
+            self._open_wanted(now_ms, wall)
         if now_ms >= self._next_retention_ms:
             self._next_retention_ms = now_ms + RETENTION_CHECK_MS
             for key, plog in self.logs.items():
-                if plog.enforce_retention(now_ms):
+                if plog.enforce_retention(wall):
                     self._changed.add(key)
                     log.info("partition.retention", topic=key[0], partition=key[1], log_start=plog.log_start)
         return effects

@@ -54,7 +54,7 @@ class LockedLogOpener:
         self.data_dir = data_dir
         self._locks: dict[tuple[str, int], int] = {}
 
-    def __call__(self, topic: str, partition: int, config: LogConfig, now_ms: int) -> PartitionLog:
+    def __call__(self, topic: str, partition: int, config: LogConfig, wall_ms: int) -> PartitionLog:
         validate_topic_name(topic)  # never a path outside the data directory
         directory = partition_dir(self.data_dir, topic, partition)
         try:
@@ -71,7 +71,7 @@ class LockedLogOpener:
             os.close(fd)
             raise OpenFailed("partition directory is locked by another actor") from None
         try:
-            plog = PartitionLog.open(directory, config, now_ms=now_ms)
+            plog = PartitionLog.open(directory, config, now_ms=wall_ms)
         except OSError as exc:
             os.close(fd)
             if exc.errno in OUT_OF_FILES:  # the partition waits; the others keep serving
@@ -107,8 +107,8 @@ def _log_sync_failure(log: Any, failures: list):
 
 
 def wall_ms() -> int:
-    # This actor's clock is the wall clock: batch append times are stored on disk
-    # and compared with it for age-based retention, across restarts.
+    # Only for what is stored: batch append times, on disk, are compared with it for
+    # age-based retention across restarts. Timers run on runtime.now_ms (monotonic).
     return time.time_ns() // 1_000_000
 
 
@@ -201,7 +201,7 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
     while not stop.stopping:
         if sync_failures:
             raise sync_failures[0]  # see _log_sync_failure
-        now = wall_ms()
+        now = runtime.now_ms()
         if core.heartbeat_due(now):
             corr += 1
             # A registration the coordinator's queue refuses is dropped: the next one is a second away.
@@ -222,7 +222,7 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
             if exc.errno == zmq.EINTR:
                 continue
             raise
-        now = wall_ms()
+        now, wall = runtime.now_ms(), wall_ms()
         if router in ready:
             for _ in range(TURN_BUDGET):
                 frames = recv_frames(router, copy=False)
@@ -233,14 +233,14 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
                 # Payload frames stay zero-copy views; the log writes them as they are.
                 user = security.user_id(frames[1]) if acl is not None else None
                 _handle(core, (router, frames[0].bytes), [f.buffer for f in frames[1:]], now, router, dealer, log,
-                        acl, user)
+                        acl, user, wall=wall)
         if dealer in ready:
             for _ in range(TURN_BUDGET):
                 frames = recv_frames(dealer)
                 if frames is None:
                     break
-                _handle_from_coordinator(core, frames, now, router, dealer, log)
-        for effect in core.tick(now):
+                _handle_from_coordinator(core, frames, now, router, dealer, log, wall=wall)
+        for effect in core.tick(now, wall_ms=wall):
             _apply(effect, router, dealer, log)
         for effect in core.end_turn(now):
             _apply(effect, router, dealer, log)
@@ -252,7 +252,8 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
 
 
 def _handle(core: PartitionActorCore, route: tuple, frames: list, now: int, router: zmq.Socket,
-            dealer: zmq.Socket, log: Any, acl: security.Acl | None = None, user: str | None = None) -> None:
+            dealer: zmq.Socket, log: Any, acl: security.Acl | None = None, user: str | None = None,
+            wall: int | None = None) -> None:
     env, error = runtime.decode_or_error(frames, log)
     if error is not None:
         _send(route, error)
@@ -265,12 +266,12 @@ def _handle(core: PartitionActorCore, route: tuple, frames: list, now: int, rout
             log.warning("auth.denied", op=env.op, reason=err.message, data=err.data)
             _apply(ReplyError(token, env.op, detached(err)), router, dealer, log)
             return
-    for effect in _guarded(core, token, env, now, log):
+    for effect in _guarded(core, token, env, now, log, wall=wall):
         _apply(effect, router, dealer, log)
 
 
 def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, router: zmq.Socket,
-                             dealer: zmq.Socket, log: Any) -> None:
+                             dealer: zmq.Socket, log: Any, wall: int | None = None) -> None:
     try:
         is_reply, env = codec.decode_any(frames)
     except ProtocolError as err:
@@ -281,7 +282,7 @@ def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, r
             core.registration_answered()
         if env.op == "register" and env.msg is not None:
             try:
-                effects = core.on_assign(env.msg.assignment, now)
+                effects = core.on_assign(env.msg.assignment, now, wall_ms=wall)
             except (ZBrokerError, ValueError, TypeError) as err:
                 log.error("coordinator.bad_assignment", reason=str(err))
                 return
@@ -291,12 +292,12 @@ def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, r
             log.warning("coordinator.error", op=env.op, code=env.error.code.value, reason=env.error.message)
         return
     token = ((dealer, None), env.corr_id, env.op)
-    for effect in _guarded(core, token, env, now, log, from_coordinator=True):
+    for effect in _guarded(core, token, env, now, log, from_coordinator=True, wall=wall):
         _apply(effect, router, dealer, log)
 
 
 def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int, log: Any,
-             from_coordinator: bool = False) -> list:
+             from_coordinator: bool = False, wall: int | None = None) -> list:
     """No request may take the actor down: a bug becomes an INTERNAL error reply.
 
     An OSError from the log (disk full, I/O error) is different: the log may be
@@ -304,7 +305,7 @@ def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int
     and recovery truncates whatever half-written tail the failure left.
     """
     try:
-        return core.handle(token, env, now, from_coordinator=from_coordinator)
+        return core.handle(token, env, now, wall_ms=wall, from_coordinator=from_coordinator)
     except OSError:
         log.exception("log.io_error", op=env.op)
         raise

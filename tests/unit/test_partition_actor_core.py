@@ -5,7 +5,7 @@ import pytest
 from zbroker.actors.partition_log.core import FsyncPolicy, OpenFailed, PartitionActorCore, Reply, ReplyError
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
-from zbroker.protocol.batch import decode_fetched, encode_records
+from zbroker.protocol.batch import decode_fetched, encode_records, parse_batch_header
 from zbroker.protocol.errors import ErrorCode
 from zbroker.storage.log.partition_log import LogConfig, PartitionLog
 
@@ -496,3 +496,76 @@ def test_with_fsync_always_a_fetch_parked_after_the_turns_append_is_not_woken_em
     assert [e for e in sent if e.token == "reader"] == []
     sent = produce(core, b"b", now=11) + core.end_turn(11)
     assert [(e.nth, e.msg.more, values(e)) for e in sent if e.token == "reader"] == [(0, True, [b"b"])]
+
+
+# -- clocks: every timer on the monotonic `now`, the wall clock only for what is stored --
+
+HOUR_MS = 3_600_000
+WALL0 = 1_767_225_600_000  # a wall-clock reading, far from any monotonic one
+
+
+def append_times(reply):
+    blob, pos, out = reply.frames[0], 0, []
+    while pos < len(blob):
+        header = parse_batch_header(blob, pos)
+        out.append(header.append_time_ms)
+        pos += 44 + header.payload_length
+    return out
+
+
+@pytest.mark.parametrize("step_ms", [-HOUR_MS, 30 * 24 * HOUR_MS], ids=["backwards", "forwards"])
+def test_a_wall_clock_step_moves_no_timer(tmp_path, step_ms):
+    # An NTP step of the wall clock: registrations stay once a second (the coordinator
+    # calls an actor dead after 5 s without one), a waiting fetch keeps its deadline.
+    c = PartitionActorCore("p0", open_log=Opener(tmp_path))
+    mono, wall = 1_000, WALL0
+    c.on_assign([["t", 0, None]], mono, wall_ms=wall)
+    assert c.heartbeat_due(mono)
+    [first] = c.handle("tok", env(m.Produce(topic="t", partition=0), [payload(b"a")]), mono, wall_ms=wall)
+    assert c.handle("reader", env(m.Fetch(topic="t", partition=0, offset=1, max_wait_ms=5000)), mono,
+                    wall_ms=wall) == []
+    registrations, fetch_answered_at = [], None
+    wall += step_ms
+    while mono < 8_000:
+        mono += 250
+        wall += 250
+        effects = c.tick(mono, wall_ms=wall)
+        if effects and fetch_answered_at is None:
+            fetch_answered_at = mono
+        if c.heartbeat_due(mono):
+            registrations.append(mono)
+    assert registrations == list(range(2_000, 8_001, 1_000))
+    assert fetch_answered_at == 6_000
+    # What is stored takes the wall clock, never before the batch before it.
+    [second] = c.handle("tok", env(m.Produce(topic="t", partition=0), [payload(b"b")]), mono, wall_ms=wall)
+    [f] = c.handle("tok", env(m.Fetch(topic="t", partition=0, offset=0)), mono, wall_ms=wall)
+    assert append_times(f) == [WALL0, max(WALL0, wall)]
+    c.close()
+
+
+@pytest.mark.parametrize("step_ms, deleted", [(-HOUR_MS, False), (2 * 24 * HOUR_MS, True)],
+                         ids=["backwards", "forwards"])
+def test_retention_by_time_follows_the_wall_clock(tmp_path, step_ms, deleted):
+    # Retention compares stored append times, so it is the one decision on the wall
+    # clock: two days forward ages a one-day topic's segments out; an hour back keeps them.
+    c = PartitionActorCore("p0", open_log=Opener(tmp_path))
+    mono, wall = 1_000, WALL0
+    c.on_assign([["t", 0, {"segment_bytes": 200, "retention_ms": 24 * HOUR_MS}]], mono, wall_ms=wall)
+    for i in range(6):
+        c.handle("tok", env(m.Produce(topic="t", partition=0), [payload(b"x" * 100)]), mono, wall_ms=wall)
+    c.tick(mono, wall_ms=wall)  # the first check: nothing is a day old
+    assert c.logs[("t", 0)].log_start == 0
+    mono += 30_000  # the next retention check, 30 s of monotonic time later
+    c.tick(mono, wall_ms=wall + step_ms)
+    assert (c.logs[("t", 0)].log_start > 0) is deleted
+    c.close()
+
+
+def test_a_core_driven_by_one_clock_takes_it_for_the_wall_too(tmp_path):
+    # Tests with one hand clock omit wall_ms: what is stored then carries now_ms.
+    c = PartitionActorCore("p0", open_log=Opener(tmp_path))
+    c.on_assign([["t", 0, None]], 5)
+    c.handle("tok", env(m.Produce(topic="t", partition=0), [payload(b"a")]), 123)
+    [f] = c.handle("tok", env(m.Fetch(topic="t", partition=0, offset=0)), 124)
+    assert append_times(f) == [123]
+    c.close()

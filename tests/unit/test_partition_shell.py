@@ -166,3 +166,57 @@ def test_an_actor_waiting_for_its_coordinator_can_be_killed_without_stalling_the
     bound.write_text("1")
     waiter.join(10)
     assert waiter.exitcode == 0 and marker.exists()
+
+
+def test_registrations_keep_their_pace_when_the_wall_clock_steps_back(tmp_path, monkeypatch):
+    # The loop once ran its timers on the wall clock: a step back of an hour (NTP) held
+    # the next registration back an hour, and the coordinator calls an actor dead after
+    # 5 s without one. Each read of the (fake) monotonic clock here is a second later;
+    # the wall clock steps back an hour after its first read.
+    import itertools
+    import threading
+
+    from zbroker.actors.partition_log.core import PartitionActorCore
+    from zbroker.protocol import codec
+
+    mono = itertools.count(0, 1000)
+    walls = itertools.chain([1_767_225_600_000], itertools.repeat(1_767_225_600_000 - 3_600_000))
+    monkeypatch.setattr(runtime, "now_ms", lambda: next(mono))
+    monkeypatch.setattr(shell, "wall_ms", lambda: next(walls))
+    ctx = zmq.Context()
+    coordinator = ctx.socket(zmq.ROUTER)
+    coordinator.bind("inproc://coordinator")
+    stop, failed = runtime.StopFlag(), []
+    core = PartitionActorCore("p0", open_log=shell.LockedLogOpener(tmp_path))
+    core.next_deadline = lambda: 0  # poll without waiting: the fake clock is not real time
+
+    def actor() -> None:
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        try:
+            router.bind("inproc://actor")
+            dealer.connect("inproc://coordinator")
+            shell._loop(core, router, dealer, "inproc://actor", "host:/data", stop, structlog.get_logger(), None, [])
+        except BaseException as exc:  # reported by the test thread
+            failed.append(exc)
+        finally:
+            router.close(linger=0)
+            dealer.close(linger=0)
+
+    thread = threading.Thread(target=actor, daemon=True)
+    thread.start()
+    try:
+        registrations = 0
+        while registrations < 3:
+            # Not a timing assertion: a registration is due on every turn here, and one
+            # an hour away would never come.
+            assert coordinator.poll(10_000), f"only {registrations} registrations arrived"
+            _, *frames = coordinator.recv_multipart()
+            if codec.decode_request(frames).op == "register":
+                registrations += 1
+    finally:
+        stop.stopping = True
+        thread.join(10)
+        coordinator.close(linger=0)
+        ctx.term()
+    assert not thread.is_alive() and failed == []
+    core.close()
