@@ -10,7 +10,11 @@ fields. Replies carry ``v``, ``op``, ``id`` and ``ok``; an error reply has
 Decoding never raises anything but `ProtocolError` (or a subclass) for what
 a peer sent, so a shell can turn every failure into an error reply. The
 exception carries ``corr_id`` and ``op`` when they could be read, so the error
-reply can still be matched to its request.
+reply can still be matched to its request: a header that is a map is read for
+them even when it is refused for what else it holds (an ext value, bytes after
+the map), because a client matching replies by id would otherwise wait for a
+reply that never comes. Those rare cases are read a second time, off the fast
+path.
 """
 
 from __future__ import annotations
@@ -52,8 +56,29 @@ class Envelope:
         return self.op in m.TELLS
 
 
+class _ExtFound(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
 def _reject_ext(code: int, data: bytes) -> None:
     raise ProtocolError("msgpack ext types are not allowed", ext_code=code)
+
+
+def _stop_at_ext(code: int, data: bytes) -> None:
+    raise _ExtFound(code)
+
+
+def _keep_ext(code: int, data: bytes) -> msgpack.ExtType:
+    return msgpack.ExtType(code, b"")
+
+
+def _readable_id_and_op(header: Any) -> tuple[Any, Any]:
+    """The id and op of a header refused for something else, where they can be read."""
+    if not isinstance(header, dict):
+        return None, None
+    corr_id, op = header.get("id"), header.get("op")
+    return (corr_id if _valid_id(corr_id) else None), op
 
 
 def _unpack_header(frame: bytes | memoryview) -> dict:
@@ -61,13 +86,24 @@ def _unpack_header(frame: bytes | memoryview) -> dict:
         raise TooLarge("header frame too large", limit=MAX_HEADER_BYTES, got=len(frame))
     try:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
-                                 ext_hook=_reject_ext)
-    except ZBrokerError:
-        raise
-    except Exception as exc:  # ExtraData, FormatError, StackError, ValueError, UnicodeDecodeError...
+                                 ext_hook=_stop_at_ext)
+    except _ExtFound as found:
+        try:  # again, keeping ext values, to read the id and op beside them
+            kept = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, ext_hook=_keep_ext)
+        except msgpack.ExtraData as extra:
+            kept = extra.unpacked
+        except Exception:
+            kept = None
+        raise _fail(ProtocolError("msgpack ext types are not allowed", ext_code=found.code),
+                    *_readable_id_and_op(kept)) from None
+    except msgpack.ExtraData as extra:
+        corr_id, op = _readable_id_and_op(extra.unpacked)
+        raise _fail(ProtocolError("bytes follow the header map", trailing_bytes=len(extra.extra)),
+                    corr_id, op) from None
+    except Exception as exc:  # FormatError, StackError, ValueError, UnicodeDecodeError...
         raise ProtocolError(f"header is not a valid msgpack map: {type(exc).__name__}") from None
     if not isinstance(header, dict):
-        raise ProtocolError("header must be a msgpack map", got=type(header).__name__)
+        raise ProtocolError("header must be a msgpack map", expected="map", got=m.family(header))
     return header
 
 
@@ -88,7 +124,9 @@ def _check_envelope(frames: Sequence[bytes], *, reply: bool = False) -> tuple[di
     try:
         header = _unpack_header(frames[0])
     except ProtocolError as exc:
-        raise _fail(exc, None, None)
+        if not hasattr(exc, "corr_id"):
+            exc = _fail(exc, None, None)
+        raise exc
     except TooLarge as exc:
         err = ProtocolError(exc.message, **exc.data)
         err.code = exc.code
@@ -96,7 +134,8 @@ def _check_envelope(frames: Sequence[bytes], *, reply: bool = False) -> tuple[di
     corr_id = header.get("id")
     op = header.get("op")
     if not _valid_id(corr_id):
-        raise _fail(ProtocolError("'id' must be an unsigned 64-bit integer or nil"), None, op)
+        raise _fail(ProtocolError("'id' must be an unsigned 64-bit integer or nil", field="id",
+                                  expected="uint64 | nil", got=m.family(corr_id)), None, op)
     if len(frames) > MAX_FRAMES:
         # Checked after the header so that the error reply carries the request's id.
         raise _fail(ProtocolError("too many frames", limit=MAX_FRAMES, got=len(frames)), corr_id, op)
@@ -106,7 +145,13 @@ def _check_envelope(frames: Sequence[bytes], *, reply: bool = False) -> tuple[di
                                        supported=list(m.SUPPORTED_VERSIONS)), corr_id, op)
     # An error reply to a request that could not be read carries a nil op.
     if not isinstance(op, str) and not (reply and op is None and header.get("ok") is False):
-        raise _fail(ProtocolError("'op' must be a string"), corr_id, None)
+        got = {"got": m.family(op)} if "op" in header else {}  # a missing key has no `got`
+        raise _fail(ProtocolError("'op' must be a string", field="op", expected="str", **got), corr_id, None)
+    if not reply and ("ok" in header or "error" in header):
+        # The key that tells a reply from a request on a two-way socket: a request that
+        # carries it would be read as a reply there, so it is refused everywhere.
+        raise _fail(ProtocolError("a request carries no 'ok' or 'error'",
+                                  field="ok" if "ok" in header else "error"), corr_id, op)
     return header, corr_id, op
 
 

@@ -26,10 +26,10 @@ MAX_TOPIC_NAME_CHARS = 200
 TOPIC_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,%d}$" % (MAX_TOPIC_NAME_CHARS - 1))
 
 
-def validate_topic_name(name: str) -> None:
+def validate_topic_name(name: str, field: str = "topic") -> None:
     if not isinstance(name, str) or not TOPIC_NAME.match(name) or ".." in name:
         raise ProtocolError("topic names are 1-200 characters of A-Z a-z 0-9 . _ - and may not start "
-                            "with '.' or '-' or contain '..'", topic=str(name)[:200])
+                            "with '.' or '-' or contain '..'", topic=str(name)[:200], field=field)
 
 
 # Group names are stored with the committed offsets (the commit writer refuses longer
@@ -171,7 +171,7 @@ def build(cls: type[Message], fields: dict[str, Any]) -> Message:
             if accept is not None and (not isinstance(value, accept) or (refuse_bool and value.__class__ is bool)):
                 raise ProtocolError(f"field {name!r} of {cls.op!r} has the wrong type",
                                     op=cls.op, field=name, expected=_type_name(ftype),
-                                    got=type(value).__name__)
+                                    got=family(value))
             kwargs[name] = value
         elif required:
             raise ProtocolError(f"{cls.op!r} is missing field {name!r}", op=cls.op, field=name)
@@ -182,8 +182,23 @@ def build(cls: type[Message], fields: dict[str, Any]) -> Message:
     return msg
 
 
+# The words `data.expected` and `data.got` use (PROTOCOL.md s.7): msgpack family names,
+# which a client in any language can read, never Python class names.
+_FAMILY = {type(None): "nil", bool: "bool", int: "int", float: "float", str: "str", bytes: "bin",
+           list: "array", dict: "map"}
+FAMILIES = frozenset(_FAMILY.values()) | {"ext", "uint64"}
+
+
+def family(value: Any) -> str:
+    """The msgpack family a decoded value came as ("ext" for one kept as an ext type)."""
+    return _FAMILY.get(type(value), "ext")
+
+
 def _type_name(t: Any) -> str:
-    return getattr(t, "__name__", None) or str(t)
+    """A field's declared type in the same words: "int", "str | nil", "array", ..."""
+    if isinstance(t, types.UnionType):
+        return " | ".join(_type_name(member) for member in t.__args__)
+    return _FAMILY.get(getattr(t, "__origin__", None) or t, str(t))
 
 
 # -- helpers for structured fields -------------------------------------------------------
@@ -208,26 +223,27 @@ def _at_most_a_lease(op: str, **values: int | None) -> None:
 MAX_RANGES_PER_REQUEST = 10_000
 
 
-def check_lease_ranges(op: str, ranges: list, limit: int = MAX_RANGES_PER_REQUEST) -> None:
+def check_lease_ranges(op: str, ranges: list, limit: int = MAX_RANGES_PER_REQUEST, field: str = "ranges") -> None:
     """Each item is [topic:str, partition:int, lease_id:int, start:int, end:int], start < end."""
     if len(ranges) > limit:
-        raise ProtocolError(f"{op!r} carries too many ranges", op=op, limit=limit, got=len(ranges))
+        raise ProtocolError(f"{op!r} carries too many ranges", op=op, field=field, limit=limit, got=len(ranges))
     for i, item in enumerate(ranges):
         if not (isinstance(item, list) and len(item) == 5):
-            raise ProtocolError("range must be [topic, partition, lease_id, start, end]", op=op, index=i)
+            raise ProtocolError("range must be [topic, partition, lease_id, start, end]", op=op, field=field, index=i)
         topic, partition, lease, start, end = item
         if not isinstance(topic, str) or not all(
             isinstance(x, int) and not isinstance(x, bool) for x in (partition, lease, start, end)
         ):
-            raise ProtocolError("range has wrong element types", op=op, index=i)
+            raise ProtocolError("range has wrong element types", op=op, field=field, index=i)
         if partition < 0 or start < 0 or end <= start:
-            raise ProtocolError("range must have partition >= 0 and 0 <= start < end", op=op, index=i)
+            raise ProtocolError("range must have partition >= 0 and 0 <= start < end", op=op, field=field, index=i)
         if not 0 <= lease < 1 << 64:  # a uint64 (PROTOCOL.md); no lease has any other id
-            raise ProtocolError("range's lease_id must be a uint64", op=op, index=i, field="lease_id", got=lease)
+            raise ProtocolError("range's lease_id must be a uint64", op=op, index=i, field=f"{field}.lease_id",
+                                got=lease)
         if len(topic.encode()) > MAX_TOPIC_NAME_CHARS:
             # No topic has such a name; and a stale range is echoed back in the reply, whose
             # size the coordinator budgets with topics no longer than this.
-            raise ProtocolError("range names no topic: longer than any topic name", op=op, index=i,
+            raise ProtocolError("range names no topic: longer than any topic name", op=op, field=field, index=i,
                                 limit=MAX_TOPIC_NAME_CHARS)
 
 
@@ -243,7 +259,7 @@ class Hello(Message):
 
     def check(self) -> None:
         if not self.versions or not all(isinstance(v, int) and not isinstance(v, bool) for v in self.versions):
-            raise ProtocolError("'versions' must be a non-empty list of integers", op="hello")
+            raise ProtocolError("'versions' must be a non-empty list of integers", op="hello", field="versions")
         if not set(self.versions) & set(SUPPORTED_VERSIONS):
             raise UnsupportedVersion("no protocol version in common", op="hello",
                                      supported=list(SUPPORTED_VERSIONS))
@@ -461,9 +477,10 @@ class Poll(Message):
     acks: list = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
-        check_lease_ranges("poll", self.acks)
+        check_lease_ranges("poll", self.acks, field="acks")
         if not (1 <= self.max_records <= 1_000_000):
-            raise ProtocolError("'max_records' must be between 1 and 1000000", op="poll")
+            raise ProtocolError("'max_records' must be between 1 and 1000000", op="poll", field="max_records",
+                                got=self.max_records, limit=1_000_000)
         _nonneg("poll", max_wait_ms=self.max_wait_ms, ahead=self.ahead)
         if self.ahead > 1_000_000:
             raise ProtocolError("'ahead' must be at most 1000000", op="poll", field="ahead")
@@ -600,11 +617,13 @@ class ConfigureGroup(Message):
     def check(self) -> None:
         validate_group_name(self.group, "configure_group")
         if self.dlq:  # empty or absent: "<topic>.dlq"
-            validate_topic_name(self.dlq)
+            validate_topic_name(self.dlq, "dlq")
         if self.mode is not None and self.mode not in ("exclusive", "shared"):
-            raise ProtocolError("'mode' must be 'exclusive' or 'shared'", op="configure_group", got=self.mode)
+            raise ProtocolError("'mode' must be 'exclusive' or 'shared'", op="configure_group", field="mode",
+                                got=self.mode[:64])
         if self.start is not None and self.start not in ("earliest", "latest"):
-            raise ProtocolError("'start' must be 'earliest' or 'latest'", op="configure_group", got=self.start)
+            raise ProtocolError("'start' must be 'earliest' or 'latest'", op="configure_group", field="start",
+                                got=self.start[:64])
         for name in ("ack_timeout_ms", "max_deliveries", "max_in_flight"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -626,9 +645,10 @@ class ResetGroup(Message):
     def check(self) -> None:
         validate_group_name(self.group, "reset_group")
         if isinstance(self.to, str) and self.to not in ("earliest", "latest"):
-            raise ProtocolError("'to' must be 'earliest', 'latest' or an offset", op="reset_group")
+            raise ProtocolError("'to' must be 'earliest', 'latest' or an offset", op="reset_group", field="to",
+                                got=self.to[:64])
         if isinstance(self.to, int) and self.to < 0:
-            raise ProtocolError("'to' offset must be >= 0", op="reset_group")
+            raise ProtocolError("'to' offset must be >= 0", op="reset_group", field="to", got=self.to)
 
 
 @reply("reset_group")
@@ -657,22 +677,24 @@ class Register(Message):
 
     def check(self) -> None:
         if len(self.not_open) > MAX_NOT_OPEN_LISTED:
-            raise ProtocolError("register lists too many partitions not open", op=self.op,
+            raise ProtocolError("register lists too many partitions not open", op=self.op, field="not_open",
                                 limit=MAX_NOT_OPEN_LISTED, got=len(self.not_open))
         for i, item in enumerate(self.not_open):
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
                     and isinstance(item[1], int) and not isinstance(item[1], bool) and isinstance(item[2], str)):
-                raise ProtocolError("not_open items must be [topic, partition, reason]", op=self.op, index=i)
+                raise ProtocolError("not_open items must be [topic, partition, reason]", op=self.op,
+                                    field="not_open", index=i)
         _nonneg(self.op, not_open_count=self.not_open_count)
 
 
-def check_assignment(op: str, assignment: list) -> None:
+def check_assignment(op: str, assignment: list, field: str = "assignment") -> None:
     for i, item in enumerate(assignment):
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
                 and isinstance(item[1], int) and not isinstance(item[1], bool) and 0 <= item[1] < 1 << 31
                 and (item[2] is None or isinstance(item[2], dict))):
-            raise ProtocolError("assignment items must be [topic, partition, config]", op=op, index=i)
-        validate_topic_name(item[0])
+            raise ProtocolError("assignment items must be [topic, partition, config]", op=op, field=field,
+                                index=i)
+        validate_topic_name(item[0], field)
 
 
 @reply("register")
@@ -742,7 +764,7 @@ class Advance(Message):
                     and type(a[2]) is int and type(a[3]) is int and type(a[5]) is int and type(a[6]) is int
                     and type(a[4]) is list):
                 raise ProtocolError("advance must be [group, topic, partition, committed, holes, "
-                                    "generation, reset_epoch]", op="advance", index=i)
+                                    "generation, reset_epoch]", op="advance", field="advances", index=i)
 
 
 def _is_int(x: Any) -> bool:
@@ -789,7 +811,7 @@ class AdvanceReply(Message):
             if not (isinstance(d, list) and len(d) == 5 and isinstance(d[0], str) and isinstance(d[1], str)
                     and all(_is_int(x) for x in d[2:])):
                 raise ProtocolError("durable items must be [group, topic, partition, committed, reset_epoch]",
-                                    op="advance", index=i)
+                                    op="advance", field="durable", index=i)
 
 
 @request("load_offsets")
@@ -801,9 +823,10 @@ class LoadOffsets(Message):
     def check(self) -> None:
         if self.after is not None and not (len(self.after) == 3 and isinstance(self.after[0], str)
                                            and isinstance(self.after[1], str) and isinstance(self.after[2], int)):
-            raise ProtocolError("'after' must be [group, topic, partition]", op="load_offsets")
+            raise ProtocolError("'after' must be [group, topic, partition]", op="load_offsets", field="after")
         if not 1 <= self.limit <= 10_000:
-            raise ProtocolError("'limit' must be between 1 and 10000", op="load_offsets")
+            raise ProtocolError("'limit' must be between 1 and 10000", op="load_offsets", field="limit",
+                                got=self.limit)
 
 
 @reply("load_offsets")
@@ -821,4 +844,4 @@ class LoadOffsetsReply(Message):
                     and all(_is_int(x) for x in (r[2], r[3], r[5], r[6])) and isinstance(r[4], list)
                     and all(isinstance(h, list) and len(h) == 2 and all(_is_int(x) for x in h) for h in r[4])):
                 raise ProtocolError("rows must be [group, topic, partition, committed, holes, generation, "
-                                    "reset_epoch]", op="load_offsets", index=i)
+                                    "reset_epoch]", op="load_offsets", field="rows", index=i)

@@ -19,6 +19,21 @@ from zbroker.protocol.batch import (BATCH_HEADER_SIZE, CorruptBatch, build_batch
 from zbroker.protocol.errors import ProtocolError
 
 
+def _readable_id(frame: bytes) -> int | None:
+    """The id a client reading the header map as msgpack would see, ext values and
+    bytes after the map notwithstanding (None: there is none to echo)."""
+    if len(frame) > codec.MAX_HEADER_BYTES:
+        return None
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except msgpack.ExtraData as extra:
+        header = extra.unpacked
+    except Exception:
+        return None
+    corr_id = header.get("id") if isinstance(header, dict) else None
+    return corr_id if type(corr_id) is int and 0 <= corr_id < 1 << 64 else None
+
+
 def check_request(frames: list[bytes]) -> None:
     try:
         env = codec.decode_request(frames)
@@ -26,6 +41,8 @@ def check_request(frames: list[bytes]) -> None:
         reply = codec.encode_error(exc.op, exc.corr_id, exc)
         back = codec.decode_reply(reply)  # the actor's error reply is itself valid
         assert back.error is not None and back.error.code == exc.code
+        if frames:  # a client matching replies by id sees the error whenever its id was readable
+            assert back.corr_id == _readable_id(bytes(frames[0])), (back.corr_id, back.error)
         return
     assert isinstance(env.op, str) and env.msg is not None
     assert env.frames == list(frames[1:])

@@ -3,6 +3,7 @@
 import pickle
 import types
 import zlib
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -519,11 +520,12 @@ def test_a_twelve_hour_lease_is_accepted():
 def test_a_lease_id_outside_uint64_is_a_bad_request_not_a_stale_lease(lease_id):
     # Found by a newcomer's raw-protocol probe: -1 was answered STALE_LEASE, as if it
     # had once been a lease; PROTOCOL.md types lease_id as uint64.
-    for msg in (m.Ack(group="g", member_id="m", generation=1, ranges=[["t", 0, lease_id, 0, 1]]),
-                m.Poll(group="g", member_id="m", generation=1, acks=[["t", 0, lease_id, 0, 1]])):
+    for msg, key in ((m.Ack(group="g", member_id="m", generation=1, ranges=[["t", 0, lease_id, 0, 1]]), "ranges"),
+                     (m.Poll(group="g", member_id="m", generation=1, acks=[["t", 0, lease_id, 0, 1]]), "acks")):
         with pytest.raises(ProtocolError) as caught:
             codec.decode_request(codec.encode_request(msg, 1))
-        assert caught.value.code is ErrorCode.BAD_REQUEST and caught.value.data["field"] == "lease_id"
+        assert caught.value.code is ErrorCode.BAD_REQUEST
+        assert (caught.value.data["field"], caught.value.data["index"]) == (f"{key}.lease_id", 0)
 
 
 @pytest.mark.parametrize("member_id", ["m" * (m.MAX_MEMBER_ID_CHARS + 1), "m" * 1_000_000, "a\x00b"])
@@ -548,3 +550,114 @@ def test_one_request_settles_at_most_max_ranges_per_request():
         assert caught.value.data["limit"] == m.MAX_RANGES_PER_REQUEST
     ok = m.Ack(group="g", member_id="a", generation=1, ranges=ranges[:-1])
     assert len(codec.decode_request(codec.encode_request(ok, 1)).msg.ranges) == m.MAX_RANGES_PER_REQUEST
+
+
+# -- PROTOCOL.md s.3/s.7: what a refused header is answered with ------------------------
+
+def _refused(header_bytes: bytes) -> tuple:
+    """What the actor's error reply to this frame 0 says: (id, op, code, data)."""
+    with pytest.raises(ProtocolError) as caught:
+        codec.decode_request([header_bytes])
+    back = codec.decode_reply(codec.encode_error(caught.value.op, caught.value.corr_id, caught.value))
+    return back.corr_id, back.op, back.error.code, back.error.data
+
+
+_EXT = msgpack.ExtType(5, b"\x01")
+
+
+@pytest.mark.parametrize("header", [
+    {"v": 1, "op": "status", "id": 41, "x": _EXT},
+    {"x": _EXT, "v": 1, "op": "status", "id": 41},  # the ext comes before the id in the map
+    {"v": 1, "op": "metadata", "id": 41, "topics": [{"a": _EXT}]},
+], ids=["after", "before", "nested"])
+def test_a_header_with_an_ext_value_is_refused_under_its_own_id(header):
+    # A client that matches replies by id timed out on these: the error went out with id nil.
+    corr_id, op, code, data = _refused(msgpack.packb(header))
+    assert (corr_id, op, code, data["ext_code"]) == (41, header["op"], ErrorCode.BAD_REQUEST, 5)
+
+
+def test_an_ext_id_cannot_be_echoed():
+    corr_id, op, code, data = _refused(msgpack.packb({"v": 1, "op": "status", "id": _EXT}))
+    assert (corr_id, op, code, data["ext_code"]) == (None, "status", ErrorCode.BAD_REQUEST, 5)
+
+
+@pytest.mark.parametrize("extra", [b"\xc0", b"\x01\x02\x03", msgpack.packb({"v": 1, "op": "status", "id": 9})])
+def test_bytes_after_the_header_map_are_refused_under_the_request_id(extra):
+    corr_id, op, code, data = _refused(msgpack.packb({"v": 1, "op": "status", "id": 7}) + extra)
+    assert (corr_id, op, code, data) == (7, "status", ErrorCode.BAD_REQUEST, {"trailing_bytes": len(extra)})
+
+
+@pytest.mark.parametrize("op, got", [(None, "nil"), (3, "int"), (b"status", "bin"), (["status"], "array"),
+                                     ("missing", None)])
+def test_a_missing_or_non_string_op_is_a_bad_request_naming_the_field(op, got):
+    header = {"v": 1, "id": 12} if op == "missing" else {"v": 1, "op": op, "id": 12}
+    corr_id, reply_op, code, data = _refused(msgpack.packb(header))
+    assert (corr_id, reply_op, code) == (12, None, ErrorCode.BAD_REQUEST)
+    assert data == ({"field": "op", "expected": "str"} if got is None else {"field": "op", "expected": "str", "got": got})
+
+
+def test_an_unknown_string_op_is_unknown_op():
+    corr_id, op, code, data = _refused(msgpack.packb({"v": 1, "op": "frobnicate", "id": 12}))
+    assert (corr_id, op, code, data) == (12, "frobnicate", ErrorCode.UNKNOWN_OP, {"op": "frobnicate"})
+
+
+@pytest.mark.parametrize("key, value", [("ok", True), ("ok", False), ("error", None)])
+def test_a_request_carrying_ok_or_error_is_refused(key, value):
+    # On a socket carrying both directions such a request would be read as a reply.
+    corr_id, op, code, data = _refused(msgpack.packb({"v": 1, "op": "status", "id": 3, key: value}))
+    assert (corr_id, op, code, data) == (3, "status", ErrorCode.BAD_REQUEST, {"field": key})
+
+
+def test_an_id_of_the_wrong_type_names_the_field_in_wire_words():
+    corr_id, _, code, data = _refused(msgpack.packb({"v": 1, "op": "status", "id": "7"}))
+    assert (corr_id, code, data) == (None, ErrorCode.BAD_REQUEST, {"field": "id", "expected": "uint64 | nil",
+                                                                   "got": "str"})
+
+
+# -- data.field is always set, data.got / data.expected are wire words -------------------
+
+_ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=False),
+                       st.text(max_size=8), st.binary(max_size=8),
+                       st.lists(st.one_of(st.integers(-3, 3), st.text(max_size=3),
+                                          st.lists(st.integers(-3, 3), max_size=6)), max_size=4),
+                       st.dictionaries(st.text(max_size=3), st.integers(-3, 3), max_size=2))
+_REQUEST_OPS = sorted(m.REQUESTS)
+
+
+@given(op=st.sampled_from(_REQUEST_OPS), data=st.data())
+def test_every_refused_field_is_named_and_described_in_wire_words(op, data):
+    cls = m.REQUESTS[op]
+    fields = {name: data.draw(_ANY_VALUE, label=name) for name, *_ in cls._fields
+              if data.draw(st.booleans(), label=f"send {name}")}
+    try:
+        m.build(cls, fields)
+    except ProtocolError as err:
+        assert err.data.get("field"), (op, fields, err.message, err.data)
+        assert err.data["field"].split(".")[0] in {name for name, *_ in cls._fields}, err.data
+        if "expected" in err.data:
+            words = err.data["expected"].split(" | ")
+            assert set(words) <= m.FAMILIES and err.data["got"] in m.FAMILIES, err.data
+
+
+def _calls_without_field(source: str) -> list[int]:
+    import ast
+
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ProtocolError"
+            and "field" not in {k.arg for k in node.keywords}]
+
+
+def test_every_protocol_error_of_a_message_names_its_field():
+    # The property test above reaches only what random fields reach; this reads them all.
+    source = Path(m.__file__).read_text(encoding="utf-8")
+    assert _calls_without_field(source) == []
+    # ...and finds one like those `hello` and `poll` raised before.
+    assert _calls_without_field('raise ProtocolError("\'max_records\' out of range", op="poll")\n') == [1]
+
+
+def test_wire_words_for_every_declared_type():
+    declared = {m._type_name(ftype) for table in (m.REQUESTS, m.REPLIES) for cls in table.values()
+                for _, ftype, *_ in cls._fields}
+    assert {w for name in declared for w in name.split(" | ")} <= m.FAMILIES
+    assert [m.family(v) for v in (None, True, 1, 1.5, "s", b"b", [], {}, msgpack.ExtType(1, b""))] == [
+        "nil", "bool", "int", "float", "str", "bin", "array", "map", "ext"]
