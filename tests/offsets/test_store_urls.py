@@ -109,6 +109,7 @@ def test_the_cycle_check_finds_the_old_circle():
     assert _cycle(graph) == ["base", "sqlite", "base"]
 
 
+@pytest.mark.processes  # a fresh interpreter: this one may have imported asyncpg already
 def test_a_sqlite_url_imports_no_postgres_driver():
     code = ("import sys\nfrom zbroker.storage.offsets import open_offset_store\n"
             "open_offset_store('sqlite:///:memory:')\n"
