@@ -5,7 +5,8 @@ method (no state inherited by fork). The supervisor waits on the process
 sentinels; when an actor dies it logs the exit code and restarts it after an
 exponential backoff (100 ms doubling to 5 s, reset after 30 s of uptime).
 On SIGINT, SIGTERM or SIGHUP (a terminal that hangs up) it stops the
-coordinator first (no new work), then the commit writer (flushes pending
+console actor (HTTP, read only; absent with ``--http off``), then the
+coordinator (no new work), then the commit writer (flushes pending
 offsets), then the partition actors (fsync),
 each with SIGTERM and a bounded wait before SIGKILL. That order is why each
 actor runs in a process group of its own: a Ctrl-C in the terminal reaches
