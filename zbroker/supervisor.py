@@ -329,15 +329,7 @@ class Supervisor:
         second broker on the same data hears that rather than about its ports."""
         ports = [self.config.port, self.config.port + 1] + [self.config.port + 2 + i
                                                            for i in range(self.config.partition_actors)]
-        address = self.config.http_address()
-        if address is not None:
-            with socket.socket() as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
-                try:
-                    probe.bind(address)
-                except OSError as err:
-                    return (f"the console cannot bind {address[0]}:{address[1]} ({err.strerror}): "
-                            f"choose another --http, or --http off")
+
         if not (0 < ports[0] and ports[-1] <= 65535):
             return f"the broker needs ports {ports[0]}-{ports[-1]}, outside 1-65535: choose another --port"
         for port in ports:
@@ -350,6 +342,22 @@ class Supervisor:
                         return f"cannot bind {self.config.host} ({err.strerror}): choose another --host"
                     return (f"cannot bind {self.config.host}:{port} ({err.strerror}); the broker uses ports "
                             f"{ports[0]}-{ports[-1]}: choose another --port")
+        return self._console_port_error()
+
+    def _console_port_error(self) -> str | None:
+        address = self.config.http_address()
+        if address is None:
+            return None
+        if not 0 < address[1] <= 65535:
+            return f"the console's port {address[1]} is outside 1-65535: give --http HOST:PORT, or --http off"
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            try:
+                probe.bind(address)
+            except OSError as err:
+                return (f"the console cannot bind {address[0]}:{address[1]} ({err.strerror}): "
+                        f"choose another --http, or --http off")
         return None
 
     def run(self) -> int:
