@@ -39,6 +39,7 @@ def test_a_non_loopback_bind_needs_a_token():
     assert BrokerConfig(http="0.0.0.0:8080", http_token="s3cret").http_error() is None
 
 
+@pytest.mark.processes
 def test_up_refuses_a_non_loopback_console_without_token(tmp_path):
     import subprocess
     import sys
