@@ -99,3 +99,18 @@ def test_counters_move_with_produce_redelivery_and_dead_letters(console_broker):
     scraped = console.samples()
     assert scraped[("zbroker_commit_flush_seconds_count", frozenset())] >= 1
     assert ("zbroker_commit_pending_keys", frozenset()) in scraped
+
+
+def test_a_restarted_console_reads_the_same_counters(console_broker):
+    """The console counts nothing itself: killed and restarted, it shows what the broker keeps."""
+    broker, console = console_broker
+    produced = ("zbroker_records_produced_total", labels(topic="events"))
+    with Admin(broker.url) as admin:
+        admin.create_topic("events", partitions=3)
+    _produce(broker.url, "events", 21)
+    eventually(lambda: console.samples().get(produced) == 21, what="21 produced")
+    old = broker.pids()["console"]
+    broker.kill("console")
+    eventually(lambda: broker.pids().get("console") not in (None, old), what="the console restarted")
+    console.wait_ready()
+    assert console.samples()[produced] == 21
