@@ -9,7 +9,7 @@ DURATION ?= 1800
 # What needs no process and no service: everything else in tests/.
 FAST := not processes and not postgres and not node
 
-.PHONY: up test test-fast bench chaos node loadgen clean
+.PHONY: up test test-fast bench chaos node loadgen browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ $(LOADGEN): bench/loadgen/zbload.c bench/loadgen/Makefile
 	$(MAKE) -s -C bench/loadgen
 
 loadgen: $(LOADGEN)
+
+## Debian's chromium and chromedriver, for the console's browser tests (tests/console).
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	else apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
 
 ## Run a single-node broker in the foreground on its embedded defaults.
 up: $(STAMP)

@@ -70,7 +70,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     from zbroker.supervisor import BrokerConfig, serve
     return serve(BrokerConfig(data_dir=args.data, host=args.host, advertise_host=args.advertise_host, port=args.port,
                               partition_actors=args.partition_actors, fsync=args.fsync,
-                              offsets_url=args.offsets, log_level=args.log_level, curve_dir=args.curve))
+                              offsets_url=args.offsets, log_level=args.log_level, curve_dir=args.curve,
+                              http=args.http, http_token=args.http_token or os.environ.get("ZBROKER_HTTP_TOKEN")))
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from zbroker.console.top import run_top
+    return run_top(args.broker, interval_s=args.interval, iterations=args.iterations)
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
@@ -518,6 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--offsets", default=None, help="sqlite:///path (default <data>/offsets.sqlite3) or postgresql://…")
     up.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     up.add_argument("--curve", default=None, metavar="DIR", help="CurveZMQ keys (see `zbroker keygen`); off by default")
+    up.add_argument("--http", default=None, metavar="HOST:PORT",
+                    help="the console actor's /metrics and web console (default: the --host at --port + 80, "
+                         "loopback for a wildcard host); off to run none")
+    up.add_argument("--http-token", default=None, metavar="TOKEN",
+                    help="bearer token the console asks for (env ZBROKER_HTTP_TOKEN); needed off loopback")
     up.set_defaults(func=cmd_up)
 
     part = sub.add_parser("partition", help="start an extra partition-log actor that joins a broker")
@@ -598,6 +609,11 @@ def build_parser() -> argparse.ArgumentParser:
     status = client_cmd("status", "list the actors with their pids, endpoints, partitions and health; "
                                   "exit status 1 when the broker is unhealthy")
     status.set_defaults(func=cmd_status)
+
+    top = client_cmd("top", "a live view of topics and groups (rates, lag, in flight, blockers); q or Ctrl-C quits")
+    top.add_argument("--interval", type=_non_negative_number, default=1.0, help="seconds between refreshes")
+    top.add_argument("--iterations", type=_positive, default=None, help=argparse.SUPPRESS)
+    top.set_defaults(func=cmd_top)
     return parser
 
 

@@ -5,7 +5,8 @@ method (no state inherited by fork). The supervisor waits on the process
 sentinels; when an actor dies it logs the exit code and restarts it after an
 exponential backoff (100 ms doubling to 5 s, reset after 30 s of uptime).
 On SIGINT, SIGTERM or SIGHUP (a terminal that hangs up) it stops the
-coordinator first (no new work), then the commit writer (flushes pending
+console actor (HTTP, read only; absent with ``--http off``), then the
+coordinator (no new work), then the commit writer (flushes pending
 offsets), then the partition actors (fsync),
 each with SIGTERM and a bounded wait before SIGKILL. That order is why each
 actor runs in a process group of its own: a Ctrl-C in the terminal reaches
@@ -68,6 +69,34 @@ class BrokerConfig:
     offsets_url: str | None = None  # default: sqlite:///<data_dir>/offsets.sqlite3
     log_level: str = "info"
     curve_dir: str | None = None  # CurveZMQ keys (actors/security.py); None = no encryption
+    # The console actor's HTTP address (/metrics and the web console): "HOST:PORT", "off",
+    # or None for the default, the coordinator's host at port + 80.
+    http: str | None = None
+    http_token: str | None = None  # a bearer token; required for a non-loopback bind
+
+    def http_address(self) -> tuple[str, int] | None:
+        """Where the console listens, or None with `--http off`."""
+        if self.http is not None and self.http.lower() == "off":
+            return None
+        if self.http is None:
+            # The coordinator's host; loopback for a wildcard one, and for a non-loopback
+            # one without a token (a broker that ran before the console existed keeps
+            # starting: its metrics are not offered to the network unasked).
+            host = self._local_host
+            return (host if _loopback(host) or self.http_token else "127.0.0.1"), self.port + 80
+        host, sep, port = self.http.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"--http {self.http!r}: HOST:PORT or off")
+        return (host.strip("[]") or "127.0.0.1"), int(port)
+
+    def http_error(self) -> str | None:
+        try:
+            address = self.http_address()
+        except ValueError as err:
+            return str(err)
+        if address is not None and not _loopback(address[0]) and not self.http_token:
+            return f"--http {address[0]}:{address[1]} is not a loopback address: give --http-token"
+        return None
 
     @property
     def coordinator_endpoint(self) -> str:
@@ -175,6 +204,14 @@ class Supervisor:
                  "bind": config.partition_bind(i), "advertise_host": config.advertise_host, "fsync": config.fsync,
                  "log_level": config.log_level, "curve_dir": config.curve_dir}))
 
+        address = config.http_address() if config.http_error() is None else None
+        if address is not None:
+            # After the others: it only reads, and it is the first to stop (order below).
+            self.children.append(_Child(
+                "console", "zbroker.console.shell:run",
+                {"coordinator": coordinator, "host": address[0], "port": address[1], "token": config.http_token,
+                 "log_level": config.log_level, "curve_dir": config.curve_dir}))
+
     def _start(self, child: _Child) -> None:
         wait_for = None if child.name == "coordinator" else self.coordinator_bound
         process = self.ctx.Process(target=_spawn_target, args=(child.target, child.kwargs, os.getpid(), wait_for),
@@ -240,6 +277,9 @@ class Supervisor:
         wildcard = self.config.wildcard_error()
         if wildcard:
             return f"--host: {wildcard}"
+        http = self.config.http_error()
+        if http:
+            return http
         if self.config.curve_dir is not None:  # "" too: refused, not taken as "no CURVE"
             try:
                 KeyRing(self.config.curve_dir)
@@ -289,6 +329,7 @@ class Supervisor:
         second broker on the same data hears that rather than about its ports."""
         ports = [self.config.port, self.config.port + 1] + [self.config.port + 2 + i
                                                            for i in range(self.config.partition_actors)]
+
         if not (0 < ports[0] and ports[-1] <= 65535):
             return f"the broker needs ports {ports[0]}-{ports[-1]}, outside 1-65535: choose another --port"
         for port in ports:
@@ -301,6 +342,22 @@ class Supervisor:
                         return f"cannot bind {self.config.host} ({err.strerror}): choose another --host"
                     return (f"cannot bind {self.config.host}:{port} ({err.strerror}); the broker uses ports "
                             f"{ports[0]}-{ports[-1]}: choose another --port")
+        return self._console_port_error()
+
+    def _console_port_error(self) -> str | None:
+        address = self.config.http_address()
+        if address is None:
+            return None
+        if not 0 < address[1] <= 65535:
+            return f"the console's port {address[1]} is outside 1-65535: give --http HOST:PORT, or --http off"
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            try:
+                probe.bind(address)
+            except OSError as err:
+                return (f"the console cannot bind {address[0]}:{address[1]} ({err.strerror}): "
+                        f"choose another --http, or --http off")
         return None
 
     def run(self) -> int:
@@ -384,7 +441,7 @@ class Supervisor:
                 self._start(child)
 
     def _stop_all(self) -> None:
-        order = ["coordinator", "commit-writer"]
+        order = ["console", "coordinator", "commit-writer"]
         groups = [[c for c in self.children if c.name == name] for name in order]
         groups.append([c for c in self.children if c.name not in order])
         for group in groups:
@@ -400,6 +457,16 @@ class Supervisor:
                     child.process.join(2)
                 self.log.info("actor.exited", actor=child.name, exit_code=child.process.exitcode)
         self._write_pids()
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 def _redact(url: str) -> str:
@@ -505,13 +572,18 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
                  fsync: str = "interval:1000", offsets_url: str | None = None, log_level: str = "warning",
                  wait: bool = True, log_file: str | Path | None = None, timeout: float = 30.0,
                  curve_dir: str | Path | None = None, host: str = "127.0.0.1",
-                 advertise_host: str | None = None) -> BrokerHandle:
-    """Start ``zbroker up`` as a subprocess; with ``port=0`` pick free ports."""
+                 advertise_host: str | None = None, http: str | None = "off",
+                 http_token: str | None = None) -> BrokerHandle:
+    """Start ``zbroker up`` as a subprocess; with ``port=0`` pick free ports.
+
+    ``http`` is `--http`: "off" by default here (most tests need no console), None
+    for `zbroker up`'s default (port + 80), or "HOST:PORT"."""
     if port == 0:
         port = free_port_block(partition_actors + 2, host="0.0.0.0" if host == "*" else host)
     config = BrokerConfig(data_dir=str(data_dir), host=host, advertise_host=advertise_host, port=port,
                           partition_actors=partition_actors, fsync=fsync, offsets_url=offsets_url,
-                          log_level=log_level, curve_dir=str(curve_dir) if curve_dir else None)
+                          log_level=log_level, curve_dir=str(curve_dir) if curve_dir else None,
+                          http=http, http_token=http_token)
     cmd = [sys.executable, "-m", "zbroker", "up", "--data", str(data_dir), "--host", host, "--port", str(port),
            "--partition-actors", str(partition_actors), "--fsync", fsync, "--log-level", log_level]
     if advertise_host:
@@ -520,6 +592,10 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
         cmd += ["--offsets", offsets_url]
     if curve_dir:
         cmd += ["--curve", str(curve_dir)]
+    if http is not None:
+        cmd += ["--http", http]
+    if http_token:
+        cmd += ["--http-token", http_token]
     stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
     try:
         process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)

@@ -52,6 +52,7 @@ The shell performs the effects (`Flush`, `Probe`, `Load`, `Reply`,
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 from typing import Any
@@ -66,6 +67,8 @@ Key = tuple[str, str, int]
 # refuses longer group names from clients (topic names are shorter still).
 MAX_NAME_CHARS = m.MAX_GROUP_NAME_CHARS
 MAX_HOLES = 100_000
+# Upper bounds (ms) of the flush latency buckets the writer counts into, Prometheus-style.
+FLUSH_BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, float("inf"))
 MAX_INT64 = (1 << 63) - 1
 MAX_INT32 = (1 << 31) - 1
 
@@ -203,6 +206,10 @@ class CommitWriterCore:
         self._closing = False
         self._last_error = ""
         self._latencies: collections.deque[float] = collections.deque(maxlen=self.config.latency_window)
+        # Every flush's latency counted into fixed buckets since start (a Prometheus
+        # histogram, zbroker_commit_flush_seconds): the deque above forgets, these do not.
+        self._flush_buckets = [0] * len(FLUSH_BUCKETS_MS)
+        self._flush_ms_sum = 0.0
         self._counts = dict.fromkeys(
             ("advances_received", "advances_coalesced", "advances_stale", "rows_flushed", "flushes",
              "flush_errors", "probes", "requests", "requests_rejected", "requests_shed"), 0)
@@ -294,7 +301,10 @@ class CommitWriterCore:
                 durable[key] = (a[6], a[3])
         self._counts["flushes"] += 1
         self._counts["rows_flushed"] += len(inflight)
-        self._latencies.append(now_ms - self._busy_since_ms)
+        took = now_ms - self._busy_since_ms
+        self._latencies.append(took)
+        self._flush_ms_sum += took
+        self._flush_buckets[bisect.bisect_left(FLUSH_BUCKETS_MS, took)] += 1
         self._last_flush_ok_ms = now_ms
         return self._release() + self._maybe_flush(now_ms)
 
@@ -395,6 +405,10 @@ class CommitWriterCore:
             ms_since_last_good_flush=(round(now_ms - self._last_flush_ok_ms, 1)
                                       if self._last_flush_ok_ms is not None else None),
             last_error=self._last_error,
+            # [[upper bound ms, flushes in that bucket]], the last bound infinite (as None).
+            flush_ms_buckets=[[None if b == float("inf") else b, n]
+                              for b, n in zip(FLUSH_BUCKETS_MS, self._flush_buckets)],
+            flush_ms_sum=round(self._flush_ms_sum, 3),
         )
         return stats
 

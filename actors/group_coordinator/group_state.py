@@ -161,5 +161,7 @@ class Group:
             "dead_lettering": state.dead_lettering.count(), "holes": state.finished.len_ranges(),
             "oldest_unfinished_age_ms": None if seen is None else now_ms - seen,
             "redeliveries": state.redeliveries, "dead_letters": state.dead_letters,
+            "redeliveries_by_reason": dict(state.redeliveries_by_reason),
+            "dead_letters_by_reason": dict(state.dead_letters_by_reason),
             "blocker": state.blocker(log, now_ms), "owner": self.owners.get(state.key),
         }

@@ -36,6 +36,11 @@ from zbroker.actors.group_coordinator.ranges import RangeMap, RangeSet
 NEW, TIMEOUT, REBALANCE, RESTART, AHEAD = "new", "timeout", "rebalance", "restart", "ahead"
 
 
+def reason_kind(reason: str) -> str:
+    """The fixed word of a reason: "nack:<client text>" is "nack"."""
+    return reason.split(":", 1)[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     """Records handed to `member_id`; `attempt` counts deliveries including this one."""
@@ -160,6 +165,11 @@ class PartitionState:
         self.durable_epoch = 0
         self.redeliveries = 0  # records handed out again (attempt > 1)
         self.dead_letters = 0  # records confirmed in the dead-letter topic
+        # The same two counts by why (a few fixed words, so a metric label stays small):
+        # redeliveries by the kind of the reason the record came back ("nack", "timeout",
+        # "rebalance", "restart"), dead letters as "rejected" or "max_deliveries".
+        self.redeliveries_by_reason: dict[str, int] = {}
+        self.dead_letters_by_reason: dict[str, int] = {}
         self.holes_truncated = False
 
     @property
@@ -207,6 +217,8 @@ class PartitionState:
             self.leased.set(start, end, lease)
             grants.append((start, end, lease))
             self.redeliveries += end - start
+            kind = reason_kind(ready.reason)
+            self.redeliveries_by_reason[kind] = self.redeliveries_by_reason.get(kind, 0) + end - start
             limit -= end - start
         if (limit > 0 and log_end > self.next_new and self.ahead is None  # an ahead lease owns the new ones
                 and len(grants) < max_pieces):
@@ -370,11 +382,14 @@ class PartitionState:
         return info
 
     def dead_letter_done(self, offset: int) -> bool:
-        if self.dead_lettering.get(offset) is None:
+        info = self.dead_lettering.get(offset)
+        if info is None:
             return False
         self.dead_lettering.remove(offset, offset + 1)
         self.finished.add(offset, offset + 1)
         self.dead_letters += 1
+        why = "rejected" if reason_kind(info.last_reason) == "reject" else "max_deliveries"
+        self.dead_letters_by_reason[why] = self.dead_letters_by_reason.get(why, 0) + 1
         self._advance_committed()
         return True
 

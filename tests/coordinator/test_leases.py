@@ -371,3 +371,26 @@ def test_an_ack_repeated_under_a_lease_that_a_reset_revoked_is_stale():
     assert d.committed() == 0
     assert isinstance(d.settle("ack", a, [["t", 0, lease, 0, 5]]), StaleLease)
     assert d.committed() == 0
+
+
+def test_redeliveries_and_dead_letters_are_counted_by_reason():
+    """What the console's zbroker_redelivered_total / zbroker_dead_lettered_total read."""
+    d = Driver(config=GroupConfig(ack_timeout_ms=100, max_deliveries=2), logs={("t", 0): (0, 6)})
+    a = d.join()
+    lease = d.poll(a, max_records=6).deliveries[0][2]
+    d.settle("nack", a, [["t", 0, lease, 0, 2]], reason="later: client text is not a label")
+    d.settle("reject", a, [["t", 0, lease, 2, 3]], reason="poison")
+    d.settle("ack", a, [["t", 0, lease, 3, 4]])
+    d.advance(100)  # 4 and 5 expire
+    again = d.poll(a, max_records=6)
+    assert sorted((s, e, r) for s, e, _n, r in spans(again)) == [(0, 2, "nack:later: client text is not a label"),
+                                                                  (4, 6, "timeout")]
+    part = d.partition()
+    assert part["redeliveries_by_reason"] == {"nack": 2, "timeout": 2}
+    assert part["redeliveries"] == 4
+    d.advance(100)  # the second deliveries expire too: max_deliveries reached
+    for offset in (0, 1, 2, 4, 5):
+        d.feed(d.core.on_dead_letter_done(d.dead_letter(offset), d.now))
+    part = d.partition()
+    assert part["dead_letters_by_reason"] == {"rejected": 1, "max_deliveries": 4}
+    assert part["dead_letters"] == 5 and d.committed() == 6

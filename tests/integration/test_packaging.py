@@ -79,3 +79,11 @@ def test_no_module_in_the_wheel_imports_a_bare_top_level_name(wheel):
     offenders = {name: sorted(bare) for name in wheel.namelist() if name.endswith(".py")
                  if (bare := bare_imports(wheel.read(name).decode()))}
     assert offenders == {}
+
+
+def test_the_wheel_carries_the_console_templates_and_vendored_charts(wheel):
+    names = set(wheel.namelist())
+    console = REPO / "zbroker" / "console"
+    for folder in ("templates", "static"):
+        for path in (console / folder).iterdir():
+            assert f"zbroker/console/{folder}/{path.name}" in names

@@ -479,3 +479,18 @@ def test_random_schedules_never_report_early_never_go_back_and_end_newest(data):
     assert not requests, "every request was answered"
     assert {k: (v.committed_offset, v.reset_epoch) for k, v in store.items()} == \
         {k: (a[3], a[6]) for k, a in newest.items()}
+
+
+def test_every_flush_is_counted_into_its_latency_bucket(core):
+    """The console's zbroker_commit_flush_seconds: buckets that never forget (the p50 window does)."""
+    now = 0.0
+    for took in (0.5, 7.5, 7.5, 20_000.0):
+        core.on_advance("r", [adv(0, int(now) + 1)], now)
+        flush = one(core.on_tick(now + 10), Flush)
+        now += 10 + took
+        core.on_flush_done(flush.flush_id, now)
+    stats = core.statistics(now)
+    buckets = dict((b, n) for b, n in stats["flush_ms_buckets"])
+    assert buckets[1] == 1 and buckets[10] == 2 and buckets[None] == 1
+    assert sum(buckets.values()) == stats["flushes"] == 4
+    assert stats["flush_ms_sum"] == 20_015.5

@@ -1,0 +1,1 @@
+"""The console actor: /metrics, the web console and `zbroker top` (docs/console.md)."""
