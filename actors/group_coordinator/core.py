@@ -96,6 +96,13 @@ from zbroker.protocol.errors import (ErrorCode, Fenced, ProtocolError, StaleLeas
 __all__ = ["DEAD_LETTER_RETRY_MS", "GroupConfig", "GroupCoordinatorCore"]
 
 DEAD_LETTER_RETRY_MS = 1000
+# `now` is the monotonic clock in whole milliseconds, read after the request arrived:
+# the true time is up to 1 ms past it, and the client sent the request before. A nack's
+# delay is set this much further, so that no redelivery comes before `delay_ms` after
+# the client sent the nack (PROTOCOL.md s.14, "Timers"); without it they came up to a
+# millisecond early. Leases are the other way round: ending one late is the safe side,
+# so they keep the grain as a stated tolerance instead.
+CLOCK_GRAIN_MS = 1
 # A member waits on at most this many polls; one more answers its oldest (empty).
 MAX_PARKED_PER_MEMBER = 16
 # The timer heap is compacted when it holds this many entries beyond the live ones.
@@ -758,7 +765,7 @@ class GroupCoordinatorCore:
                 record.acked.add(start, end)
             self._dirty[(group.name, state.key)] = state
         elif op == "nack":
-            ready_at = now + msg.delay_ms
+            ready_at = now + msg.delay_ms + CLOCK_GRAIN_MS if msg.delay_ms else now
             doomed = state.requeue(pieces, _reason("nack", msg.reason), ready_at, now,
                                    group.config.max_deliveries)
             if ready_at > now:

@@ -693,6 +693,10 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
                         break
                     if len(frames) < 2:
                         continue
+                    # The clock is read after each request is received, not once per turn: a
+                    # request that arrived while the turn ran would otherwise start its timers
+                    # (a nack's delay, a lease) before the client sent it.
+                    now = runtime.now_ms()
                     if keys is None:
                         shell.on_client_message(frames[0], frames[1:], now, None)
                     else:  # frames are zmq.Frame objects carrying the authenticated User-Id

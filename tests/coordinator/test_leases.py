@@ -2,7 +2,7 @@
 
 import pytest
 
-from zbroker.actors.group_coordinator.core import DEAD_LETTER_RETRY_MS, GroupConfig
+from zbroker.actors.group_coordinator.core import CLOCK_GRAIN_MS, DEAD_LETTER_RETRY_MS, GroupConfig
 from zbroker.actors.group_coordinator.effects import DeadLetter
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import StaleLease, TooLarge, Unauthorized, Unavailable
@@ -66,10 +66,12 @@ def test_nack_with_delay_and_a_waiting_poll_woken_by_it():
     assert d.settle("nack", a, [["t", 0, lease, 0, 2]], delay_ms=500).applied == 2
     assert d.call("poll", m.Poll(group="g", member_id=a.member_id, generation=1, max_wait_ms=10_000),
                   token="w") is PARKED
-    assert d.core.next_deadline() == d.now + 500
-    d.advance(499)
+    # The nack was read at `now`, in whole ms: it was sent before `now + 1`, so the
+    # records come back no earlier than 500 ms after that (PROTOCOL.md s.14, Timers).
+    assert d.core.next_deadline() == d.now + 500 + CLOCK_GRAIN_MS
+    d.advance(500)
     assert "w" not in d.answers
-    d.advance(1)
+    d.advance(CLOCK_GRAIN_MS)
     assert spans(d.answers["w"]) == [(0, 2, 2, "nack")]
 
 

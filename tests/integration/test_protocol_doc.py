@@ -74,3 +74,50 @@ def test_a_range_list_as_long_as_the_document_allows_is_accepted(broker, where, 
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def test_a_nacked_record_never_comes_back_before_delay_ms_after_the_client_sent_the_nack(broker):
+    """s.14 Timers: `nack.delay_ms` counts from when the client sent the nack, by its own
+    clock. Measured here with the client's monotonic clock, over many short delays (an
+    older coordinator redelivered up to a millisecond early: it started the delay from
+    its clock's last whole millisecond, and from the start of its loop turn)."""
+    import time
+
+    from zbroker.client import Producer
+
+    delay_ms, rounds = 3, 40
+    with Admin(broker.url) as admin:
+        admin.create_topic("doc-nack", partitions=1)
+    with Producer(broker.url) as producer:
+        producer.send("doc-nack", b"x", partition=0)
+        producer.flush()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker.url)
+    ids = iter(range(1, 1 << 20))
+    try:
+        # One record, nacked again and again: each poll after a nack can only be its redelivery.
+        assert _request(sock, m.ConfigureGroup(group="doc-nack-g", max_deliveries=1000), next(ids))["ok"]
+        joined = _request(sock, m.Join(group="doc-nack-g", topics=["doc-nack"]), next(ids))
+        member, generation = joined["member_id"], joined["generation"]
+        poll = m.Poll(group="doc-nack-g", member_id=member, generation=generation, max_wait_ms=5_000)
+        polled = _request(sock, poll, next(ids))
+        assert polled["ok"] and polled["deliveries"][0][6] == "new", polled
+        lease_range = polled["deliveries"][0][:5]
+        early = []
+        for _ in range(rounds):
+            nack = m.Nack(group="doc-nack-g", member_id=member, generation=generation, ranges=[lease_range],
+                          delay_ms=delay_ms)
+            sent = time.monotonic()
+            assert _request(sock, nack, next(ids))["ok"]
+            back = _request(sock, poll, next(ids))  # waits (max_wait_ms) for the redelivery
+            arrived = time.monotonic()
+            assert back["ok"] and back["deliveries"][0][6] == "nack", back
+            if (arrived - sent) * 1000 < delay_ms:
+                early.append(round((arrived - sent) * 1000, 3))
+            lease_range = back["deliveries"][0][:5]
+        assert early == [], f"redeliveries before delay_ms after the nack was sent: {early} ms"
+    finally:
+        sock.close(linger=0)
+        ctx.term()
