@@ -6,6 +6,12 @@ STAMP := $(VENV)/.installed
 NODE_STAMP := clients/node/node_modules/.installed
 LOADGEN := bench/loadgen/zbload
 DURATION ?= 1800
+# pytest-xdist workers for `make test`: serially the suite mostly waits (load under
+# 0.5 on two cores), so more workers than cores pays. worksteal, because a few tests
+# take minutes (the chaos run, the stateful model, the actor fuzzers) and must not
+# hold a queue of short ones behind them. No test needs a worker to itself: ports are
+# random free blocks, PostgreSQL schemas are per worker, the Redis test uses a fake.
+TEST_WORKERS ?= 4
 # What needs no process and no service: everything else in tests/.
 FAST := not processes and not postgres and not node
 
@@ -40,9 +46,9 @@ browser:
 up: $(STAMP)
 	$(VENV)/bin/zbroker up
 
-## The whole suite, PostgreSQL and Node.js tests included.
+## The whole suite, PostgreSQL and Node.js tests included, on $(TEST_WORKERS) workers.
 test: $(STAMP) $(NODE_STAMP) $(LOADGEN)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=40 -n $(TEST_WORKERS) --dist worksteal
 
 ## Every test that starts no process and needs no service, from the whole tests/ tree
 ## (the coordinator's stateful model with 30 examples rather than make test's 300).

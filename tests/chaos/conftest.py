@@ -1,9 +1,9 @@
 """Chaos-run plumbing: a time budget that follows ``--chaos-duration``.
 
-The suite-wide limits (``timeout = 240``, ``faulthandler_timeout = 300``)
+The suite-wide limits (``timeout = 480``, ``faulthandler_timeout = 540``)
 suit ordinary tests; the chaos run lasts its duration plus the drain, so it
 gets its own pytest-timeout budget here, and a faulthandler dump armed for
-that budget instead of the suite's 300 s.
+that budget instead of the suite's 540 s when it is longer.
 """
 
 from __future__ import annotations
