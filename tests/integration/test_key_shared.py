@@ -11,6 +11,7 @@ import pytest
 from zbroker.client import Admin, Consumer, Producer, fetch
 from zbroker.client.sync import Connection
 from zbroker.protocol.batch import key_hash
+from tests.integration.test_consumer_groups import wait_committed
 
 pytestmark = pytest.mark.processes
 
@@ -97,17 +98,6 @@ def run_consumers(url: str, group: str, topic: str, count: int, total: int, hand
         t.join(30)
     assert not errors, errors
     return events, done
-
-
-def wait_committed(admin: Admin, group: str, expected: dict, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    seen = {}
-    while time.monotonic() < deadline:
-        seen = {(p["topic"], p["partition"]): p["committed"] for p in admin.describe_group(group)["partitions"]}
-        if all(seen.get(k) == v for k, v in expected.items()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"committed offsets {seen} never reached {expected}")
 
 
 def log_ends(admin: Admin, topic: str) -> dict:
