@@ -311,7 +311,7 @@ class KeySharedMachine(RuleBasedStateMachine):
 
     def teardown(self):
         """Release every key, then drain with one member: everything gets finished."""
-        for _ in range(200):
+        for _ in range(60):
             if all(self.model.first_unfinished(p) >= len(self.model.keys[p]) for p in range(P)):
                 return
             self.now += ACK_TIMEOUT
@@ -348,5 +348,5 @@ def _with_attempts(self):
 KeySharedMachine.__init__ = _with_attempts
 
 TestKeySharedInterleavings = KeySharedMachine.TestCase
-TestKeySharedInterleavings.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
+TestKeySharedInterleavings.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
