@@ -11,6 +11,7 @@ import pytest
 from zbroker.client import Admin, Consumer, Producer, fetch
 from zbroker.client.sync import Connection
 from zbroker.protocol.batch import key_hash
+from zbroker.protocol.errors import ZBrokerError
 from tests.integration.test_consumer_groups import wait_committed
 
 pytestmark = pytest.mark.processes
@@ -65,7 +66,13 @@ def run_consumers(url: str, group: str, topic: str, count: int, total: int, hand
             with Consumer(url, group=group, topics=[topic], session_timeout_ms=30_000) as consumer:
                 ready.wait()
                 while not stop.is_set():
-                    for rec in consumer.poll(max_records=200, timeout=0.2):
+                    try:
+                        batch = consumer.poll(max_records=200, timeout=0.2)
+                    except ZBrokerError as err:
+                        if not err.retriable:  # FENCED while another member leaves: poll again
+                            raise
+                        continue
+                    for rec in batch:
                         ident = (rec.partition, rec.key)
                         with lock:
                             events.append(("start", ident, rec.offset, who))
