@@ -505,3 +505,34 @@ def decode_fetched(blob: bytes | memoryview, topic: str, partition: int, *, from
         else:
             out = records  # the usual fetch is one batch: no copy
     return out
+
+
+# -- key hashes (key_shared groups) ----------------------------------------------------
+
+# The hash of a record without a key. A keyed record's hash is never this value, so a
+# keyless record is never ordered behind a keyed one (docs/SEMANTICS.md, key_shared).
+NO_KEY_HASH = 0
+
+
+def key_hash(key: bytes | None) -> int:
+    """The 32-bit hash that orders a record in a `key_shared` group: CRC-32 of the key
+    bytes (0 maps to 0xFFFFFFFF), NO_KEY_HASH for no key. Two keys that collide are
+    only ordered as one key, which is safe; 32 bits keep the coordinator's column at
+    four bytes a record."""
+    if key is None:
+        return NO_KEY_HASH
+    return zlib.crc32(key) or 0xFFFFFFFF
+
+
+def key_hashes(blob: bytes | memoryview, from_offset: int) -> tuple[int, list[int]]:
+    """The key hashes of the records a fetch reply holds from `from_offset` on:
+    (offset of the first hash, hashes of consecutive offsets). An empty frame gives
+    (from_offset, [])."""
+    records = decode_fetched(blob, "", 0, from_offset=from_offset)
+    if not records:
+        return from_offset, []
+    first = records[0].offset
+    # Offsets within a partition's reply are consecutive; a gap would be a corrupt log.
+    if records[-1].offset - first != len(records) - 1:
+        raise CorruptBatch("fetched offsets are not consecutive", first=first)
+    return first, [key_hash(r[1]) for r in records]

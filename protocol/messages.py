@@ -72,6 +72,8 @@ MAX_LEASE_MS = 12 * 60 * 60 * 1000
 # descriptors must not make every once-a-second registration that large.
 MAX_NOT_OPEN_LISTED = 100
 
+GROUP_MODES = ("exclusive", "shared", "key_shared")
+
 REQUESTS: dict[str, type["Message"]] = {}
 REPLIES: dict[str, type["Message"]] = {}
 # Ops for which the sender expects no reply (fire and forget, "tell").
@@ -272,6 +274,7 @@ class HelloReply(Message):
     actor: str
     limits: dict
     internal_endpoint: str | None = None  # the coordinator's endpoint for the broker's own actors
+    features: list = dataclasses.field(default_factory=list)  # what this actor supports, e.g. "key_shared"
 
 
 @request("status")
@@ -613,27 +616,68 @@ class ConfigureGroup(Message):
     max_in_flight: int | None = None
     dlq: str | None = None
     start: str | None = None
+    quarantine_after: int | None = None  # key_shared: failures in a row that park a key; 0 turns it off
+    max_keys: int | None = None          # key_shared: keys in flight or held back per partition
 
     def check(self) -> None:
         validate_group_name(self.group, "configure_group")
         if self.dlq:  # empty or absent: "<topic>.dlq"
             validate_topic_name(self.dlq, "dlq")
-        if self.mode is not None and self.mode not in ("exclusive", "shared"):
-            raise ProtocolError("'mode' must be 'exclusive' or 'shared'", op="configure_group", field="mode",
-                                got=self.mode[:64])
+        if self.mode is not None and self.mode not in GROUP_MODES:
+            raise ProtocolError("'mode' must be 'exclusive', 'shared' or 'key_shared'", op="configure_group",
+                                field="mode", got=self.mode[:64])
         if self.start is not None and self.start not in ("earliest", "latest"):
             raise ProtocolError("'start' must be 'earliest' or 'latest'", op="configure_group", field="start",
                                 got=self.start[:64])
-        for name in ("ack_timeout_ms", "max_deliveries", "max_in_flight"):
+        for name in ("ack_timeout_ms", "max_deliveries", "max_in_flight", "max_keys"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ProtocolError(f"{name!r} must be >= 1", op="configure_group", field=name, got=v)
+        if self.quarantine_after is not None and self.quarantine_after < 0:
+            raise ProtocolError("'quarantine_after' must be >= 0", op="configure_group", field="quarantine_after",
+                                got=self.quarantine_after)
         _at_most_a_lease("configure_group", ack_timeout_ms=self.ack_timeout_ms)
 
 
 @reply("configure_group")
 class ConfigureGroupReply(Message):
     config: dict
+
+
+@request("list_quarantine")
+class ListQuarantine(Message):
+    group: str
+
+    def check(self) -> None:
+        validate_group_name(self.group, "list_quarantine")
+
+
+@reply("list_quarantine")
+class ListQuarantineReply(Message):
+    """keys: [{topic, partition, key_hash, first_offset, held, age_ms, reason, failures}, ...]"""
+    keys: list
+
+
+@request("release_key")
+class ReleaseKey(Message):
+    """Release a quarantined key, named by its bytes (`key`, a str is taken as UTF-8) or
+    its hash (`key_hash`), in every partition of the group (or only `topic`)."""
+    group: str
+    key: str | bytes | None = None
+    key_hash: int | None = None
+    topic: str | None = None
+    to_dlq: bool = False
+
+    def check(self) -> None:
+        validate_group_name(self.group, "release_key")
+        if (self.key is None) == (self.key_hash is None):
+            raise ProtocolError("give exactly one of 'key' and 'key_hash'", op="release_key", field="key")
+
+
+@reply("release_key")
+class ReleaseKeyReply(Message):
+    """released: [{topic, partition, key_hash, records}, ...] (records: sent to the DLQ, or 0)"""
+    released: list
 
 
 @request("reset_group")

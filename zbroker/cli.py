@@ -398,7 +398,7 @@ def cmd_groups(args: argparse.Namespace) -> int:
         elif args.groups_cmd == "configure":
             fields = {"mode": args.mode, "ack_timeout_ms": None if args.ack_timeout is None else int(args.ack_timeout * 1000),
                       "max_deliveries": args.max_deliveries, "max_in_flight": args.max_in_flight, "dlq": args.dlq,
-                      "start": args.start}
+                      "start": args.start, "quarantine_after": args.quarantine_after, "max_keys": args.max_keys}
             config = admin.configure_group(args.group, **{k: v for k, v in fields.items() if v is not None})
             print(json.dumps(config) if args.json else f"group {args.group}: {json.dumps(config)}")
         elif args.groups_cmd == "describe":
@@ -407,6 +407,27 @@ def cmd_groups(args: argparse.Namespace) -> int:
                 print(json.dumps(group))
             else:
                 _print_group(group)
+        elif args.groups_cmd == "quarantine":
+            keys = admin.list_quarantine(args.group)
+            if args.json:
+                print(json.dumps(keys))
+            elif not keys:
+                print(f"group {args.group}: no quarantined keys")
+            else:
+                _print_table(keys, ["topic", "partition", "key_hash", "first_offset", "held", "age_ms", "failures",
+                                    "reason"])
+        elif args.groups_cmd == "release":
+            released = admin.release_key(args.group, key=args.key, key_hash=args.key_hash, topic=args.topic,
+                                         to_dlq=args.to_dlq)
+            if args.json:
+                print(json.dumps(released))
+            elif not released:
+                print(f"group {args.group}: that key is not quarantined")
+            else:
+                where = "to the dead-letter topic" if args.to_dlq else "to flow again"
+                for row in released:
+                    print(f"released {row['topic']}/{row['partition']} key_hash {row['key_hash']} {where}"
+                          + (f" ({row['records']} records)" if args.to_dlq else ""))
         elif args.groups_cmd == "reset":
             result = admin.reset_group(args.group, args.topic, args.to)  # checked by _reset_target
             print(json.dumps(result) if args.json else
@@ -592,12 +613,25 @@ def build_parser() -> argparse.ArgumentParser:
     gsub.add_parser("list", parents=[inner])
     conf = gsub.add_parser("configure", parents=[inner])
     conf.add_argument("group")
-    conf.add_argument("--mode", choices=["exclusive", "shared"])
+    conf.add_argument("--mode", choices=["exclusive", "shared", "key_shared"])
     conf.add_argument("--ack-timeout", type=_lease_seconds, help="seconds (at most 43200, 12 hours)")
     conf.add_argument("--max-deliveries", type=_group_limit)
     conf.add_argument("--max-in-flight", type=_group_limit)
     conf.add_argument("--dlq")
     conf.add_argument("--start", choices=["earliest", "latest"])
+    conf.add_argument("--quarantine-after", type=_non_negative,
+                      help="key_shared: park a key after N failures in a row of one record (0: never)")
+    conf.add_argument("--max-keys", type=_group_limit, help="key_shared: keys in flight or held back per partition")
+    quarantine = gsub.add_parser("quarantine", parents=[inner], help="list a key_shared group's quarantined keys")
+    quarantine.add_argument("group")
+    release = gsub.add_parser("release", parents=[inner], help="release a quarantined key")
+    release.add_argument("group")
+    named = release.add_mutually_exclusive_group(required=True)
+    named.add_argument("--key", help="the key, as text (UTF-8)")
+    named.add_argument("--key-hash", type=_non_negative, help="the key's hash, as `groups quarantine` lists it")
+    release.add_argument("--topic", help="only this topic (default: every topic of the group)")
+    release.add_argument("--to-dlq", action="store_true",
+                         help="send the key's held records to the dead-letter topic instead of delivering them")
     gdesc = gsub.add_parser("describe", parents=[inner])
     gdesc.add_argument("group")
     reset = gsub.add_parser("reset", parents=[inner])

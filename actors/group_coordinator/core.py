@@ -83,13 +83,15 @@ import heapq
 from typing import Any, Callable
 
 from zbroker.actors.group_coordinator.assignor import assign
-from zbroker.actors.group_coordinator.effects import (DeadLetter, Log, PersistGroupConfig, PersistOffsets, Reply,
-                                              ReplyError)
+from zbroker.actors.group_coordinator.effects import (DeadLetter, FetchKeyHashes, Log, PersistGroupConfig,
+                                                     PersistOffsets, Reply, ReplyError)
 from zbroker.actors.group_coordinator.group_state import Group, GroupConfig, Key, LeaseRecord, Member, ParkedPoll
+from zbroker.actors.group_coordinator.key_order import KeyOrder
 from zbroker.actors.group_coordinator.partition_state import (AHEAD, TIMEOUT, DeadLettering, Lease, LogRange, PartitionState,
                                                       Piece)
 from zbroker.actors.group_coordinator.ranges import RangeSet
 from zbroker.protocol import messages as m
+from zbroker.protocol.batch import key_hash
 from zbroker.protocol.errors import (ErrorCode, Fenced, ProtocolError, StaleLease, Unavailable, UnknownGroup,
                              UnknownMember, UnknownTopic, ZBrokerError)
 
@@ -121,8 +123,11 @@ DELIVERY_FIXED_BYTES = 64
 # nack and reject reasons are kept, and sent with each redelivery, at most this long.
 MAX_REASON_BYTES = 200
 
+# A failed key-hash fetch (key_shared) is tried again after this long.
+KEY_FETCH_RETRY_MS = 200
+
 # Timer kinds; heap entries are (when_ms, seq, kind, payload).
-_LEASE, _SESSION, _DELAYED, _PARKED, _DEAD_LETTER_RETRY = range(5)
+_LEASE, _SESSION, _DELAYED, _PARKED, _DEAD_LETTER_RETRY, _KEYS = range(6)
 
 
 class GroupCoordinatorCore:
@@ -139,6 +144,7 @@ class GroupCoordinatorCore:
         self._logs: dict[Key, LogRange] = {}
         self._groups: dict[str, Group] = {}
         self._groups_on: dict[Key, list[Group]] = {}  # groups with state for a partition
+        self._keyed: dict[tuple[str, Key], PartitionState] = {}  # states of key_shared groups
         self._leases: dict[int, LeaseRecord] = {}
         self._parked: dict[Any, ParkedPoll] = {}
         self._timers: list[tuple] = []
@@ -152,7 +158,8 @@ class GroupCoordinatorCore:
         self._dirty: dict[tuple[str, Key], PartitionState] = {}
         self._wake: set[str] = set()
         self._metrics = {"polls": 0, "holes_truncated": 0, "dead_letters_emitted": 0, "dead_letters_value_dropped": 0,
-                         "records_expired": 0, "rebalances": 0}
+                         "records_expired": 0, "rebalances": 0, "keys_quarantined": 0, "keys_released": 0,
+                         "key_hash_fetches": 0}
 
     # ==================================================================================
     # Topology and store
@@ -216,7 +223,32 @@ class GroupCoordinatorCore:
         return state.durable_epoch
 
     def restore_group_config(self, group: str, config: GroupConfig) -> None:
-        self._group(group).config = config
+        found = self._group(group)
+        found.config = config
+        for state in found.partitions.values():
+            self._sync_keys(found, state)
+
+    def on_key_hashes(self, effect: FetchKeyHashes, first: int | None, hashes: list[int] | None,
+                      now_ms: int) -> list:
+        """The answer to `effect`: the key hashes of offsets [first, first + len(hashes)),
+        or None for a failed fetch (tried again in KEY_FETCH_RETRY_MS)."""
+        def learn(out: list) -> None:
+            state = self._keyed.get((effect.group, (effect.topic, effect.partition)))
+            if state is None or state.keys is None:
+                return
+            column = state.keys.column
+            column.fetching = False
+            if hashes is None or first is None or column.end != effect.start:
+                column.retry_at_ms = now_ms + KEY_FETCH_RETRY_MS
+                self._push(column.retry_at_ms, _KEYS, None)
+                return
+            if hashes:
+                column.add(first, hashes)
+                self._wake.add(effect.group)
+            else:  # nothing there (yet): the next log-end report asks again
+                column.retry_at_ms = now_ms + KEY_FETCH_RETRY_MS
+                self._push(column.retry_at_ms, _KEYS, None)
+        return self._event(now_ms, learn)
 
     # ==================================================================================
     # Requests. Each returns exactly one Reply/ReplyError for `token`, except a parked
@@ -259,6 +291,12 @@ class GroupCoordinatorCore:
 
     def reset_group(self, token, msg: m.ResetGroup, now_ms: int) -> list:
         return self._serve(self._reset_group, token, msg, now_ms)
+
+    def list_quarantine(self, token, msg: m.ListQuarantine, now_ms: int) -> list:
+        return self._serve(self._list_quarantine, token, msg, now_ms)
+
+    def release_key(self, token, msg: m.ReleaseKey, now_ms: int) -> list:
+        return self._serve(self._release_key, token, msg, now_ms)
 
     # -- dead-letter confirmations, timers, introspection -------------------------------
 
@@ -309,6 +347,10 @@ class GroupCoordinatorCore:
             "timers": len(self._timers),
             "parked_polls": len(self._parked),
             "records_in_flight": sum(s.leased.count() for s in states),
+            "keys_pending": sum(len(s.keys.pending) for s in self._keyed.values()),
+            "records_held": sum(s.keys.held.count() for s in self._keyed.values()),
+            "keys_parked": sum(len(s.keys.parked) for s in self._keyed.values()),
+            "key_limit_pauses": sum(s.keys.paused_count for s in self._keyed.values()),
             **self._metrics,
         }
 
@@ -354,6 +396,8 @@ class GroupCoordinatorCore:
                     member.last_seen_ms = now
                     out.append(Reply(parked.token, self._poll_reply(group, deliveries, parked.acked,
                                                                     parked.stale, parked.stale_omitted)))
+        if self._keyed:
+            self._want_key_hashes(out, now)
         for (group_name, key), state in self._dirty.items():
             group = self._groups[group_name]
             holes, truncated = state.holes(self._max_holes)
@@ -367,6 +411,40 @@ class GroupCoordinatorCore:
             out.append(PersistOffsets(group_name, key[0], key[1], state.committed, holes,
                                       group.generation, group.reset_epoch))
         self._dirty.clear()
+
+    def _want_key_hashes(self, out: list, now: int) -> None:
+        """Ask for the key hashes each key_shared state needs next (one fetch at a time each)."""
+        for (group_name, key), state in self._keyed.items():
+            log = self._logs.get(key)
+            if log is None or state.keys.column.retry_at_ms > now:
+                continue
+            start = state.keys.hashes_wanted(state, log.end)
+            if start is not None:
+                state.keys.column.fetching = True
+                self._metrics["key_hash_fetches"] += 1
+                out.append(FetchKeyHashes(group_name, key[0], key[1], start))
+
+    def _sync_keys(self, group: Group, state: PartitionState) -> None:
+        """Give a key_shared group's state its key order, or take it away (mode changed)."""
+        handle = (group.name, state.key)
+        if group.config.mode == "key_shared":
+            if state.keys is None:
+                state.keys = KeyOrder(group.config.max_keys)
+            state.keys.max_keys = group.config.max_keys
+            self._keyed[handle] = state
+        elif state.keys is not None:
+            state.keys.drop(state)
+            state.keys = None
+            self._keyed.pop(handle, None)
+
+    def _key_events(self, group: Group, state: PartitionState, out: list) -> None:
+        if state.keys is not None and state.keys.events:
+            for event, fields in state.keys.events:
+                if event == "key_quarantined":
+                    self._metrics["keys_quarantined"] += 1
+                out.append(Log(event, {"group": group.name, "topic": state.topic, "partition": state.partition,
+                                       **fields}))
+            state.keys.events.clear()
 
     # ==================================================================================
     # Membership
@@ -579,9 +657,13 @@ class GroupCoordinatorCore:
             return room_bytes
         for start, end, lease in state.take(member.member_id, limit, log.end if log else 0, now,
                                             self._new_lease_id, group.config.ack_timeout_ms, max_pieces):
-            self._leases[lease.lease_id] = LeaseRecord(lease.lease_id, group.name, key, member.member_id,
-                                                       start, end, lease.deadline_ms)
-            self._push(lease.deadline_ms, _LEASE, lease.lease_id)
+            record = self._leases.get(lease.lease_id)
+            if record is None:
+                self._leases[lease.lease_id] = LeaseRecord(lease.lease_id, group.name, key, member.member_id,
+                                                           start, end, lease.deadline_ms)
+                self._push(lease.deadline_ms, _LEASE, lease.lease_id)
+            else:  # key_shared: one lease id for the scattered pieces of one take
+                record.start, record.end = min(record.start, start), max(record.end, end)
             deliveries.append([key[0], key[1], lease.lease_id, start, end, lease.attempt, lease.reason])
             member.in_flight += end - start
             room_bytes -= delivery_bytes
@@ -767,10 +849,11 @@ class GroupCoordinatorCore:
         elif op == "nack":
             ready_at = now + msg.delay_ms + CLOCK_GRAIN_MS if msg.delay_ms else now
             doomed = state.requeue(pieces, _reason("nack", msg.reason), ready_at, now,
-                                   group.config.max_deliveries)
+                                   group.config.max_deliveries, group.config.quarantine_after)
             if ready_at > now:
                 self._push(ready_at, _DELAYED, (group.name, state.key))
             self._dead_letter(group, state, doomed, out)
+            self._key_events(group, state, out)
         else:
             self._dead_letter(group, state, state.reject(pieces, _reason("reject", msg.reason), now), out)
 
@@ -838,6 +921,8 @@ class GroupCoordinatorCore:
                     group.members[payload.member_id].last_seen_ms = now
                     out.append(Reply(payload.token, self._poll_reply(group, [], payload.acked, payload.stale,
                                                                      payload.stale_omitted)))
+            elif kind == _KEYS:
+                pass  # a key-hash fetch may be retried: _end asks for it
             else:  # _DEAD_LETTER_RETRY
                 group_name, key, offset = payload
                 group = self._groups[group_name]
@@ -857,8 +942,9 @@ class GroupCoordinatorCore:
             count = sum(e - s for s, e, _ in expired)
             self._metrics["records_expired"] += count
             self._uncount(group, expired[0][2], count)
-            self._dead_letter(group, state, state.requeue(expired, TIMEOUT, now, now, group.config.max_deliveries),
-                              out)
+            self._dead_letter(group, state, state.requeue(expired, TIMEOUT, now, now, group.config.max_deliveries,
+                                                          group.config.quarantine_after), out)
+            self._key_events(group, state, out)
             self._wake.add(group.name)
         if (now >= record.deadline_ms and not state.leased_under(lease_id, record.start, record.end)
                 and (state.ahead is None or state.ahead.lease_id != lease_id)):
@@ -942,6 +1028,8 @@ class GroupCoordinatorCore:
             return
         group = self._group(msg.group)
         old, group.config = group.config, config
+        for state in group.partitions.values():
+            self._sync_keys(group, state)
         if config.mode != old.mode:
             self._rebalance(group, now, out, "mode_changed", None, membership_changed=False)
         self._wake.add(group.name)  # limits may have grown
@@ -949,10 +1037,48 @@ class GroupCoordinatorCore:
         out.append(Log("group_configured", {"group": group.name, **changes}))
         out.append(Reply(token, m.ConfigureGroupReply(config=config.to_dict())))
 
-    def _reset_group(self, out: list, token, msg: m.ResetGroup, now: int) -> None:
-        group = self._groups.get(msg.group)
+    def _known_group(self, out: list, token, name: str) -> Group | None:
+        group = self._groups.get(name)
         if group is None:
-            out.append(ReplyError(token, UnknownGroup(f"unknown group {msg.group!r}", group=msg.group)))
+            out.append(ReplyError(token, UnknownGroup(f"unknown group {name!r}", group=name)))
+        return group
+
+    def _list_quarantine(self, out: list, token, msg: m.ListQuarantine, now: int) -> None:
+        group = self._known_group(out, token, msg.group)
+        if group is None:
+            return
+        keys = [{"topic": state.topic, "partition": state.partition, **row}
+                for k, state in sorted(group.partitions.items()) if state.keys is not None
+                for row in state.keys.quarantine_report(now)]
+        out.append(Reply(token, m.ListQuarantineReply(keys=keys)))
+
+    def _release_key(self, out: list, token, msg: m.ReleaseKey, now: int) -> None:
+        group = self._known_group(out, token, msg.group)
+        if group is None:
+            return
+        if msg.key_hash is not None:
+            h = msg.key_hash
+        else:
+            h = key_hash(msg.key.encode() if isinstance(msg.key, str) else msg.key)
+        released = []
+        for k, state in sorted(group.partitions.items()):
+            if state.keys is None or (msg.topic is not None and state.topic != msg.topic):
+                continue
+            doomed = state.release_key(h, msg.to_dlq, now)
+            if doomed is None:
+                continue
+            records = sum(end - start for start, end, _ in doomed)
+            self._dead_letter(group, state, doomed, out)
+            self._metrics["keys_released"] += 1
+            released.append({"topic": state.topic, "partition": state.partition, "key_hash": h, "records": records})
+            out.append(Log("key_released", {"group": group.name, "topic": state.topic, "partition": state.partition,
+                                            "key_hash": h, "to_dlq": msg.to_dlq, "records": records}))
+        self._wake.add(group.name)
+        out.append(Reply(token, m.ReleaseKeyReply(released=released)))
+
+    def _reset_group(self, out: list, token, msg: m.ResetGroup, now: int) -> None:
+        group = self._known_group(out, token, msg.group)
+        if group is None:
             return
         if msg.topic not in self._topics:
             out.append(ReplyError(token, UnknownTopic(f"unknown topic {msg.topic!r}", topic=msg.topic)))
@@ -1004,6 +1130,8 @@ class GroupCoordinatorCore:
             if state is None:
                 self._groups_on.setdefault(key, []).append(group)
             state = group.partitions[key] = PartitionState(*key, self._new_dead_lettering_id)
+            self._keyed.pop((group.name, key), None)
+            self._sync_keys(group, state)
         if now is not None:
             self._resolve_start(group, state, now, out)
         return state

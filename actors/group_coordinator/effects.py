@@ -71,6 +71,18 @@ class DeadLetter:
 
 
 @dataclass(frozen=True, slots=True)
+class FetchKeyHashes:
+    """Learn the key hashes of topic/partition from offset `start` on (key_shared groups):
+    fetch its stored batches, hash them with `protocol.batch.key_hashes`, and give the
+    result to `core.on_key_hashes` (None for a failed fetch). At most one is under way
+    per group and partition."""
+    group: str
+    topic: str
+    partition: int
+    start: int
+
+
+@dataclass(frozen=True, slots=True)
 class PersistGroupConfig:
     """Store a group's configuration; give it back through `core.restore_group_config`."""
     group: str

@@ -14,29 +14,34 @@ from typing import Any
 
 from zbroker.actors.group_coordinator.partition_state import LogRange, PartitionState
 from zbroker.actors.group_coordinator.ranges import RangeSet
-from zbroker.protocol.messages import MAX_LEASE_MS, MAX_TOPIC_NAME_CHARS
+from zbroker.protocol.messages import GROUP_MODES, MAX_LEASE_MS, MAX_TOPIC_NAME_CHARS
 
 Key = tuple[str, int]  # (topic, partition)
 
 
 @dataclass(frozen=True)
 class GroupConfig:
-    mode: str = "exclusive"          # "exclusive" | "shared"
+    mode: str = "exclusive"          # "exclusive" | "shared" | "key_shared"
     ack_timeout_ms: int = 30_000     # lease length of a delivery
     max_deliveries: int = 5          # deliveries before an expired/nacked record is dead-lettered
     max_in_flight: int = 1000        # leased records, per member and per partition
     dlq: str | None = None           # dead-letter topic; None means "<topic>.dlq"
     start: str = "earliest"          # "earliest" | "latest": where a group without a stored offset begins
+    quarantine_after: int = 0        # key_shared: failures in a row that park a key; 0 = never
+    max_keys: int = 10_000           # key_shared: keys in flight or held back, per partition
 
     def __post_init__(self) -> None:
-        if self.mode not in ("exclusive", "shared"):
-            raise ValueError(f"mode must be 'exclusive' or 'shared', not {self.mode!r}")
+        if self.mode not in GROUP_MODES:
+            raise ValueError(f"mode must be 'exclusive', 'shared' or 'key_shared', not {self.mode!r}")
         if self.start not in ("earliest", "latest"):
             raise ValueError(f"start must be 'earliest' or 'latest', not {self.start!r}")
-        for name in ("ack_timeout_ms", "max_deliveries", "max_in_flight"):
+        for name in ("ack_timeout_ms", "max_deliveries", "max_in_flight", "max_keys"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1")
+        q = self.quarantine_after
+        if not isinstance(q, int) or isinstance(q, bool) or q < 0:
+            raise ValueError("quarantine_after must be an integer >= 0 (0: never)")
         if self.ack_timeout_ms > MAX_LEASE_MS:
             raise ValueError(f"ack_timeout_ms must be at most {MAX_LEASE_MS} (12 hours)")
 
@@ -164,4 +169,5 @@ class Group:
             "redeliveries_by_reason": dict(state.redeliveries_by_reason),
             "dead_letters_by_reason": dict(state.dead_letters_by_reason),
             "blocker": state.blocker(log, now_ms), "owner": self.owners.get(state.key),
+            **({} if state.keys is None else state.keys.report()),
         }

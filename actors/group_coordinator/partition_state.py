@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 from zbroker.actors.group_coordinator.ranges import RangeMap, RangeSet
 
 NEW, TIMEOUT, REBALANCE, RESTART, AHEAD = "new", "timeout", "rebalance", "restart", "ahead"
+QUARANTINE_RELEASE = "quarantine_release"  # the reason of a record released to the dead-letter topic
 
 
 def reason_kind(reason: str) -> str:
@@ -171,6 +172,9 @@ class PartitionState:
         self.redeliveries_by_reason: dict[str, int] = {}
         self.dead_letters_by_reason: dict[str, int] = {}
         self.holes_truncated = False
+        # key_shared groups only (key_order.KeyOrder): per-key order and quarantine. The
+        # other modes never touch it, so their paths cost what they did.
+        self.keys = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -205,10 +209,12 @@ class PartitionState:
              new_lease_id: Callable[[], int], ack_timeout_ms: int, max_pieces: int | None = None) -> list[Piece]:
         """Lease up to `limit` records in at most `max_pieces` leases: redeliveries first,
         in offset order, then new ones."""
-        grants: list[Piece] = []
-        deadline = now_ms + ack_timeout_ms
         if max_pieces is None:
             max_pieces = limit
+        if self.keys is not None:
+            return self.keys.take(self, member_id, limit, log_end, now_ms, new_lease_id, ack_timeout_ms, max_pieces)
+        grants: list[Piece] = []
+        deadline = now_ms + ack_timeout_ms
         while limit > 0 and self.ready and len(grants) < max_pieces:
             start, end, ready = self.ready.first()
             end = min(end, start + limit)
@@ -230,7 +236,9 @@ class PartitionState:
         return grants
 
     def available(self, log_end: int) -> int:
-        """How many records `take` could hand out now."""
+        """How many records `take` could hand out now (key_shared: at most)."""
+        if self.keys is not None:
+            log_end = min(log_end, self.keys.column.end)
         return self.ready.count() + (0 if self.ahead is not None else max(0, log_end - self.next_new))
 
     # -- leasing ahead of the log (exclusive groups) -----------------------------------
@@ -287,16 +295,22 @@ class PartitionState:
         for start, end, _ in pieces:
             self.leased.remove(start, end)
             self.finished.add(start, end)
+            if self.keys is not None:
+                self.keys.finish(self, start, end)
         self._advance_committed()
 
     def requeue(self, pieces: list[Piece], reason: str, ready_at_ms: int, now_ms: int,
-                max_deliveries: int | None) -> list[tuple[int, int, DeadLettering]]:
+                max_deliveries: int | None, quarantine_after: int = 0) -> list[tuple[int, int, DeadLettering]]:
         """Make leased pieces deliverable again, or dead-letter those out of attempts.
 
         `max_deliveries` None means "never dead-letter" (used for revocation, which
         is not the consumer's failure). Returns the pieces that must be dead-lettered.
+        With `quarantine_after` (key_shared groups), a keyed record that failed that many
+        times in a row parks its key instead (key_order.KeyOrder.park).
         """
         doomed = []
+        if quarantine_after and max_deliveries is not None and self.keys is not None:
+            pieces = self._park_failed(pieces, reason, ready_at_ms, now_ms, quarantine_after)
         for start, end, lease in pieces:
             self.leased.remove(start, end)
             if max_deliveries is not None and lease.attempt >= max_deliveries:
@@ -309,6 +323,36 @@ class PartitionState:
                 if region is self.delayed:
                     heapq.heappush(self._delayed_due, (ready_at_ms, start, end))
         return doomed
+
+    def _park_failed(self, pieces: list[Piece], reason: str, ready_at_ms: int, now_ms: int,
+                     quarantine_after: int) -> list[Piece]:
+        """Park the keys of the records in `pieces` that reached `quarantine_after` failures;
+        returns the pieces left to requeue."""
+        rest = []
+        for start, end, lease in pieces:
+            if lease.attempt < quarantine_after:
+                rest.append((start, end, lease))
+                continue
+            for offset in range(start, end):
+                ready = Ready(lease.attempt, reason, ready_at_ms, now_ms)
+                if self.keys.park(self, offset, ready, now_ms):
+                    self.leased.remove(offset, offset + 1)
+                else:  # keyless: nothing to park, it is requeued as usual
+                    rest.append((offset, offset + 1, lease))
+        return rest
+
+    def release_key(self, h: int, to_dlq: bool, now_ms: int) -> list[tuple[int, int, DeadLettering]] | None:
+        """Release quarantined key hash `h` (None: not parked here); returns what must be
+        dead-lettered: with `to_dlq`, every held record of the key, in order."""
+        doomed = self.keys.release(self, h, to_dlq, now_ms)
+        if doomed is None:
+            return None
+        out = []
+        for start, end, ready in doomed:
+            info = DeadLettering(ready.attempts, QUARANTINE_RELEASE, now_ms, self._new_dead_lettering_id())
+            self.dead_lettering.set(start, end, info)
+            out.append((start, end, info))
+        return out
 
     def reject(self, pieces: list[Piece], reason: str, now_ms: int) -> list[tuple[int, int, DeadLettering]]:
         doomed = []
@@ -390,6 +434,8 @@ class PartitionState:
         self.dead_letters += 1
         why = "rejected" if reason_kind(info.last_reason) == "reject" else "max_deliveries"
         self.dead_letters_by_reason[why] = self.dead_letters_by_reason.get(why, 0) + 1
+        if self.keys is not None:
+            self.keys.finish(self, offset, offset + 1)
         self._advance_committed()
         return True
 
@@ -404,6 +450,9 @@ class PartitionState:
         self.committed = max(self.committed or 0, offset)
         self.next_new = max(self.next_new, self.committed)
         self._advance_committed()
+        if self.keys is not None:
+            self.keys.held.remove(0, offset)
+            self.keys.reset(self)
         return dropped
 
     def reset_to(self, offset: int) -> list[Piece]:
@@ -414,6 +463,10 @@ class PartitionState:
             region.clear()
         self.finished.clear()
         self.committed = self.next_new = offset
+        if self.keys is not None:
+            self.keys.held.clear()
+            self.keys.parked.clear()
+            self.keys.reset(self)
         return dropped
 
     def _advance_committed(self) -> None:
@@ -450,6 +503,11 @@ class PartitionState:
         elif (dead := self.dead_lettering.get(offset)) is not None:
             info.update(state="dead_lettering", member=None, since_ms=now_ms - dead.since_ms,
                         attempt=dead.attempts, reason=dead.last_reason)
+        elif self.keys is not None and (held := self.keys.held.get(offset)) is not None:
+            # Behind an earlier record of its key, or its key is quarantined.
+            parked = self.keys.column.get(offset) in self.keys.parked
+            info.update(state="quarantined" if parked else "held", member=None, since_ms=now_ms - held.since_ms,
+                        attempt=held.attempts, reason=held.reason)
         else:
             seen = log.first_seen_ms(offset) if log else None
             info.update(state="not_delivered", member=None,
@@ -459,4 +517,5 @@ class PartitionState:
     def range_entries(self) -> dict[str, int]:
         return {"leased": len(self.leased), "ready": len(self.ready), "delayed": len(self.delayed),
                 "ahead": 0 if self.ahead is None else 1 + self.ahead.early.len_ranges(),
-                "finished": self.finished.len_ranges(), "dead_lettering": len(self.dead_lettering)}
+                "finished": self.finished.len_ranges(), "dead_lettering": len(self.dead_lettering),
+                "held": 0 if self.keys is None else len(self.keys.held)}

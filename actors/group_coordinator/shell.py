@@ -38,7 +38,7 @@ from zbroker.actors.group_coordinator.core import GroupConfig, GroupCoordinatorC
 from zbroker.actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
-from zbroker.protocol.batch import decode_fetched, encode_records
+from zbroker.protocol.batch import decode_fetched, encode_records, key_hashes
 from zbroker.protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists, Unauthorized, Unavailable,
                              UnknownOp, ZBrokerError)
 
@@ -62,8 +62,12 @@ REQUEST_TIMEOUT_MS = 5000
 # (shorter than a client's default 5 s request timeout, so it sees why),
 # the client gets UNAVAILABLE (the reset stays in effect and may still land).
 RESET_DURABLE_TIMEOUT_MS = 4_000
+# Bytes of stored batches one key-hash fetch reads (key_shared groups).
+KEY_FETCH_BYTES = 1 << 20
 GROUP_OPS = {"join", "heartbeat", "leave", "poll", "ack", "nack", "extend", "reject", "list_groups",
-             "describe_group", "configure_group", "reset_group"}
+             "describe_group", "configure_group", "reset_group", "list_quarantine", "release_key"}
+# What hello says this coordinator supports (PROTOCOL.md, hello).
+FEATURES = ["key_shared"]
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -248,6 +252,7 @@ class CoordinatorShell:
                 self.reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
                                                actor="group-coordinator",
                                                limits={"max_header_bytes": codec.MAX_HEADER_BYTES},
+                                               features=list(FEATURES),
                                                internal_endpoint=self.internal_endpoint))
             elif op == "metadata":
                 self.reply(token, m.MetadataReply(topics=self.topics.metadata(msg.topics)))
@@ -323,6 +328,8 @@ class CoordinatorShell:
                 self.to_send[key] = row
             elif isinstance(effect, fx.DeadLetter):
                 self.start_dead_letter(effect, now)
+            elif isinstance(effect, fx.FetchKeyHashes):
+                self.fetch_key_hashes(effect, now)
             elif isinstance(effect, fx.PersistGroupConfig):
                 self.group_configs[effect.group] = effect.config
                 self.meta.save(self.meta.groups_path, self.group_configs)
@@ -507,6 +514,34 @@ class CoordinatorShell:
         self.request(f"partition:{owner.owner}".encode(),
                      m.Fetch(topic=effect.topic, partition=effect.partition, offset=effect.offset,
                              max_bytes=1 << 20), now, on_fetched)
+
+    def fetch_key_hashes(self, effect: fx.FetchKeyHashes, now: int) -> None:
+        """Read the stored batches from `effect.start` and give the core their key hashes.
+        A plain fetch, so any partition actor serves it; hashing here keeps the core free
+        of record bytes (docs/SEMANTICS.md, key_shared)."""
+        def answer(first: int | None, hashes: list[int] | None) -> None:
+            now = runtime.now_ms()
+            self.apply(self.core.on_key_hashes(effect, first, hashes, now), now)
+
+        owner = self.topics.partitions.get((effect.topic, effect.partition))
+        if owner is None or owner.owner is None:
+            answer(None, None)
+            return
+
+        def on_fetched(env: codec.Envelope | None) -> None:
+            if env is None or env.error is not None:
+                answer(None, None)
+                return
+            try:
+                answer(*key_hashes(env.frames[0] if env.frames else b"", effect.start))
+            except ZBrokerError as err:  # a corrupt batch: logged, and asked again later
+                self.log.warning("key_hashes.failed", topic=effect.topic, partition=effect.partition,
+                                 offset=effect.start, reason=err.message)
+                answer(None, None)
+
+        self.request(f"partition:{owner.owner}".encode(),
+                     m.Fetch(topic=effect.topic, partition=effect.partition, offset=effect.start,
+                             max_bytes=KEY_FETCH_BYTES), now, on_fetched)
 
     def dead_letter_payload(self, effect: fx.DeadLetter, rec: Any) -> bytes:
         """The batch that copies `rec` to the dead-letter topic, with provenance headers.

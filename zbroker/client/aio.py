@@ -173,6 +173,14 @@ class AsyncAdmin:
     async def configure_group(self, group: str, **config: Any) -> dict:
         return (await self.conn.coordinator(m.ConfigureGroup(group=group, **config))).config
 
+    async def list_quarantine(self, group: str) -> list[dict]:
+        return (await self.conn.coordinator(m.ListQuarantine(group=group))).keys
+
+    async def release_key(self, group: str, *, key: str | bytes | None = None, key_hash: int | None = None,
+                          topic: str | None = None, to_dlq: bool = False) -> list[dict]:
+        return (await self.conn.coordinator(m.ReleaseKey(group=group, key=key, key_hash=key_hash, topic=topic,
+                                                         to_dlq=to_dlq))).released
+
     async def close(self) -> None:
         await self.conn.close()
 

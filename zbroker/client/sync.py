@@ -259,6 +259,16 @@ class Admin:
     def configure_group(self, group: str, **config: Any) -> dict:
         return self.conn.coordinator(m.ConfigureGroup(group=group, **config)).config
 
+    def list_quarantine(self, group: str) -> list[dict]:
+        """The quarantined keys of a key_shared group (PROTOCOL.md, list_quarantine)."""
+        return self.conn.coordinator(m.ListQuarantine(group=group)).keys
+
+    def release_key(self, group: str, *, key: str | bytes | None = None, key_hash: int | None = None,
+                    topic: str | None = None, to_dlq: bool = False) -> list[dict]:
+        """Let a quarantined key flow again, or send its held records to the DLQ."""
+        return self.conn.coordinator(m.ReleaseKey(group=group, key=key, key_hash=key_hash, topic=topic,
+                                                  to_dlq=to_dlq)).released
+
     def reset_group(self, group: str, topic: str, to: str | int) -> dict:
         return self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to=to)).to_fields()
 
