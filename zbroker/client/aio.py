@@ -28,8 +28,9 @@ from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumu
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
                                  checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
-from zbroker.actors.security import ClientKeys
-from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, client_dealer, curve_from_env
+from zbroker.client.keys import ClientKeys
+from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError
+from zbroker.client.transport import DEFAULT_URL, client_dealer, curve_from_env
 
 log = structlog.get_logger("zbroker.client")
 

@@ -79,6 +79,12 @@ class MetadataCache:
     def forget(self, topic: str) -> None:
         self.topics.pop(topic, None)
 
+    def redirect(self, topic: str, partition: int, endpoint: str) -> None:
+        """A NOT_LEADER/NOT_OWNER error named the partition's leader: send there next."""
+        parts = self.topics.get(topic)
+        if parts is not None and 0 <= partition < len(parts):
+            parts[partition] = {**parts[partition], "endpoint": endpoint}
+
     def endpoints(self, assignment: Iterable) -> list[str]:
         """The actors' endpoints for ``assignment`` ([topic, partition] pairs), where known."""
         found = set()

@@ -1,20 +1,19 @@
 """The synchronous Python client: `Admin`, `Producer` and `Consumer`.
 
-One `Connection` holds a DEALER socket per actor endpoint (the coordinator
-and each partition actor) and matches replies to requests by correlation id,
-so many requests can be in flight at once (pipelining). Sockets use
-``ZMQ_IMMEDIATE``: nothing is queued towards a peer that is not connected, so
-a request to a dead actor fails fast and is retried after a metadata refresh
-instead of being delivered to its successor minutes later.
+A thin driver: the decisions live in `producer_core`, `consumer_core` and
+`transport` (shared with the asyncio driver); this module reads the clock,
+sends and receives. One `Connection` holds a DEALER socket per actor endpoint
+(the coordinator and each partition actor) and matches replies to requests by
+correlation id, so many requests can be in flight at once (pipelining).
+Sockets use ``ZMQ_IMMEDIATE``: nothing is queued towards a peer that is not
+connected, so a request to a dead actor fails fast and is retried after a
+metadata refresh instead of being delivered to its successor minutes later.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import itertools
-import math
-import os
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -22,30 +21,26 @@ from typing import Any, Callable, Iterable, Iterator
 import structlog
 import zmq
 
-from zbroker.actors.security import ClientKeys
-from zbroker.actors.wire import recv_frames, send_frames
+from zbroker.client.keys import ClientKeys
+from zbroker.client.wire import recv_frames, send_frames
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched
-from zbroker.protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, StaleLease, Unavailable,
-                             UnknownMember, ZBrokerError)
-from zbroker.client.core import (AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord, DeliveryHandle,
-                                 MetadataCache, PendingBatch, ReadAhead, group_by_lease,
-                                 RANGES_PER_REQUEST, checked_partition, checked_record, checked_timestamp,
-                                 checked_topics, in_request_sized_chunks,
-                                 record_size_estimate)
+from zbroker.protocol.errors import (ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable,
+                                     UnknownMember, ZBrokerError)
+from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, ChunkedSettle, ConsumedRecord, ReadAhead, checked_topics, DeliveryHandle, MetadataCache, PendingBatch,
+                                 group_by_lease, checked_partition, checked_record, checked_timestamp,
+                                 in_request_sized_chunks, record_size_estimate)
+from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
+from zbroker.client.transport import (DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation,
+                                      client_dealer, curve_from_env, poll_timeout_ms)
+
+__all__ = ["Admin", "Connection", "Consumer", "DEFAULT_URL", "MAX_ORPHANS", "MAX_ORPHAN_RANGES", "ProduceError",
+           "Producer", "RETRIABLE_PRODUCE", "client_dealer", "curve_from_env", "fetch", "poll_timeout_ms"]
 
 log = structlog.get_logger("zbroker.client")
-_time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once per record sent
-
-DEFAULT_URL = "tcp://127.0.0.1:7400"
 READ_AHEAD_WAIT_S = 1.0
-MAX_ORPHANS = 4096
 MAX_STALE_KEPT = 1000  # stale ack ranges a Consumer keeps in `stale` (the latest)
-# Id ranges of read-ahead fetches given up on (a followed fetch reserved up to 65
-# ids, most never used): kept apart from MAX_ORPHANS single ids, so that rebalances
-# of many partitions do not overflow that set and leave their replies stranded.
-MAX_ORPHAN_RANGES = 4096
 # Replies a read-ahead fetch may get after its first, one per append while it waits at
 # the log end. Its bytes stay within the one fetch's max_bytes, so the read-ahead's
 # memory bound is what it was; this bounds the ids reserved for them.
@@ -54,54 +49,32 @@ READ_AHEAD_FOLLOW = 64
 # (an actor that is restarting answers NOT_OWNER at once until its logs are open).
 AHEAD_RETRY_S = 0.05
 _NOT_YET = object()  # a poll sent ahead that is still parked at the coordinator
-RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
-
-
-def client_dealer(ctx: zmq.Context, endpoint: str, request_timeout: float, curve: ClientKeys | None) -> zmq.Socket:
-    """A client's DEALER to one actor; the asyncio client passes its own context."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued towards a peer that is not connected
-    sock.setsockopt(zmq.SNDTIMEO, int(request_timeout * 1000))
-    sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
-    try:
-        if curve is not None:
-            curve.apply(sock)
-        sock.connect(endpoint)
-    except zmq.ZMQError as err:
-        # An unclosed socket would make the context's term() wait for ever.
-        sock.close(linger=0)
-        raise ProtocolError(f"cannot connect to {endpoint!r}: {err} (a URL looks like tcp://HOST:PORT)",
-                            endpoint=endpoint) from None
-    return sock
-
-
-def poll_timeout_ms(timeout_s: float) -> int:
-    """A zmq poll timeout in whole milliseconds, rounded up.
-
-    Rounded down, a wait of 0.7 ms became a poll(0) that returns at once, and
-    every caller that loops until its deadline spun on the CPU for the rest of
-    that millisecond: about half a millisecond of busy-waiting per wait.
-    """
-    return max(0, math.ceil(timeout_s * 1000))
+_time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once per record sent
 
 
 class Connection:
-    """Sockets to the coordinator and the partition actors, with request/reply matching."""
+    """Sockets to the coordinator and the partition actors, with request/reply matching.
+
+    ``url`` may list several coordinators, comma-separated (`transport.Coordinators`):
+    coordinator requests follow a NOT_COORDINATOR answer or move on after a timeout."""
 
     def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
                  curve: ClientKeys | None = None) -> None:
-        self.url = url
+        self.coordinators = Coordinators(url)
         self.request_timeout = request_timeout
         self.curve = curve if curve is not None else curve_from_env()
         self.ctx = zmq.Context()
         self.sockets: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
-        self._ids = itertools.count(1)
-        self._early: dict[int, codec.Envelope] = {}
+        self.correlation = Correlation()
+        self._early = self.correlation.early  # replies kept for their waiters
         self.metadata = MetadataCache()
         self._closed = False
+
+    @property
+    def url(self) -> str:
+        """The coordinator this connection talks to now."""
+        return self.coordinators.current
 
     def socket(self, endpoint: str) -> zmq.Socket:
         sock = self.sockets.get(endpoint)
@@ -115,11 +88,7 @@ class Connection:
         """Send a request; returns its correlation id. A request answered more than once
         (a fetch with `follow`) reserves the ids of its later replies: id + 1, id + 2, ..."""
         follow = getattr(msg, "follow", 0)
-        if follow:  # its later replies come under id + 1 .. id + follow (PROTOCOL.md s.4)
-            replies = max(replies, 1 + follow)
-        corr = next(self._ids)
-        for _ in range(replies - 1):
-            next(self._ids)
+        corr = self.correlation.allocate(max(replies, 1 + follow) if follow else replies)
         try:
             send_frames(self.socket(endpoint), codec.encode_request(msg, corr, frames), copy=len(frames) == 0,
                         block=True)  # up to SNDTIMEO: a connection still being made
@@ -144,6 +113,11 @@ class Connection:
                 out.append(codec.decode_reply(frames))
         return out
 
+    def stash_arrived(self) -> None:
+        """Keep every reply that is here now for its waiter."""
+        for env in self.recv_nowait_all():
+            self.correlation.keep(env)
+
     def wait_for(self, corr: int, timeout: float | None = None) -> codec.Envelope:
         """Wait for the reply to ``corr``; other replies are kept for their waiters."""
         env = self._early.pop(corr, None)
@@ -160,8 +134,7 @@ class Connection:
                 continue
             if env.corr_id == corr:
                 return env
-            if isinstance(env.corr_id, int):
-                self._early[env.corr_id] = env
+            self.correlation.keep(env)
 
     def take_stashed(self) -> list[codec.Envelope]:
         """The replies `wait_for` kept while it waited for another one (a pipelining
@@ -180,7 +153,21 @@ class Connection:
         return env
 
     def coordinator(self, msg: m.Message, timeout: float | None = None) -> m.Message:
-        return self.call(self.url, msg, timeout=timeout).msg
+        """A request to the coordinator, following NOT_COORDINATOR (and, with several
+        URLs, timeouts) to the next one after a capped backoff."""
+        coordinators = self.coordinators
+        for attempt in range(coordinators.attempts()):
+            try:
+                reply = self.call(self.url, msg, timeout=timeout).msg
+            except ZBrokerError as err:
+                if attempt == coordinators.attempts() - 1 or not coordinators.redirected(err):
+                    raise
+                log.info("coordinator.redirected", code=err.code.value, to=self.url)
+                time.sleep(coordinators.backoff())
+                continue
+            coordinators.answered()
+            return reply
+        raise AssertionError("unreachable")
 
     def refresh(self, topics: list[str] | None = None) -> None:
         self.metadata.update(self.coordinator(m.Metadata(topics=topics)).topics)
@@ -204,25 +191,6 @@ class Connection:
             sock.close(linger=0)
         self.sockets.clear()
         self.ctx.term()
-
-
-def curve_from_env() -> ClientKeys | None:
-    """CURVE keys from ZBROKER_CURVE_SERVER_KEY and ZBROKER_CURVE_KEY (file paths), if both are set.
-
-    One without the other, or one set but empty, is a ValueError: the client would otherwise
-    talk plaintext to a broker that expects CURVE, and see only UNAVAILABLE after its request
-    timeout (or to whatever answers at the URL, in the clear)."""
-    server, client = os.environ.get("ZBROKER_CURVE_SERVER_KEY"), os.environ.get("ZBROKER_CURVE_KEY")
-    for name, value in (("ZBROKER_CURVE_SERVER_KEY", server), ("ZBROKER_CURVE_KEY", client)):
-        if value is not None and not value.strip():
-            # `ZBROKER_CURVE_KEY="$KEY"` with KEY unset: read as "no CURVE", the client sent
-            # its records in plaintext to whatever answered. Only an absent variable means that.
-            raise ValueError(f"{name} is set but empty: name the key file, or unset it for plaintext")
-    if bool(server) != bool(client):
-        given, missing = (("ZBROKER_CURVE_SERVER_KEY", "ZBROKER_CURVE_KEY") if server
-                          else ("ZBROKER_CURVE_KEY", "ZBROKER_CURVE_SERVER_KEY"))
-        raise ValueError(f"{given} is set but {missing} is not: set both (CurveZMQ) or neither (plaintext)")
-    return ClientKeys.load(server, client) if server and client else None
 
 
 class Admin:
@@ -272,9 +240,6 @@ class Admin:
         self.close()
 
 
-class ProduceError(ZBrokerError):
-    """A batch failed for good (not retriable, or out of retries)."""
-
 
 class Producer:
     """Batching, pipelined, idempotent producer.
@@ -284,6 +249,7 @@ class Producer:
     (checked on every ``send`` and ``poll``), or on ``flush``. At most
     ``max_in_flight_records`` are unacknowledged at once. Retries keep the
     batch's (producer_id, sequence), so the partition actor stores it once.
+    The window and retry decisions are `producer_core.ProducerCore`'s.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
@@ -291,19 +257,13 @@ class Producer:
                  max_in_flight_bytes: int = 32 << 20, request_timeout: float = 5.0,
                  retries: int = 20, producer_id: int | None = None, curve: ClientKeys | None = None) -> None:
         self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
+        self.core = ProducerCore(batch_size=batch_size, batch_bytes=batch_bytes,
+                                 max_in_flight_records=max_in_flight_records,
+                                 max_in_flight_bytes=max_in_flight_bytes, retries=retries,
+                                 request_timeout=request_timeout, producer_id=producer_id)
         self.linger_s = linger_ms / 1000.0
-        self.max_in_flight_records = max_in_flight_records
-        self.max_in_flight_bytes = max_in_flight_bytes
-        self.in_flight_bytes = 0
-        self.retries = retries
-        self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes, producer_id=producer_id)
-        self.in_flight: dict[int, tuple[PendingBatch, float]] = {}
-        self.retrying: list[tuple[float, PendingBatch]] = []  # (resend at, batch), after a retriable failure
-        self.in_flight_records = 0  # sent or waiting to be resent, not yet acknowledged
-        self.errors: list[ZBrokerError] = []
-        self.results: list[tuple[str, int, int, int]] = []  # (topic, partition, base_offset, count)
-        self.keep_results = False
-        self.stats = {"batches": 0, "records": 0, "retries": 0, "duplicates": 0}
+        self.acc = self.core.acc
+        self.stats = self.core.stats
         self._oldest_open: float | None = None  # first-record time of the longest-waiting open batch
         self._last_index = batch_size - 1  # a record at this index fills its batch
         self._batch_bytes = batch_bytes
@@ -314,9 +274,23 @@ class Producer:
         # (the CLI's Ctrl-C, which must not wait for a hung partition's retries to run out).
         self.stop_waiting: Callable[[], bool] = lambda: False
 
+    producer_id = property(lambda self: self.acc.producer_id)
+    in_flight = property(lambda self: self.core.in_flight)
+    retrying = property(lambda self: self.core.retrying)
+    in_flight_records = property(lambda self: self.core.in_flight_records)
+    in_flight_bytes = property(lambda self: self.core.in_flight_bytes)
+    max_in_flight_records = property(lambda self: self.core.max_in_flight_records)
+    max_in_flight_bytes = property(lambda self: self.core.max_in_flight_bytes)
+    errors = property(lambda self: self.core.errors)
+    results = property(lambda self: self.core.results)
+
     @property
-    def producer_id(self) -> int:
-        return self.acc.producer_id
+    def keep_results(self) -> bool:
+        return self.core.keep_results
+
+    @keep_results.setter
+    def keep_results(self, value: bool) -> None:
+        self.core.keep_results = value
 
     def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
              partition: int | None = None, timestamp_ms: int | None = None) -> DeliveryHandle:
@@ -398,7 +372,7 @@ class Producer:
         now = time.monotonic()
         if self._oldest_open is not None and now >= self._oldest_open + self.linger_s:
             self._dispatch_lingered(now)
-        if self.in_flight or self.retrying:
+        if self.core.busy():
             self._pump(timeout)
 
     def _dispatch_lingered(self, now: float) -> None:
@@ -435,29 +409,26 @@ class Producer:
     def _dispatch(self, batch: PendingBatch) -> None:
         # The window is bounded in records and in bytes: large records would otherwise
         # put max_in_flight_records x their size in memory here and in the actor.
-        size = len(batch.payload)
+        core = self.core
         self._dispatches += 1
-        if self.in_flight and self._dispatches & 15 == 0:
+        if core.in_flight and self._dispatches & 15 == 0:
             # Take in the replies that are here now and then, so the window moves between
             # batches (a synchronous producer has no thread that would). Not on every
             # batch: with linger_ms=0 each record is one, and a receive that finds
             # nothing costs a few microseconds (bench/PROFILE.md, tenth pass).
             for env in self.conn.recv_nowait_all():
                 self._on_reply(env)
-        while (self.in_flight or self.retrying) and (
-                self.in_flight_records + batch.count > self.max_in_flight_records
-                or self.in_flight_bytes + size > self.max_in_flight_bytes) and not self.stop_waiting():
+        while not core.has_room(batch) and not self.stop_waiting():
             self._pump(self.conn.request_timeout)
-        self.in_flight_records += batch.count
-        self.in_flight_bytes += size
+        core.admit(batch)
         self._send(batch)
 
     def _send(self, batch: PendingBatch) -> None:
-        """Send (or resend) a batch counted in ``in_flight_records``."""
+        """Send (or resend) a batch admitted to the window."""
         batch.attempts += 1
         refused = batch.over_frame_limit()
         if refused is not None:
-            self._retry_or_fail(batch, refused)  # not retriable: it fails now
+            self._failed(batch, refused)  # not retriable: it fails now
             return
         try:
             endpoint = self.conn.endpoint(batch.topic, batch.partition)
@@ -465,40 +436,34 @@ class Producer:
                                                       producer_id=batch.producer_id, sequence=batch.sequence),
                                   (batch.payload,))
         except ZBrokerError as err:
-            self._retry_or_fail(batch, err)
+            self._failed(batch, err)
             return
-        self.in_flight[corr] = (batch, time.monotonic())
+        self.core.sent(corr, batch, time.monotonic())
 
-    def _retry_or_fail(self, batch: PendingBatch, err: ZBrokerError) -> None:
-        """Schedule a retry after a backoff (never sleeping here), or fail the batch for good."""
-        if (err.retriable or err.code in RETRIABLE_PRODUCE) and batch.attempts <= self.retries:
-            self.stats["retries"] += 1
-            self.retrying.append((time.monotonic() + min(0.05 * batch.attempts, 1.0), batch))
-            return
-        self.in_flight_records -= batch.count
-        self.in_flight_bytes -= len(batch.payload)
-        self.errors.append(err)
-        batch.failed(err)
-        log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
-                  reason=err.message, attempts=batch.attempts)
+    def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
+        if not self.core.failed(batch, err, time.monotonic()):
+            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
+                      reason=err.message, attempts=batch.attempts)
 
     def _resend_due(self, now: float) -> None:
-        due = [b for at, b in self.retrying if at <= now]
+        due = self.core.due(now)
         if not due:
             return
-        self.retrying = [(at, b) for at, b in self.retrying if at > now]
+        for topic, partition, endpoint in self.core.take_hints():  # the new leader, as the error named it
+            self.conn.metadata.redirect(topic, partition, endpoint)
         for topic in {b.topic for b in due}:  # where do they live now? once per topic
             try:
                 self.conn.refresh([topic])
             except ZBrokerError:
                 pass
-        for batch in sorted(due, key=lambda b: (b.topic, b.partition, b.sequence)):
+        for batch in due:
             self._send(batch)
 
     def _pump(self, timeout_s: float) -> None:
         wait = min(timeout_s, 0.05)
-        if self.retrying:
-            wait = max(0.0, min(wait, min(at for at, _b in self.retrying) - time.monotonic()))
+        retry_at = self.core.next_retry_at()
+        if retry_at is not None:
+            wait = max(0.0, min(wait, retry_at - time.monotonic()))
         stashed = self.conn.take_stashed()  # produce replies that came during a metadata refresh
         for env in stashed:
             self._on_reply(env)
@@ -508,42 +473,16 @@ class Producer:
         for env in self.conn.recv_nowait_all():
             self._on_reply(env)
         now = time.monotonic()
-        self._resend_timed_out(now)
+        for batch in self.core.timed_out(now):
+            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code="TIMEOUT",
+                      attempts=batch.attempts)
         self._resend_due(now)
 
     def _on_reply(self, env: codec.Envelope) -> None:
-        entry = self.in_flight.pop(env.corr_id, None)
-        if entry is None:
-            return  # the reply to an attempt we already retried
-        batch, _sent = entry
-        if env.error is not None:
-            self._retry_or_fail(batch, env.error)
-            return
-        self.in_flight_records -= batch.count
-        self.in_flight_bytes -= len(batch.payload)
-        reply: m.ProduceReply = env.msg
-        self.stats["batches"] += 1
-        self.stats["records"] += reply.count
-        if reply.duplicate:
-            self.stats["duplicates"] += 1
-        if self.keep_results:
-            self.results.append((batch.topic, batch.partition, reply.base_offset, reply.count))
-        batch.acknowledged(reply.base_offset)
-
-    def _resend_timed_out(self, now: float) -> None:
-        # `in_flight` is in send order (each send, a resend too, adds a new correlation
-        # id at the end), so the late ones are a prefix: with linger_ms=0 the window
-        # holds a thousand requests and this runs every few of them.
-        cutoff = now - self.conn.request_timeout
-        late = []
-        for corr, (_b, sent) in self.in_flight.items():
-            if sent >= cutoff:
-                break
-            late.append(corr)
-        for corr in late:
-            batch, _sent = self.in_flight.pop(corr)
-            self._retry_or_fail(batch, RequestTimeout("produce timed out", topic=batch.topic,
-                                                      partition=batch.partition))
+        batch = self.core.replied(env.corr_id, env.error, env.msg, time.monotonic())
+        if batch is not None:
+            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=env.error.code.value,
+                      reason=env.error.message, attempts=batch.attempts)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered and wait until all of it is acknowledged."""
@@ -551,14 +490,14 @@ class Producer:
             self._dispatch(batch)
         self._oldest_open = None
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.in_flight or self.retrying:
+        while self.core.busy():
             if deadline is not None and time.monotonic() > deadline:
-                raise RequestTimeout("flush timed out", in_flight_batches=len(self.in_flight) + len(self.retrying))
+                raise RequestTimeout("flush timed out",
+                                     in_flight_batches=len(self.core.in_flight) + len(self.core.retrying))
             self._pump(0.05)
-        if self.errors:
-            errors, self.errors = self.errors, []
-            raise ProduceError(f"{len(errors)} batch(es) failed; first: {errors[0].message}",
-                               code=errors[0].code, first=errors[0].to_wire(), failed=len(errors))
+        failure = self.core.take_failure()
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
         try:
@@ -677,10 +616,6 @@ class Consumer:
         self.mode = ""
         self.read_ahead = read_ahead
         self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
-        self._orphans: set[int] = set()  # read-ahead fetches given up on: their replies are dropped
-        # ...and followed fetches given up on, as sorted, disjoint [first, last] id ranges
-        self._orphan_firsts: list[int] = []
-        self._orphan_lasts: list[int] = []
         self.poll_ahead = poll_ahead or lease_ahead
         self.lease_ahead = lease_ahead
         # Ahead leases held, oldest first: partition key -> [[lease id, next offset to hand out, end], ...].
@@ -771,7 +706,7 @@ class Consumer:
         # Shared groups interleave members' leases: the next one need not start
         # where this member's last ended, so guessing would only cost fetches.
         keep = [tuple(p) for p in reply.assignment] if self.read_ahead and self.mode == "exclusive" else []
-        self._orphan_ranges(self.ahead.retain(keep))
+        self.conn.correlation.orphan_ranges(self.ahead.retain(keep))
         self._needs_rejoin.clear()
         self._connect_to_assigned()
         if old - new and self.on_revoke:
@@ -972,7 +907,7 @@ class Consumer:
         """Stop waiting for the poll sent ahead; the acks it carried are held again."""
         corr = self._poll_ahead[0]
         self._poll_ahead = None
-        self._orphans.add(corr)
+        self.conn.correlation.orphan(corr)
         self._hold_again(self._poll_acks.pop(corr, []))
 
     # -- ahead leases -------------------------------------------------------------------------
@@ -1164,35 +1099,11 @@ class Consumer:
                     return self.conn.wait_for(corr, 0)
                 self.flush_acks(wait=False)
 
-    def _orphan_ranges(self, ranges: list[tuple[int, int]]) -> None:
-        """Drop the replies that come under these ids (fetches given up on)."""
-        firsts, lasts = self._orphan_firsts, self._orphan_lasts
-        for first, last in ranges:
-            i = bisect.bisect(firsts, first)
-            firsts.insert(i, first)
-            lasts.insert(i, last)
-        if len(firsts) > MAX_ORPHAN_RANGES:  # the oldest ids: their replies came long ago or never will
-            del firsts[:len(firsts) - MAX_ORPHAN_RANGES], lasts[:len(lasts) - MAX_ORPHAN_RANGES]
-
-    def _orphaned(self, corr: int) -> bool:
-        if corr in self._orphans:
-            return True
-        i = bisect.bisect(self._orphan_firsts, corr) - 1
-        return i >= 0 and corr <= self._orphan_lasts[i]
-
-    def _drop_orphans(self) -> None:
-        if len(self._orphans) > MAX_ORPHANS:  # replies that never came (their actor died): stop waiting
-            self._orphans.clear()
-        early = self.conn._early
-        for corr in [c for c in early if self._orphaned(c)]:
-            del early[corr]
-            self._orphans.discard(corr)
-
     def _damaged_read_ahead(self, key: tuple[str, int], err: ZBrokerError) -> None:
         """A damaged batch in what the read-ahead holds: dropped, or every poll would raise
         it again and no other partition would be served. Its lease expires and comes back."""
         self._fetch_failed(key[0], key[1], err)
-        self._orphan_ranges(self.ahead.drop(key))
+        self.conn.correlation.orphan_ranges(self.ahead.drop(key))
         self._read_ahead_failed(key)
 
     def _read_ahead_failed(self, key: tuple[str, int]) -> None:
@@ -1254,7 +1165,7 @@ class Consumer:
                     if self.ahead.overtaken(key, early):
                         # A later reply of the same fetch came first: the one awaited was
                         # dropped (a full queue at the actor). Start over from the next lease.
-                        self._orphan_ranges(self.ahead.drop(key))
+                        self.conn.correlation.orphan_ranges(self.ahead.drop(key))
                         self._read_ahead_failed(key)
                     break
                 corr = self._read_ahead_arrived(key, corr, env)
@@ -1262,7 +1173,7 @@ class Consumer:
             # No reply within its wait and the request timeout: the actor died with the fetch
             # parked (or hangs). Its replies are dropped if they come; fetch again.
             log.info("read_ahead.overdue", topic=key[0], partition=key[1])
-            self._orphan_ranges(self.ahead.drop(key))
+            self.conn.correlation.orphan_ranges(self.ahead.drop(key))
             self._read_ahead_failed(key)
 
     def _read_ahead_arrived(self, key: tuple[str, int], corr: int, env: codec.Envelope) -> int | None:
@@ -1293,10 +1204,10 @@ class Consumer:
                     # deadline for the whole poll (not one per partition the dead actor held).
                     env = self.conn.wait_for(corr, max(0.005, deadline - time.monotonic()))
                 except RequestTimeout:
-                    self._orphans.add(corr)
+                    self.conn.correlation.orphan(corr)
                     env = None
                 if env is None:  # this reply, and any later ones of its fetch, are dropped when they come
-                    self._orphan_ranges(self.ahead.drop(key))
+                    self.conn.correlation.orphan_ranges(self.ahead.drop(key))
                     self._read_ahead_failed(key)
                 else:
                     self._read_ahead_arrived(key, corr, env)
@@ -1325,8 +1236,8 @@ class Consumer:
         pending: dict[int, tuple[int, list]] = {}
         parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
         reading_ahead = self.read_ahead and self.mode == "exclusive"
-        if self._orphans or self._orphan_firsts:
-            self._drop_orphans()
+        if self.conn.correlation.has_orphans():
+            self.conn.correlation.drop_orphans()
 
         def fetch(i: int, d: list, start: int) -> None:
             topic, partition, lease, _start, end, attempt, reason = d
@@ -1353,7 +1264,7 @@ class Consumer:
             try:
                 env = self.conn.wait_for(corr)
             except RequestTimeout as err:
-                self._orphans.add(corr)  # a reply that comes after all is dropped
+                self.conn.correlation.orphan(corr)  # a reply that comes after all is dropped
                 self._fetch_failed(topic, partition, err)
                 continue
             if env.error is not None:
@@ -1376,7 +1287,7 @@ class Consumer:
             # The partition moved or its actor restarted: the next fetch asks the
             # coordinator where it lives now. These leases expire and come back.
             self.conn.metadata.forget(topic)
-            self._orphan_ranges(self.ahead.drop((topic, partition)))
+            self.conn.correlation.orphan_ranges(self.ahead.drop((topic, partition)))
             self._read_ahead_failed((topic, partition))
 
     def __iter__(self) -> Iterator[ConsumedRecord]:
