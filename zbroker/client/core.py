@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from operator import itemgetter
 from typing import Any, Container, Iterable
 
 from zbroker.protocol.batch import Record, encode_columns, encode_values, stored_range

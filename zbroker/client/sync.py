@@ -12,7 +12,6 @@ metadata refresh instead of being delivered to its successor minutes later.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import time
@@ -28,26 +27,23 @@ from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched
 from zbroker.protocol.errors import (ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable,
                                      UnknownMember, ZBrokerError)
-from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, ChunkedSettle, ConsumedRecord, ReadAhead, checked_topics, DeliveryHandle, MetadataCache, PendingBatch,
+from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedRecord, checked_topics, DeliveryHandle, MetadataCache, PendingBatch,
                                  group_by_lease, checked_partition, checked_record, checked_timestamp,
                                  in_request_sized_chunks, record_size_estimate)
+from zbroker.client.consumer_core import AHEAD_RETRY_S, ConsumerCore, core_field, fetch_bytes, max_wait_ms
 from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
 from zbroker.client.transport import (DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation,
                                       client_dealer, curve_from_env, poll_timeout_ms)
 
 __all__ = ["Admin", "Connection", "Consumer", "DEFAULT_URL", "MAX_ORPHANS", "MAX_ORPHAN_RANGES", "ProduceError",
-           "Producer", "RETRIABLE_PRODUCE", "client_dealer", "curve_from_env", "fetch", "poll_timeout_ms"]
+           "Producer", "RETRIABLE_PRODUCE", "AHEAD_RETRY_S", "client_dealer", "curve_from_env", "fetch", "poll_timeout_ms"]
 
 log = structlog.get_logger("zbroker.client")
 READ_AHEAD_WAIT_S = 1.0
-MAX_STALE_KEPT = 1000  # stale ack ranges a Consumer keeps in `stale` (the latest)
 # Replies a read-ahead fetch may get after its first, one per append while it waits at
 # the log end. Its bytes stay within the one fetch's max_bytes, so the read-ahead's
 # memory bound is what it was; this bounds the ids reserved for them.
 READ_AHEAD_FOLLOW = 64
-# After a failed read-ahead fetch under an ahead lease, the pause before the next one
-# (an actor that is restarting answers NOT_OWNER at once until its logs are open).
-AHEAD_RETRY_S = 0.05
 _NOT_YET = object()  # a poll sent ahead that is still parked at the coordinator
 _time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once per record sent
 
@@ -112,11 +108,6 @@ class Connection:
             while (frames := recv_frames(sock)) is not None:
                 out.append(codec.decode_reply(frames))
         return out
-
-    def stash_arrived(self) -> None:
-        """Keep every reply that is here now for its waiter."""
-        for env in self.recv_nowait_all():
-            self.correlation.keep(env)
 
     def wait_for(self, corr: int, timeout: float | None = None) -> codec.Envelope:
         """Wait for the reply to ``corr``; other replies are kept for their waiters."""
@@ -610,53 +601,23 @@ class Consumer:
                  on_assign: Callable[[list], None] | None = None,
                  on_revoke: Callable[[list], None] | None = None, heartbeat: bool = True,
                  curve: ClientKeys | None = None, read_ahead: bool = True,
-                 read_ahead_bytes: int = 32 << 20, poll_ahead: bool = False, lease_ahead: bool = False) -> None:
+                 read_ahead_bytes: int = 32 << 20, poll_ahead: bool = False, lease_ahead: bool = False,
+                 conn: Connection | None = None) -> None:
         topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
-        self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
-        self.mode = ""
-        self.read_ahead = read_ahead
-        self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
+        self.conn = conn if conn is not None else Connection(url, request_timeout=request_timeout, curve=curve)
+        self.core = ConsumerCore(group=group, topics=topics, member_id=member_id, ack_batch=ack_batch,
+                                 ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
+                                 read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead)
+        self._core_ack = self.core.ack  # bound once: ack() runs per record
         self.poll_ahead = poll_ahead or lease_ahead
-        self.lease_ahead = lease_ahead
-        # Ahead leases held, oldest first: partition key -> [[lease id, next offset to hand out, end], ...].
-        # The coordinator grants the next one once the log reached the end of the last, which
-        # can be before this consumer handed all of the last one out.
-        self._ahead_leases: dict[tuple[str, int], list[list]] = {}
-        # Partitions with an ahead lease whose read-ahead fetch failed: when to fetch again.
-        self._ahead_retry: dict[tuple[str, int], float] = {}
-        self._held: list[list[ConsumedRecord]] = []  # leased (by a poll sent ahead), not handed out yet
-        # Acks in delivery order (see ack): the last batch, the next record expected, how many
-        # were acked in order, how many of those are folded into self.acks, each delivery's span.
-        self._delivered: list = [None]
-        self._next: ConsumedRecord | None = None
-        self._in_order = self._folded = 0
-        self._spans: list[tuple[int, int]] = []
-        self._ack_check_mask = 63 if ack_batch >= 64 else 0
         self._poll_ahead: tuple[int, int, float] | None = None  # (corr id, generation, give up at)
-        self.group = group
-        self.topics = topics
-        self.member_id = member_id
         self.session_timeout_ms = session_timeout_ms
-        self.ack_batch = ack_batch
-        self.ack_interval_s = ack_interval_ms / 1000.0
         self.on_assign = on_assign
         self.on_revoke = on_revoke
-        self.generation = -1
-        self.assignment: list = []
-        self.ack_timeout_ms = 0
-        self.acks = AckAccumulator()
-        self._acks_since: float | None = None
         # corr -> (ranges, ranges of polls before it, when it was sent)
         self._ack_requests: dict[int, tuple[list, list, float]] = {}
         self._poll_acks: dict[int, list] = {}  # poll sent ahead (corr) -> the acks riding on it
-        # The latest stale ranges, for inspection (stats["stale"] counts them all): a consumer
-        # runs for months, and every lease that expired or moved before its ack adds ranges.
-        self.stale: collections.deque = collections.deque(maxlen=MAX_STALE_KEPT)
-        self.stats = {"polled": 0, "acked": 0, "stale": 0, "rejoins": 0}
         self._needs_rejoin = threading.Event()
-        # Set (by the heartbeat thread too) when the coordinator no longer knows this member:
-        # its leases are gone then, and nothing leased before the re-join may be handed out.
-        self._member_lost = False
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         try:
@@ -671,29 +632,34 @@ class Consumer:
                                                       daemon=True)
             self._heartbeat_thread.start()
 
+    member_id = core_field("member_id")
+    generation = core_field("generation")
+    assignment = core_field("assignment")
+    mode = core_field("mode")
+    ack_timeout_ms = core_field("ack_timeout_ms")
+    group = core_field("group")
+    topics = core_field("topics")
+    read_ahead = core_field("read_ahead")
+    lease_ahead = core_field("lease_ahead")
+    ack_batch = core_field("ack_batch")
+    ack_interval_s = core_field("ack_interval_s")
+    acks = core_field("acks")
+    ahead = core_field("ahead")
+    stats = core_field("stats")
+    stale = core_field("stale")
+    _held = core_field("held")
+    _ahead_leases = core_field("ahead_leases")
+
     # -- membership -------------------------------------------------------------------------
 
     def _join(self) -> None:
         previous_member = self.member_id
         try:
-            reply = self.conn.coordinator(m.Join(group=self.group, topics=self.topics, member_id=self.member_id,
-                                                 session_timeout_ms=self.session_timeout_ms))
+            reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms))
         except UnknownMember:
             self.member_id = ""
-            reply = self.conn.coordinator(m.Join(group=self.group, topics=self.topics,
-                                                 session_timeout_ms=self.session_timeout_ms))
-        old = {tuple(p) for p in self.assignment}
-        new = {tuple(p) for p in reply.assignment}
-        self.member_id = reply.member_id
-        self.generation = reply.generation
-        self.assignment = reply.assignment
-        self.ack_timeout_ms = reply.ack_timeout_ms
-        self.mode = reply.mode
-        # Leases on the partitions a member keeps stay valid across a rebalance (PROTOCOL.md s.14);
-        # those on partitions that moved were revoked and go to their new owner ("rebalance").
-        # Dropping the former would leave them to come back only at their ack timeout.
-        self._held = [part for part in self._held if self._still_leased(part[0], previous_member)]
-        self._member_lost = False
+            reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
+        revoked, assigned, given_up = self.core.joined(reply, previous_member)
         if self._poll_ahead is not None and self._poll_ahead[1] != self.generation:
             # Sent in the old generation: its leases (an ahead lease among them) ended with it.
             self._orphan_poll_ahead()
@@ -701,25 +667,13 @@ class Consumer:
         # on arrival, so the acks go again (a repeat is harmless; a loss costs a redelivery).
         for corr in list(self._poll_acks):
             self._hold_again(self._poll_acks.pop(corr))
-        self._ahead_leases.clear()  # an ahead lease ends with its generation
-        self._ahead_retry.clear()
-        # Shared groups interleave members' leases: the next one need not start
-        # where this member's last ended, so guessing would only cost fetches.
-        keep = [tuple(p) for p in reply.assignment] if self.read_ahead and self.mode == "exclusive" else []
-        self.conn.correlation.orphan_ranges(self.ahead.retain(keep))
+        self.conn.correlation.orphan_ranges(given_up)
         self._needs_rejoin.clear()
         self._connect_to_assigned()
-        if old - new and self.on_revoke:
-            self.on_revoke(sorted(old - new))
-        if new - old and self.on_assign:
-            self.on_assign(sorted(new - old))
-
-    def _still_leased(self, record: ConsumedRecord, previous_member: str) -> bool:
-        """After a join: does the lease ``record`` came under still stand? Yes if this is the
-        member that got it (a re-sync, not a new member: the coordinator had not lost it) and
-        its partition is still assigned to it."""
-        return (bool(previous_member) and previous_member == self.member_id and not self._member_lost
-                and [record.topic, record.partition] in [list(p) for p in self.assignment])
+        if revoked and self.on_revoke:
+            self.on_revoke(revoked)
+        if assigned and self.on_assign:
+            self.on_assign(assigned)
 
     def _connect_to_assigned(self) -> None:
         """Connect to the actors of the assigned partitions now, while the first poll goes
@@ -736,6 +690,13 @@ class Consumer:
             log.info("consumer.connect_deferred", group=self.group, error=str(getattr(err.code, "value", err.code)))
         except zmq.ZMQError as err:  # e.g. a bad endpoint in the metadata: the fetch reports it
             log.info("consumer.connect_deferred", group=self.group, error=str(err))
+
+    def _stash_arrived(self) -> None:
+        """Keep every reply that is here now for its waiter."""
+        early = self.conn._early
+        for env in self.conn.recv_nowait_all():
+            if isinstance(env.corr_id, int):
+                early[env.corr_id] = env
 
     def _rejoin(self) -> None:
         self.stats["rejoins"] += 1
@@ -763,7 +724,7 @@ class Consumer:
                     env = codec.decode_reply(sock.recv_multipart())
                     if env.error is not None and env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
                         if env.error.code == ErrorCode.UNKNOWN_MEMBER or not env.error.data.get("member_known", True):
-                            self._member_lost = True
+                            self.core.member_lost = True
                         self._needs_rejoin.set()
         except zmq.ZMQError:
             pass  # the context is being closed
@@ -780,10 +741,8 @@ class Consumer:
             except (Fenced, UnknownMember) as err:
                 if attempt == 2:
                     raise
-                if isinstance(err, UnknownMember):
-                    self.member_id = ""  # expired: join as a new member
                 if isinstance(err, UnknownMember) or not err.data.get("member_known", True):
-                    self._member_lost = True
+                    self.core.lost(forget_id=isinstance(err, UnknownMember))  # expired: join as a new member
                 self._rejoin()
         raise AssertionError("unreachable")
 
@@ -818,7 +777,7 @@ class Consumer:
             if records:
                 return records
             timeout = max(0.0, deadline - time.monotonic())
-        max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        wait_ms = max_wait_ms(timeout)
         reply = None
         if self._poll_ahead is not None and self._needs_rejoin.is_set():
             reply = self._answered_before_rejoin()
@@ -827,13 +786,13 @@ class Consumer:
         if reply is _NOT_YET:
             return []
         if reply is None:
-            reply = self._poll_now(max_records, max_wait_ms, timeout)
+            reply = self._poll_now(max_records, wait_ms, timeout)
         deliveries = self._take_ahead_leases(reply.deliveries)
         self._held = [part for part in self._fetch_deliveries(deliveries) if part]
         records = self._hand_out(max_records)
         if self.poll_ahead and not self._held:
-            self._send_poll_ahead(max_records, max_wait_ms)
-        if self.read_ahead and self.mode == "exclusive":
+            self._send_poll_ahead(max_records, wait_ms)
+        if self.core.reading_ahead:
             self._send_read_ahead(timeout)
         if not records and self._ahead_leases:
             records = self._records_ahead(max_records, deadline)
@@ -844,22 +803,16 @@ class Consumer:
         deliveries whose leases still stand (None, and it is dropped, if it was not answered:
         it would be fenced). A rebalance keeps a member's leases on the partitions it keeps:
         dropped, they would come back only at their ack timeout, one attempt more."""
-        for env in self.conn.recv_nowait_all():
-            if isinstance(env.corr_id, int):
-                self.conn._early[env.corr_id] = env
+        self._stash_arrived()
         corr = self._poll_ahead[0]
         answered = self.conn._early.get(corr)
         if answered is None or answered.error is not None:
             self._orphan_poll_ahead()
             return None
-        previous_member, lost = self.member_id, self._member_lost
+        previous_member, lost = self.member_id, self.core.member_lost
         reply = self._take_poll_ahead(0.0)
         self._rejoin()
-        keep = {tuple(p) for p in self.assignment}
-        same_member = bool(previous_member) and previous_member == self.member_id and not lost
-        # Ahead leases end with the generation (PROTOCOL.md, poll): not one of them stands.
-        reply.deliveries = [d for d in reply.deliveries
-                            if same_member and d[6] != "ahead" and (d[0], d[1]) in keep]
+        reply.deliveries = self.core.standing_deliveries(reply.deliveries, previous_member, lost)
         return reply
 
     def _poll_now(self, max_records: int, max_wait_ms: int, timeout: float) -> m.PollReply:
@@ -881,11 +834,7 @@ class Consumer:
 
     def _acks_for_poll(self) -> list:
         """Take the held acks for the poll about to be sent."""
-        self._fold_in_order_acks()
-        if not self.acks:
-            return []
-        self._acks_since = None
-        ranges = self.acks.take()
+        ranges = self.core.take_acks()
         if len(ranges) > RANGES_PER_REQUEST:  # more than a header holds: the rest go on their own
             self._send_acks(ranges[RANGES_PER_REQUEST:], [])
             ranges = ranges[:RANGES_PER_REQUEST]
@@ -893,15 +842,12 @@ class Consumer:
 
     def _hold_again(self, ranges: list) -> None:
         """Acks a poll carried that may not have been applied (fenced, lost): send them again."""
-        for r in ranges:
-            self.acks.add_range(r)
-        if ranges and self._acks_since is None:
-            self._acks_since = time.monotonic()
+        self.core.hold_again(ranges, time.monotonic())
 
     def _on_poll_acks(self, reply: m.PollReply) -> None:
-        self.stats["acked"] += reply.acked
+        self.core.applied(reply.acked, reply.stale)
         if reply.stale:
-            self._note_stale(reply.stale)
+            log.warning("ack.stale", group=self.group, ranges=len(reply.stale))
 
     def _orphan_poll_ahead(self) -> None:
         """Stop waiting for the poll sent ahead; the acks it carried are held again."""
@@ -913,37 +859,10 @@ class Consumer:
     # -- ahead leases -------------------------------------------------------------------------
 
     def _ahead_wanted(self, max_records: int) -> int:
-        return max_records if self.lease_ahead and self.read_ahead and self.mode == "exclusive" else 0
+        return self.core.ahead_wanted(max_records)
 
     def _take_ahead_leases(self, deliveries: list) -> list:
-        """File the ahead leases of a poll reply; returns the deliveries to fetch now.
-
-        New records leased the ordinary way after an ahead lease mean the log passed
-        that ahead lease's end: what this consumer has not handed out of it yet exists,
-        and goes first, as a delivery of its own (read-ahead keeps one position per
-        partition, so it has to be handed out in offset order).
-        """
-        if not self._ahead_leases and not any(d[6] == "ahead" for d in deliveries):
-            return deliveries
-        rest, first = [], []
-        for d in deliveries:
-            topic, partition, lease, start, end, _attempt, reason = d
-            key = (topic, partition)
-            if reason != "ahead":
-                held = self._ahead_leases.get(key)
-                while reason == "new" and held and held[0][2] <= start:
-                    a_lease, a_pos, a_end = held.pop(0)
-                    if a_pos < a_end:
-                        first.append([topic, partition, a_lease, a_pos, a_end, 1, "new"])
-                if held == []:
-                    del self._ahead_leases[key]
-                rest.append(d)
-                continue
-            held = self._ahead_leases.setdefault(key, [])
-            if not held:
-                self.ahead.leased(key, start, start)  # the read-ahead fetch for this partition starts here
-            held.append([lease, start, end])
-        return first + rest
+        return self.core.take_ahead_leases(deliveries)
 
     def _records_ahead(self, max_records: int, deadline: float) -> list[ConsumedRecord]:
         """Hand out what the parked fetches brought under the ahead leases, waiting until
@@ -955,8 +874,7 @@ class Consumer:
                 self._held = parts
                 records = self._hand_out(max_records)
                 if self._poll_ahead is None and self._ahead_leases:
-                    self._send_poll_ahead(max_records, max(0, min(int((deadline - time.monotonic()) * 1000),
-                                                                   m.MAX_WAIT_MS)))
+                    self._send_poll_ahead(max_records, max_wait_ms(deadline - time.monotonic()))
                 self._send_read_ahead(max(0.0, deadline - time.monotonic()), collected=True)
                 return records
             if not self._ahead_leases or (self._poll_ahead is not None and self._poll_ahead[0] in self.conn._early):
@@ -964,7 +882,7 @@ class Consumer:
             now = time.monotonic()
             if self._poll_ahead is None:
                 # Redeliveries, and the next ahead lease once this one is used up, come from a poll.
-                self._send_poll_ahead(max_records, max(0, min(int((deadline - now) * 1000), m.MAX_WAIT_MS)))
+                self._send_poll_ahead(max_records, max_wait_ms(deadline - now))
             self._send_read_ahead(max(0.0, deadline - now), collected=True)
             due = self._acks_due_at()
             until = deadline if due is None else min(deadline, due)
@@ -979,55 +897,13 @@ class Consumer:
 
     def _serve_ahead(self, max_records: int) -> list[list[ConsumedRecord]]:
         """Records under the ahead leases that the read-ahead already holds, one part per lease."""
-        parts, room = [], max_records
-        for key, held in list(self._ahead_leases.items()):
-            while held and room > 0:
-                entry = held[0]
-                lease, pos, end = entry
-                first, part = pos, []
-                while pos < end and room > 0:
-                    frame = self.ahead.covering(key, pos)
-                    if frame is None:
-                        break
-                    try:
-                        got = decode_fetched(frame, key[0], key[1], from_offset=pos,
-                                             until_offset=min(end, pos + room), make=ConsumedRecord,
-                                             extra=(lease, 1, "new"))
-                    except ZBrokerError as err:
-                        self._damaged_read_ahead(key, err)
-                        break
-                    if not got:
-                        break
-                    part.extend(got)
-                    pos = got[-1].offset + 1
-                    room -= len(got)
-                entry[1] = pos
-                if pos > first:
-                    self.ahead.leased(key, first, pos)
-                    parts.append(part)
-                if pos < end:
-                    break  # the rest has not arrived yet
-                held.pop(0)
-            if not held:
-                del self._ahead_leases[key]
+        parts, damaged = self.core.serve_ahead(max_records)
+        for key, err in damaged:
+            self._damaged_read_ahead(key, err)
         return parts
 
     def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
-        """Up to ``max_records`` of the held records, whole deliveries first, in order."""
-        held, taken, sizes, room = self._held, [], [], max_records
-        while held and room:
-            part = held[0]
-            if len(part) <= room:
-                held.pop(0)
-            else:
-                part, held[0] = part[:room], part[room:]
-            taken.append(part)
-            sizes.append(len(part))
-            room -= len(part)
-        records = taken[0] if len(taken) == 1 else [r for part in taken for r in part]
-        self.stats["polled"] += len(records)
-        self._deliver(records, sizes)
-        return records
+        return self.core.hand_out(max_records)
 
     def _send_poll_ahead(self, max_records: int, max_wait_ms: int) -> None:
         """Ask for the next lease now, so the coordinator works while the caller handles this batch."""
@@ -1107,30 +983,17 @@ class Consumer:
         self._read_ahead_failed(key)
 
     def _read_ahead_failed(self, key: tuple[str, int]) -> None:
-        """The read-ahead gave up on ``key`` (its actor restarted, the partition moved).
-        Records under an ahead lease come only through it: fetch again soon, or they
-        would wait for the lease to expire."""
-        if key in self._ahead_leases:
-            self._ahead_retry[key] = time.monotonic() + AHEAD_RETRY_S
-
-    def _restart_ahead_reads(self) -> None:
-        now = time.monotonic()
-        for key, at in list(self._ahead_retry.items()):
-            if at <= now:
-                del self._ahead_retry[key]
-                held = self._ahead_leases.get(key)
-                if held:
-                    self.ahead.leased(key, held[0][1], held[0][1])  # from the next record to hand out
+        self.core.read_ahead_failed(key, time.monotonic())
 
     def _send_read_ahead(self, timeout: float, collected: bool = False) -> None:
         """Fetch where the next leases will start; a fetch parks at the actor until records come.
         ``collected``: the caller has just filed the replies that came in (one receive fewer
         on the path of every record handed out under an ahead lease)."""
-        wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        wait_ms = max_wait_ms(timeout)
         if not collected:
             self._collect_read_ahead()
-        if self._ahead_retry:
-            self._restart_ahead_reads()
+        if self.core.ahead_retry:
+            self.core.restart_ahead_reads(time.monotonic())
         for key, offset, max_bytes in self.ahead.wanted():
             topic, partition = key
             # It follows the log end: each append reaches this consumer in a reply of its
@@ -1235,7 +1098,7 @@ class Consumer:
         ahead_deadline = time.monotonic() + READ_AHEAD_WAIT_S
         pending: dict[int, tuple[int, list]] = {}
         parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
-        reading_ahead = self.read_ahead and self.mode == "exclusive"
+        reading_ahead = self.core.reading_ahead
         if self.conn.correlation.has_orphans():
             self.conn.correlation.drop_orphans()
 
@@ -1244,7 +1107,7 @@ class Consumer:
             try:
                 corr = self.conn.send(self.conn.endpoint(topic, partition),
                                       m.Fetch(topic=topic, partition=partition, offset=start,
-                                              max_bytes=max(4096, (end - start) * 256)))
+                                              max_bytes=fetch_bytes(start, end)))
             except ZBrokerError as err:
                 self._fetch_failed(topic, partition, err)
                 return
@@ -1332,80 +1195,25 @@ class Consumer:
     # -- acks -------------------------------------------------------------------------------
 
     def _deliver(self, records: list, sizes: list[int]) -> None:
-        """Start tracking in-order acks of a new batch (what was acked of the last is folded first)."""
-        self._fold_in_order_acks()
-        self._delivered = records + [None]  # the None ends the in-order run
-        self._next = records[0] if records else None
-        self._in_order = self._folded = 0
-        spans, at = [], 0
-        for n in sizes:
-            if n:
-                spans.append((at, at + n))
-            at += n
-        self._spans = spans
-
-    def _fold_in_order_acks(self) -> None:
-        """Turn the records acked in delivery order since the last fold into one range per delivery."""
-        lo, hi = self._folded, self._in_order
-        if hi <= lo:
-            return
-        records = self._delivered
-        for i0, i1 in self._spans:
-            a, b = max(i0, lo), min(i1, hi)
-            if a >= b:
-                continue
-            first, last = records[a], records[b - 1]
-            if last[4] - first[4] == b - 1 - a:  # offsets are dense within a delivery
-                topic, partition, lease_id = first[5][:3]
-                self.acks.add_range([topic, partition, lease_id, first[4], last[4] + 1])
-            else:  # pragma: no cover - defensive: never fold what was not acked
-                for r in records[a:b]:
-                    self.acks.add(*r[5][:3], r[4])
-        self._folded = hi
+        self.core.deliver(records, sizes)
 
     def ack(self, record: ConsumedRecord) -> None:
-        # The usual case: the caller acks the records of the last poll in the order it got
-        # them. That costs an identity check and an index step here; the run becomes one
-        # range per delivery when acks are sent.
-        if record is self._next:
-            i = self._in_order = self._in_order + 1
-            self._next = self._delivered[i]
-            if i & self._ack_check_mask == 0 or i == 1:
-                self._acks_held()
-            return
-        acks = self.acks
-        source = record[5]  # (topic, partition, lease_id, ...), see ConsumedRecord
-        acks.add(source[0], source[1], source[2], record[4])
-        if self._acks_since is None:
-            self._acks_since = time.monotonic()
-        # The clock is read every 64 acks, not every ack: poll() flushes anyway,
-        # so the interval bounds how long acks wait while a handler loops.
-        if acks.count >= self.ack_batch or (acks.count & 63 == 0 and
-                                            time.monotonic() - self._acks_since >= self.ack_interval_s):
-            self.flush_acks(wait=False)
+        # Once per record: the core's identity check and index step; the clock is read
+        # only when the core says the held acks may be due (bench/PROFILE.md).
+        if self._core_ack(record):
+            self._acks_held()
 
     def ack_many(self, records: Iterable[ConsumedRecord]) -> None:
         for record in records:
             self.ack(record)
 
     def _acks_held(self) -> None:
-        """On the first in-order ack and every 64th (every one with a small ack_batch):
-        start the ack interval, or send the acks held when a batch or the interval is up."""
-        if self._acks_since is None:
-            self._acks_since = time.monotonic()
-        held = self.acks.count + self._in_order - self._folded
-        if held >= self.ack_batch or time.monotonic() - self._acks_since >= self.ack_interval_s:
+        """Send the acks held when a batch or the interval is up."""
+        if self.core.acks_due(time.monotonic()):
             self.flush_acks(wait=False)
 
     def _acks_due_at(self) -> float | None:
-        """When the held acks must be sent: now if a batch is full, else when their
-        interval is up; None if none are held."""
-        held = self.acks.count + self._in_order - self._folded
-        if not held:
-            return None
-        if self._acks_since is None:  # in-order acks after a flush start the interval here
-            self._acks_since = time.monotonic()
-        return 0.0 if held >= self.ack_batch else self._acks_since + self.ack_interval_s
+        return self.core.acks_due_at(time.monotonic())
 
     def _flush_acks_if_due(self) -> None:
         due = self._acks_due_at()
@@ -1422,16 +1230,16 @@ class Consumer:
         proves it (the coordinator serves one connection's requests in order), so
         ``wait`` sends one, empty if need be.
         """
-        self._fold_in_order_acks()
+        self.core.fold_in_order_acks()
         if self.acks or (wait and self._poll_acks):
-            ranges = self.acks.take() if self.acks else []
+            ranges = self.core.take_acks()
             # Answered => every poll sent before it in this generation applied its acks
             # (or was fenced, and then so is this request: see _on_ack_reply).
             ranges_before = [r for acks in self._poll_acks.values() for r in acks] if wait else []
             self._send_acks(ranges, ranges_before)
             if wait:
                 self._poll_acks = {}
-        self._acks_since = None
+        self.core.acks_since = None
         self._collect_ack_replies(block=wait)
 
     def _send_acks(self, ranges: list, ranges_before: list) -> None:
@@ -1458,9 +1266,7 @@ class Consumer:
         lost: RequestTimeout | None = None
         while self._ack_requests:
             if not block:
-                for env in self.conn.recv_nowait_all():
-                    if isinstance(env.corr_id, int):
-                        self.conn._early[env.corr_id] = env
+                    self._stash_arrived()
             for corr in list(self._ack_requests):
                 ranges, ranges_before, sent_at = self._ack_requests[corr]
                 env = None
@@ -1485,7 +1291,7 @@ class Consumer:
         """``ranges_before``: acks that rode on polls sent before this request; they were
         applied if this one was, and are sent again with it if it was fenced."""
         if env.error is None:
-            self.stats["acked"] += env.msg.applied
+            self.core.applied(env.msg.applied, [])
             return
         err = env.error
         if err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
@@ -1500,24 +1306,13 @@ class Consumer:
             self._send_acks(list(ranges_before) + list(ranges), [])
             return
         if err.code == ErrorCode.STALE_LEASE:
-            self.stats["acked"] += int(err.data.get("applied", 0))
-            self._note_stale(err.data.get("stale", []))
+            stale = err.data.get("stale", [])
+            self.core.applied(int(err.data.get("applied", 0)), stale)
+            log.warning("ack.stale", group=self.group, ranges=len(stale))
             return
         if err.retriable:  # the coordinator is stopping or unreachable: the acks go again later
             self._hold_again(list(ranges_before) + list(ranges))
         raise err
-
-    def _note_stale(self, stale: list) -> None:
-        """Ack ranges the coordinator refused as not (or no longer) leased to this member."""
-        self.stats["stale"] += sum(r[4] - r[3] for r in stale)
-        # An ahead lease the coordinator ended (reset, rebalance): hand out nothing more under it.
-        ended = {r[2] for r in stale}
-        for key, held in list(self._ahead_leases.items()):
-            held[:] = [entry for entry in held if entry[0] not in ended]
-            if not held:
-                del self._ahead_leases[key]
-        self.stale.extend(stale)
-        log.warning("ack.stale", group=self.group, ranges=len(stale))
 
     def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
         """Records applied, over as many requests as the ranges need."""
