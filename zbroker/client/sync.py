@@ -708,11 +708,16 @@ class Consumer:
         sock.setsockopt(zmq.LINGER, 0)
         if self.conn.curve is not None:
             self.conn.curve.apply(sock)
-        sock.connect(self.conn.url)
+        connected_to = self.conn.url
+        sock.connect(connected_to)
         interval = self.session_timeout_ms / 3000.0
         ids = itertools.count(1)
         try:
             while not self._stop.wait(interval):
+                if self.conn.url != connected_to:  # the coordinator moved (NOT_COORDINATOR): beat there
+                    sock.disconnect(connected_to)
+                    connected_to = self.conn.url
+                    sock.connect(connected_to)
                 corr = next(ids)
                 try:
                     sock.send_multipart(codec.encode_request(
@@ -732,18 +737,30 @@ class Consumer:
             sock.close(linger=0)
 
     def _group_call(self, make: Callable[[], m.Message], timeout: float | None = None) -> codec.Envelope:
-        """A group request that re-joins and retries once when fenced."""
-        for attempt in range(3):
+        """A group request that re-joins and retries when fenced, and follows the coordinator
+        when it moved (NOT_COORDINATOR, or a timeout with several URLs): a pause, then a re-join
+        at the new one, whose redeliveries follow."""
+        fenced, moved = 0, 0
+        while True:
             if self._needs_rejoin.is_set():
                 self._rejoin()
             try:
                 return self.conn.call(self.conn.url, make(), timeout=timeout)
             except (Fenced, UnknownMember) as err:
-                if attempt == 2:
+                fenced += 1
+                if fenced == 3:
                     raise
                 if isinstance(err, UnknownMember) or not err.data.get("member_known", True):
                     self.core.lost(forget_id=isinstance(err, UnknownMember))  # expired: join as a new member
                 self._rejoin()
+            except ZBrokerError as err:
+                coordinators = self.conn.coordinators
+                moved += 1
+                if moved >= coordinators.attempts() or not coordinators.redirected(err):
+                    raise
+                log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
+                time.sleep(coordinators.backoff())
+                self._needs_rejoin.set()  # the new coordinator learns of this member by its join
         raise AssertionError("unreachable")
 
     # -- polling ----------------------------------------------------------------------------
