@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 import zmq
 
-from zbroker.actors.wire import send_frames
+from zbroker.client.wire import send_frames
 from zbroker.protocol import codec
 from zbroker.protocol.errors import ProtocolError, ZBrokerError
 

@@ -522,12 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # Every command that talks to a broker takes these, before or after its subcommand.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--broker", default=DEFAULT_URL, help="coordinator URL (env ZBROKER_URL)")
+    common.add_argument("--broker", default=DEFAULT_URL, help="coordinator URL, or several separated by commas (env ZBROKER_URL)")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     # The copies after a sub-subcommand (`topics list --json`) set nothing when absent, so
     # that they do not overwrite what was given before it (`topics --json list`).
     inner = argparse.ArgumentParser(add_help=False)
-    inner.add_argument("--broker", default=argparse.SUPPRESS, help="coordinator URL (env ZBROKER_URL)")
+    inner.add_argument("--broker", default=argparse.SUPPRESS, help="coordinator URL, or several separated by commas (env ZBROKER_URL)")
     inner.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
     def client_cmd(name: str, help_text: str) -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import zmq
 
 from zbroker.actors import runtime, security
-from zbroker.actors.wire import recv_frames
+from zbroker.client.wire import recv_frames
 from zbroker.actors.group_coordinator import effects as fx
 from zbroker.actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
 from zbroker.actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry

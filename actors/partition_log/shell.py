@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from zbroker.actors import runtime, security
-from zbroker.actors.wire import recv_frames
+from zbroker.client.wire import recv_frames
 from zbroker.actors.partition_log.core import (OUT_OF_FILES, FsyncPolicy, Limits, OpenFailed, OutOfFiles,
                                        PartitionActorCore, Reply, ReplyError, detached, partitions_for_open_files)
 from zbroker.protocol import codec

@@ -136,16 +136,3 @@ def test_records_held_for_a_smaller_poll_survive_a_rejoin_on_the_partition_kept(
     a.flush_acks()  # FENCED: a re-joins, and sends them again
     _consume_all(a, b, got, len(values))
     _assert_all_delivered_and_committed(broker, got, values, "h", "held")
-
-
-def test_the_stale_ranges_a_consumer_keeps_are_bounded(broker):
-    """Every ack that comes back stale (a lease that expired or moved first) was appended to
-    `Consumer.stale` for ever: a consumer that runs for months grows without bound."""
-    with Admin(broker.url) as admin:
-        admin.create_topic("long", partitions=1)
-    with Consumer(broker.url, group="l", topics=["long"], heartbeat=False) as consumer:
-        for lease in range(5000):
-            consumer._note_stale([["long", 0, lease, 0, 2]])
-        assert len(consumer.stale) <= 1000
-        assert list(consumer.stale)[-1] == ["long", 0, 4999, 0, 2]  # the latest are kept
-        assert consumer.stats["stale"] == 10_000  # and all are counted

@@ -1,5 +1,7 @@
 """The consumer's ack path: records acked in delivery order fold into ranges per delivery,
-any other order goes through the accumulator, and what is sent is exactly what was acked."""
+any other order goes through the accumulator, and what is sent is exactly what was acked.
+The folding and the due times are the core's (hand-driven clock); the sending is the
+sync driver's, over a stand-in connection."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zbroker.protocol.errors import ShuttingDown, Unavailable
-from zbroker.client.core import AckAccumulator, ConsumedRecord
+from zbroker.protocol import messages as m
+from zbroker.client.consumer_core import ConsumerCore
+from zbroker.client.core import ConsumedRecord, MetadataCache
 from zbroker.client.sync import Consumer
+from zbroker.client.transport import Correlation
 
 
 class SentAcks:
@@ -20,9 +25,19 @@ class SentAcks:
 
     def __init__(self) -> None:
         self.ranges: list[list] = []
-        self._early: dict = {}
+        self.correlation = Correlation()
+        self._early: dict = self.correlation.early
         self._ids = itertools.count(1)
         self.request_timeout = 5.0
+        self.url = "inproc://coordinator"
+        self.metadata = MetadataCache()
+
+    def coordinator(self, msg, timeout=None):
+        assert isinstance(msg, m.Join)
+        return m.JoinReply(member_id="m", generation=1, mode="shared", assignment=[], ack_timeout_ms=30000)
+
+    def close(self):
+        pass
 
     def send(self, endpoint, msg, frames=()):
         self.ranges.extend(msg.ranges)
@@ -32,20 +47,30 @@ class SentAcks:
         return []
 
 
-def bare_consumer(ack_batch: int) -> Consumer:
-    consumer = Consumer.__new__(Consumer)
-    consumer.conn = SentAcks()
-    consumer.conn.url = "inproc://coordinator"
-    consumer.group, consumer.member_id, consumer.generation = "g", "m", 1
-    consumer.acks = AckAccumulator()
-    consumer.ack_batch, consumer.ack_interval_s = ack_batch, 3600.0
-    consumer._acks_since = None
-    consumer._ack_requests = {}
-    consumer._poll_acks = {}
-    consumer._delivered, consumer._next, consumer._in_order, consumer._folded = [None], None, 0, 0
-    consumer._spans = []
-    consumer._ack_check_mask = 63 if ack_batch >= 64 else 0
-    return consumer
+def bare_consumer(ack_batch: int, conn=None) -> Consumer:
+    """A sync Consumer over a stand-in connection (joined as member m, generation 1)."""
+    return Consumer("inproc://coordinator", group="g", topics=["t"], ack_batch=ack_batch, heartbeat=False,
+                    read_ahead=False, conn=conn if conn is not None else SentAcks())
+
+
+class CoreDriver:
+    """Drives a ConsumerCore by hand, as a driver does: asks `acks_due` when `ack` says to."""
+
+    def __init__(self, ack_batch: int, ack_interval_s: float = 3600.0) -> None:
+        self.core = ConsumerCore(group="g", topics=["t"], ack_batch=ack_batch, ack_interval_s=ack_interval_s)
+        self.ranges: list[list] = []
+        self.now = 100.0
+
+    def ack(self, record) -> None:
+        if self.core.ack(record) and self.core.acks_due(self.now):
+            self.flush()
+
+    def flush_if_due(self) -> None:
+        if self.core.acks_due(self.now):
+            self.flush()
+
+    def flush(self) -> None:
+        self.ranges.extend(self.core.take_acks())
 
 
 def deliveries_strategy():
@@ -70,30 +95,41 @@ def acked_set(ranges) -> list:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(deliveries_strategy(), min_size=1, max_size=3), st.integers(1, 200), st.data())
 def test_exactly_the_acked_records_are_sent(polls, ack_batch, data):
-    consumer = bare_consumer(ack_batch)
+    driver = CoreDriver(ack_batch)
     acked = []
     for deliveries in polls:
         records, sizes = records_of(deliveries)
-        consumer._deliver(records, sizes)
+        driver.core.deliver(records, sizes)
         # Mostly in order, with skips, repeats of nothing, and some out-of-order acks.
         order = list(range(len(records)))
         if data.draw(st.booleans()):
             order = data.draw(st.permutations(order))
         chosen = [i for i in order if data.draw(st.integers(0, 9)) > 1]
         for n, i in enumerate(chosen):
-            consumer.ack(records[i])
+            driver.ack(records[i])
             acked.append(records[i])
             if data.draw(st.integers(0, 30)) == 0:
-                consumer.flush_acks(wait=False)
-    consumer.flush_acks(wait=False)
+                driver.flush()
+    driver.flush()
     expected = sorted((r.topic, r.partition, r.lease_id, r.offset) for r in acked)
-    assert acked_set(consumer.conn.ranges) == expected
+    assert acked_set(driver.ranges) == expected
 
 
 def test_in_order_acks_of_a_poll_become_one_range_per_delivery():
+    driver = CoreDriver(ack_batch=10_000)
+    records, sizes = records_of([(0, 7, 100, 50), (1, 8, 0, 30)])
+    driver.core.deliver(records, sizes)
+    for r in records:
+        driver.ack(r)
+    driver.flush()
+    assert driver.ranges == [["t", 0, 7, 100, 150], ["t", 1, 8, 0, 30]]
+
+
+def test_the_sync_driver_sends_what_the_core_folded():
     consumer = bare_consumer(ack_batch=10_000)
     records, sizes = records_of([(0, 7, 100, 50), (1, 8, 0, 30)])
-    consumer._deliver(records, sizes)
+    consumer.core.held = [records[:50], records[50:]]
+    assert consumer.core.hand_out(1000) == records
     for r in records:
         consumer.ack(r)
     consumer.flush_acks(wait=False)
@@ -101,50 +137,47 @@ def test_in_order_acks_of_a_poll_become_one_range_per_delivery():
 
 
 def test_ack_batch_sends_acks_while_the_caller_is_still_acking():
-    consumer = bare_consumer(ack_batch=100)
+    driver = CoreDriver(ack_batch=100)
     records, sizes = records_of([(0, 7, 0, 300)])
-    consumer._deliver(records, sizes)
+    driver.core.deliver(records, sizes)
     for r in records[:200]:
-        consumer.ack(r)
-    assert acked_set(consumer.conn.ranges) == [("t", 0, 7, o) for o in range(128)]  # checked every 64
+        driver.ack(r)
+    assert acked_set(driver.ranges) == [("t", 0, 7, o) for o in range(128)]  # checked every 64
 
 
-def test_held_acks_are_due_at_their_interval_even_after_a_flush_mid_batch(monkeypatch):
+def test_held_acks_are_due_at_their_interval_even_after_a_flush_mid_batch():
     # With poll_ahead a poll does not send acks; they must still leave within the
     # interval. In-order acks after a flush in the middle of a batch do not pass the
     # "first ack" check, so the due time starts when the poll looks at them.
-    clock = [100.0]
-    monkeypatch.setattr("zbroker.client.sync.time.monotonic", lambda: clock[0])
-    consumer = bare_consumer(ack_batch=1000)
-    consumer.ack_interval_s = 0.005
-    assert consumer._acks_due_at() is None  # nothing held, nothing due
+    driver = CoreDriver(ack_batch=1000, ack_interval_s=0.005)
+    core = driver.core
+    assert core.acks_due_at(driver.now) is None  # nothing held, nothing due
     records, sizes = records_of([(0, 7, 0, 10)])
-    consumer._deliver(records, sizes)
-    consumer.ack(records[0])
-    assert consumer._acks_due_at() == 100.005
-    consumer._flush_acks_if_due()
-    assert consumer.conn.ranges == []  # not due yet: held
-    clock[0] = 100.006
-    consumer._flush_acks_if_due()
-    assert consumer.conn.ranges == [["t", 0, 7, 0, 1]]
-    consumer.ack(records[1])  # in order, not the first of the batch: no clock read in ack()
-    clock[0] = 100.010
-    assert consumer._acks_due_at() == 100.015  # the interval starts now, not never
-    clock[0] = 100.016
-    consumer._flush_acks_if_due()
-    assert consumer.conn.ranges == [["t", 0, 7, 0, 1], ["t", 0, 7, 1, 2]]
+    core.deliver(records, sizes)
+    assert core.ack(records[0]) is True  # the first in-order ack: the driver asks
+    assert core.acks_due_at(100.0) == 100.005
+    driver.flush_if_due()
+    assert driver.ranges == []  # not due yet: held
+    driver.now = 100.006
+    driver.flush_if_due()
+    assert driver.ranges == [["t", 0, 7, 0, 1]]
+    assert core.ack(records[1]) is False  # in order, not the first of the batch: no clock read
+    driver.now = 100.010
+    assert core.acks_due_at(driver.now) == 100.015  # the interval starts now, not never
+    driver.now = 100.016
+    driver.flush_if_due()
+    assert driver.ranges == [["t", 0, 7, 0, 1], ["t", 0, 7, 1, 2]]
 
 
 def test_a_full_ack_batch_is_due_at_once():
-    consumer = bare_consumer(ack_batch=100)
-    consumer.ack_interval_s = 3600.0
+    driver = CoreDriver(ack_batch=100)
     records, sizes = records_of([(0, 7, 0, 150)])
-    consumer._deliver(records, sizes)
+    driver.core.deliver(records, sizes)
     for r in records[:100]:
-        consumer.ack(r)  # ack() itself looks only at the 1st and every 64th
-    assert consumer.conn.ranges == []
-    consumer._flush_acks_if_due()
-    assert acked_set(consumer.conn.ranges) == [("t", 0, 7, o) for o in range(100)]
+        driver.ack(r)  # ack() itself looks only at the 1st and every 64th
+    assert driver.ranges == []
+    driver.flush_if_due()
+    assert acked_set(driver.ranges) == [("t", 0, 7, o) for o in range(100)]
 
 
 class RefusingConnection(SentAcks):
@@ -155,17 +188,16 @@ class RefusingConnection(SentAcks):
 
 
 def test_acks_that_could_not_be_sent_are_held_again():
-    consumer = bare_consumer(ack_batch=1000)
-    consumer.conn = RefusingConnection()
-    consumer.conn.url = "inproc://coordinator"
+    conn = RefusingConnection()
+    consumer = bare_consumer(ack_batch=1000, conn=conn)
     records, sizes = records_of([(0, 7, 0, 10)])
-    consumer._deliver(records, sizes)
+    consumer.core.held = [records]
+    consumer.core.hand_out(100)
     for r in records:
         consumer.ack(r)
     with pytest.raises(Unavailable):
         consumer.flush_acks(wait=False)
-    consumer.conn = SentAcks()
-    consumer.conn.url = "inproc://coordinator"
+    conn.send = SentAcks.send.__get__(conn)  # the coordinator is back
     consumer.flush_acks(wait=False)
     assert acked_set(consumer.conn.ranges) == [("t", 0, 7, o) for o in range(10)]
 

@@ -16,6 +16,7 @@ from zbroker.protocol.errors import Fenced, NotOwner, RequestTimeout, Unavailabl
 from tests.unit.test_consumer_acks import acked_set, bare_consumer, records_of
 from tests.unit.test_read_ahead import stored
 from zbroker.client.core import MetadataCache
+from zbroker.client.transport import Correlation
 from zbroker.client.sync import AHEAD_RETRY_S, Consumer
 
 
@@ -28,7 +29,8 @@ class FakeConn:
     def __init__(self, log, dead=(), polls=(), acks_answer=None):
         self.url = "coord"
         self.request_timeout = 0.05
-        self._early, self._ids = {}, itertools.count(1)
+        self.correlation = Correlation()
+        self._early, self._ids = self.correlation.early, itertools.count(1)
         self.metadata = MetadataCache()
         self.metadata.update([{"name": "t", "partitions": [{"endpoint": f"ep{p}"} for p in range(len(log))]}])
         self.log, self.dead, self.polls = log, set(dead), list(polls)
@@ -136,7 +138,8 @@ class LossyConn:
     def __init__(self, lost, answer):
         self.url = "inproc://coordinator"
         self.request_timeout = 5.0
-        self._early, self._ids = {}, itertools.count(1)
+        self.correlation = Correlation()
+        self._early, self._ids = self.correlation.early, itertools.count(1)
         self.lost, self.answer, self.sent = lost, answer, {}
 
     def send(self, endpoint, msg, frames=()):
@@ -330,12 +333,12 @@ def test_replies_of_followed_fetches_given_up_on_never_pile_up(monkeypatch):
         c._send_read_ahead(1.0)
         out = dict(c.ahead.in_flight())
         assert len(out) == n
-        c._orphan_ranges(c.ahead.retain([]))
+        c.conn.correlation.orphan_ranges(c.ahead.retain([]))
         for corr in out.values():
             for late in (corr, corr + 1):  # its reply, and a push that was already on its way
                 conn._early[late] = codec.Envelope(op="fetch", corr_id=late,
                                                    msg=m.FetchReply(log_start=0, log_end=0), frames=[b""])
-        c._drop_orphans()
+        c.conn.correlation.drop_orphans()
     assert conn._early == {}
 
 
@@ -348,12 +351,12 @@ def test_polls_drop_the_pushes_of_a_followed_fetch_given_up_on(monkeypatch):
         c.ahead.leased(("t", p), 0, 0)
     c._send_read_ahead(1.0)  # a followed fetch waits at each log end
     given_up = dict(c.ahead.in_flight())[("t", 1)]
-    c._orphan_ranges(c.ahead.retain([("t", 0)]))  # a rebalance took partition 1 away
-    assert c._orphans == set() and c._orphan_firsts == [given_up]
+    c.conn.correlation.orphan_ranges(c.ahead.retain([("t", 0)]))  # a rebalance took partition 1 away
+    assert not c.conn.correlation.orphaned(given_up - 1) and c.conn.correlation.orphaned(given_up)
     for k in range(10):  # the actor does not know: it pushes each append under id + k
         conn._early[given_up + k] = codec.Envelope(op="fetch", corr_id=given_up + k,
                                                    msg=m.FetchReply(log_start=0, log_end=k + 1, more=True),
                                                    frames=[b""])
     for _ in range(3):
         c.poll(max_records=10, timeout=0.01)
-    assert [corr for corr in conn._early if c._orphaned(corr)] == []
+    assert [corr for corr in conn._early if c.conn.correlation.orphaned(corr)] == []

@@ -9,7 +9,7 @@ import structlog
 import zmq
 
 from zbroker.actors import runtime
-from zbroker.actors.wire import recv_frames
+from zbroker.client.wire import recv_frames
 
 _endpoints = itertools.count()
 

@@ -1,4 +1,4 @@
-"""actors.wire: the multipart send/receive the hot loops use instead of pyzmq's, byte for byte."""
+"""zbroker.client.wire: the multipart send/receive the hot loops use instead of pyzmq's, byte for byte."""
 
 import itertools
 import time
@@ -8,7 +8,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zbroker.actors.wire import recv_frames, send_frames
+from zbroker.client.wire import recv_frames, send_frames
 
 _endpoints = itertools.count()
 

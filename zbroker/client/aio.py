@@ -28,8 +28,10 @@ from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumu
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
                                  checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
-from zbroker.actors.security import ClientKeys
-from zbroker.client.sync import DEFAULT_URL, RETRIABLE_PRODUCE, ProduceError, client_dealer, curve_from_env
+from zbroker.client.keys import ClientKeys
+from zbroker.client.consumer_core import ConsumerCore, core_field, fetch_bytes, max_wait_ms
+from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry
+from zbroker.client.transport import DEFAULT_URL, client_dealer, curve_from_env
 
 log = structlog.get_logger("zbroker.client")
 
@@ -152,8 +154,22 @@ class AsyncConnection:
 
 
 class AsyncAdmin:
-    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0) -> None:
-        self.conn = AsyncConnection(url, request_timeout=request_timeout)
+    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
+                 curve: ClientKeys | None = None) -> None:
+        self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
+
+    async def hello(self) -> dict:
+        return (await self.conn.coordinator(m.Hello(versions=list(m.SUPPORTED_VERSIONS),
+                                                    client="zbroker-python"))).to_fields()
+
+    async def metadata(self, topics: list[str] | None = None) -> list[dict]:
+        return (await self.conn.coordinator(m.Metadata(topics=topics))).topics
+
+    async def list_groups(self) -> list[dict]:
+        return (await self.conn.coordinator(m.ListGroups())).groups
+
+    async def reset_group(self, group: str, topic: str, to: str | int) -> dict:
+        return (await self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to=to))).to_fields()
 
     async def create_topic(self, name: str, partitions: int = 1, config: dict | None = None) -> dict:
         return (await self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config))).to_fields()
@@ -250,8 +266,8 @@ class AsyncProducer:
 
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
                  batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000, request_timeout: float = 5.0,
-                 retries: int = 20) -> None:
-        self.conn = AsyncConnection(url, request_timeout=request_timeout)
+                 retries: int = 20, curve: ClientKeys | None = None) -> None:
+        self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
         self.linger_s = linger_ms / 1000.0
         self.retries = retries
         self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes)
@@ -356,8 +372,11 @@ class AsyncProducer:
                                                          producer_id=batch.producer_id, sequence=batch.sequence),
                                                (batch.payload,))
                 except ZBrokerError as err:
-                    if (err.retriable or err.code in RETRIABLE_PRODUCE) and batch.attempts <= self.retries:
-                        await asyncio.sleep(min(0.05 * batch.attempts, 1.0))
+                    if should_retry(err, batch.attempts, self.retries):
+                        hint = leader_hint(err)
+                        if hint is not None:  # the new leader, as the error named it
+                            self.conn.metadata.redirect(batch.topic, batch.partition, hint)
+                        await asyncio.sleep(retry_delay(batch.attempts))
                         try:
                             await self.conn.refresh([batch.topic])
                         except ZBrokerError:
@@ -473,16 +492,20 @@ class AsyncConsumer:
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
-                 ack_batch: int = 1000, ack_interval_ms: float = 5.0, request_timeout: float = 5.0) -> None:
+                 ack_batch: int = 1000, ack_interval_ms: float = 5.0, request_timeout: float = 5.0,
+                 on_assign: Callable[[list], Any] | None = None, on_revoke: Callable[[list], Any] | None = None,
+                 curve: ClientKeys | None = None) -> None:
         self.topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
-        self.conn = AsyncConnection(url, request_timeout=request_timeout)
+        self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
+        # Membership and the rejoin rule are the core's, shared with the sync Consumer.
+        self.core = ConsumerCore(group=group, topics=self.topics, ack_batch=ack_batch,
+                                 ack_interval_s=ack_interval_ms / 1000.0, read_ahead=False)
+        self.on_assign = on_assign
+        self.on_revoke = on_revoke
         self.group = group
         self.session_timeout_ms = session_timeout_ms
         self.ack_batch = ack_batch
         self.ack_interval_s = ack_interval_ms / 1000.0
-        self.member_id = ""
-        self.generation = -1
-        self.assignment: list = []
         self.acks = AckAccumulator()
         self._heartbeat_task: asyncio.Task | None = None
         self._ack_timer: asyncio.Task | None = None  # sleeping until the held acks are due
@@ -503,6 +526,11 @@ class AsyncConsumer:
         # of stranding their leases until the ack timeout (each strand costs a delivery attempt).
         self._to_fetch: list[list] = []
 
+    member_id = core_field("member_id")
+    generation = core_field("generation")
+    assignment = core_field("assignment")
+    mode = core_field("mode")
+
     async def start(self) -> "AsyncConsumer":
         try:
             async with self._join_lock:
@@ -514,22 +542,35 @@ class AsyncConsumer:
         return self
 
     async def _join(self) -> None:
+        previous_member = self.member_id
         try:
-            reply = await self.conn.coordinator(m.Join(group=self.group, topics=self.topics, member_id=self.member_id,
-                                                       session_timeout_ms=self.session_timeout_ms))
+            reply = await self.conn.coordinator(self.core.join_request(self.session_timeout_ms))
         except UnknownMember:
-            self.member_id = ""
-            reply = await self.conn.coordinator(m.Join(group=self.group, topics=self.topics,
-                                                       session_timeout_ms=self.session_timeout_ms))
-        # Records already leased (fetched or not) are kept across a new generation: a rebalance
-        # revokes only the leases of partitions that move, and an ack under a revoked one is
-        # answered stale, harmlessly; dropped, a kept lease would strand its records until the
-        # ack timeout. So is a Poll of the old generation already answered with deliveries.
-        self.member_id, self.generation, self.assignment = reply.member_id, reply.generation, reply.assignment
+            self.core.lost(forget_id=True)
+            reply = await self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
+        # The core's rule, the sync Consumer's too: records leased (fetched or not) survive the
+        # join only where their lease still stands (same member, partition kept); the others'
+        # leases went to another member. A Poll of the old generation already answered is kept.
+        parts: list[list[ConsumedRecord]] = []  # the core judges one partition's run at a time
+        for r in self._leased:
+            if parts and (parts[-1][0].topic, parts[-1][0].partition) == (r.topic, r.partition):
+                parts[-1].append(r)
+            else:
+                parts.append([r])
+        was_lost, self.core.held = self.core.member_lost, parts
+        revoked, assigned, _ = self.core.joined(reply, previous_member)
+        self._leased = [r for part in self.core.held for r in part]
+        self.core.held = []
+        self._to_fetch = self.core.standing_deliveries(self._to_fetch, previous_member, was_lost)
         in_flight = self._poll_in_flight
         if in_flight is not None and in_flight.generation != self.generation and not in_flight.reply.done():
             self._abandon_poll_in_flight()  # it will be answered FENCED, leasing nothing
         await self._connect_to_assigned()
+        for callback, partitions in ((self.on_revoke, revoked), (self.on_assign, assigned)):
+            if callback is not None and partitions:
+                outcome = callback(partitions)
+                if asyncio.iscoroutine(outcome):
+                    await outcome
 
     async def _connect_to_assigned(self) -> None:
         """As the synchronous Consumer does: connect to the assigned partitions' actors
@@ -556,8 +597,8 @@ class AsyncConsumer:
         async with self._join_lock:
             if (self.member_id, self.generation) != (member_id, generation):
                 return  # re-joined already: the caller just sends again
-            if err.code is ErrorCode.UNKNOWN_MEMBER:
-                self.member_id = ""  # expired: join as a new member
+            if err.code is ErrorCode.UNKNOWN_MEMBER or not err.data.get("member_known", True):
+                self.core.lost(forget_id=err.code is ErrorCode.UNKNOWN_MEMBER)  # its leases are gone
             await self._join()
 
     async def _heartbeat(self) -> None:
@@ -675,18 +716,18 @@ class AsyncConsumer:
         raise AssertionError("unreachable")
 
     async def _send_poll(self, max_records: int, timeout: float) -> None:
-        max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        wait_ms = max_wait_ms(timeout)
         acks = await self._acks_for_poll()
         try:
             await self._join_settled()
             member_id, generation = self.member_id, self.generation
             reply = await self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=member_id,
                                                                generation=generation, max_records=max_records,
-                                                               max_wait_ms=max_wait_ms, acks=acks))
+                                                               max_wait_ms=wait_ms, acks=acks))
         except BaseException:
             self._hold_again(acks)  # not known to be sent: they go again (a repeated ack is harmless)
             raise
-        give_up_at = asyncio.get_running_loop().time() + max_wait_ms / 1000.0 + self.conn.request_timeout
+        give_up_at = asyncio.get_running_loop().time() + wait_ms / 1000.0 + self.conn.request_timeout
         self._poll_in_flight = PollInFlight(reply, acks, member_id, generation, give_up_at)
 
     async def _acks_for_poll(self) -> list:
@@ -718,7 +759,7 @@ class AsyncConsumer:
             try:
                 env = await self.conn.call(await self.conn.endpoint(topic, partition),
                                            m.Fetch(topic=topic, partition=partition, offset=offset,
-                                                   max_bytes=max(4096, (end - offset) * 256)))
+                                                   max_bytes=fetch_bytes(offset, end)))
                 # A damaged batch fails this delivery only, as a failed fetch does: raised,
                 # it would stay first in `_to_fetch` and every later poll would raise it.
                 got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from operator import itemgetter
 from typing import Any, Container, Iterable
 
 from zbroker.protocol.batch import Record, encode_columns, encode_values, stored_range
@@ -78,6 +77,12 @@ class MetadataCache:
 
     def forget(self, topic: str) -> None:
         self.topics.pop(topic, None)
+
+    def redirect(self, topic: str, partition: int, endpoint: str) -> None:
+        """A NOT_LEADER/NOT_OWNER error named the partition's leader: send there next."""
+        parts = self.topics.get(topic)
+        if parts is not None and 0 <= partition < len(parts):
+            parts[partition] = {**parts[partition], "endpoint": endpoint}
 
     def endpoints(self, assignment: Iterable) -> list[str]:
         """The actors' endpoints for ``assignment`` ([topic, partition] pairs), where known."""

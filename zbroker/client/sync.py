@@ -1,20 +1,18 @@
 """The synchronous Python client: `Admin`, `Producer` and `Consumer`.
 
-One `Connection` holds a DEALER socket per actor endpoint (the coordinator
-and each partition actor) and matches replies to requests by correlation id,
-so many requests can be in flight at once (pipelining). Sockets use
-``ZMQ_IMMEDIATE``: nothing is queued towards a peer that is not connected, so
-a request to a dead actor fails fast and is retried after a metadata refresh
-instead of being delivered to its successor minutes later.
+A thin driver: the decisions live in `producer_core`, `consumer_core` and
+`transport` (shared with the asyncio driver); this module reads the clock,
+sends and receives. One `Connection` holds a DEALER socket per actor endpoint
+(the coordinator and each partition actor) and matches replies to requests by
+correlation id, so many requests can be in flight at once (pipelining).
+Sockets use ``ZMQ_IMMEDIATE``: nothing is queued towards a peer that is not
+connected, so a request to a dead actor fails fast and is retried after a
+metadata refresh instead of being delivered to its successor minutes later.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
 import itertools
-import math
-import os
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -22,86 +20,57 @@ from typing import Any, Callable, Iterable, Iterator
 import structlog
 import zmq
 
-from zbroker.actors.security import ClientKeys
-from zbroker.actors.wire import recv_frames, send_frames
+from zbroker.client.keys import ClientKeys
+from zbroker.client.wire import recv_frames, send_frames
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched
-from zbroker.protocol.errors import (ErrorCode, Fenced, ProtocolError, RequestTimeout, StaleLease, Unavailable,
-                             UnknownMember, ZBrokerError)
-from zbroker.client.core import (AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord, DeliveryHandle,
-                                 MetadataCache, PendingBatch, ReadAhead, group_by_lease,
-                                 RANGES_PER_REQUEST, checked_partition, checked_record, checked_timestamp,
-                                 checked_topics, in_request_sized_chunks,
-                                 record_size_estimate)
+from zbroker.protocol.errors import (ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable,
+                                     UnknownMember, ZBrokerError)
+from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedRecord, checked_topics, DeliveryHandle, MetadataCache, PendingBatch,
+                                 group_by_lease, checked_partition, checked_record, checked_timestamp,
+                                 in_request_sized_chunks, record_size_estimate)
+from zbroker.client.consumer_core import AHEAD_RETRY_S, ConsumerCore, core_field, fetch_bytes, max_wait_ms
+from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
+from zbroker.client.transport import (DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation,
+                                      client_dealer, curve_from_env, poll_timeout_ms)
+
+__all__ = ["Admin", "Connection", "Consumer", "DEFAULT_URL", "MAX_ORPHANS", "MAX_ORPHAN_RANGES", "ProduceError",
+           "Producer", "RETRIABLE_PRODUCE", "AHEAD_RETRY_S", "client_dealer", "curve_from_env", "fetch", "poll_timeout_ms"]
 
 log = structlog.get_logger("zbroker.client")
-_time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once per record sent
-
-DEFAULT_URL = "tcp://127.0.0.1:7400"
 READ_AHEAD_WAIT_S = 1.0
-MAX_ORPHANS = 4096
-MAX_STALE_KEPT = 1000  # stale ack ranges a Consumer keeps in `stale` (the latest)
-# Id ranges of read-ahead fetches given up on (a followed fetch reserved up to 65
-# ids, most never used): kept apart from MAX_ORPHANS single ids, so that rebalances
-# of many partitions do not overflow that set and leave their replies stranded.
-MAX_ORPHAN_RANGES = 4096
 # Replies a read-ahead fetch may get after its first, one per append while it waits at
 # the log end. Its bytes stay within the one fetch's max_bytes, so the read-ahead's
 # memory bound is what it was; this bounds the ids reserved for them.
 READ_AHEAD_FOLLOW = 64
-# After a failed read-ahead fetch under an ahead lease, the pause before the next one
-# (an actor that is restarting answers NOT_OWNER at once until its logs are open).
-AHEAD_RETRY_S = 0.05
 _NOT_YET = object()  # a poll sent ahead that is still parked at the coordinator
-RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
-
-
-def client_dealer(ctx: zmq.Context, endpoint: str, request_timeout: float, curve: ClientKeys | None) -> zmq.Socket:
-    """A client's DEALER to one actor; the asyncio client passes its own context."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued towards a peer that is not connected
-    sock.setsockopt(zmq.SNDTIMEO, int(request_timeout * 1000))
-    sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
-    try:
-        if curve is not None:
-            curve.apply(sock)
-        sock.connect(endpoint)
-    except zmq.ZMQError as err:
-        # An unclosed socket would make the context's term() wait for ever.
-        sock.close(linger=0)
-        raise ProtocolError(f"cannot connect to {endpoint!r}: {err} (a URL looks like tcp://HOST:PORT)",
-                            endpoint=endpoint) from None
-    return sock
-
-
-def poll_timeout_ms(timeout_s: float) -> int:
-    """A zmq poll timeout in whole milliseconds, rounded up.
-
-    Rounded down, a wait of 0.7 ms became a poll(0) that returns at once, and
-    every caller that loops until its deadline spun on the CPU for the rest of
-    that millisecond: about half a millisecond of busy-waiting per wait.
-    """
-    return max(0, math.ceil(timeout_s * 1000))
+_time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once per record sent
 
 
 class Connection:
-    """Sockets to the coordinator and the partition actors, with request/reply matching."""
+    """Sockets to the coordinator and the partition actors, with request/reply matching.
+
+    ``url`` may list several coordinators, comma-separated (`transport.Coordinators`):
+    coordinator requests follow a NOT_COORDINATOR answer or move on after a timeout."""
 
     def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
                  curve: ClientKeys | None = None) -> None:
-        self.url = url
+        self.coordinators = Coordinators(url)
         self.request_timeout = request_timeout
         self.curve = curve if curve is not None else curve_from_env()
         self.ctx = zmq.Context()
         self.sockets: dict[str, zmq.Socket] = {}
         self.poller = zmq.Poller()
-        self._ids = itertools.count(1)
-        self._early: dict[int, codec.Envelope] = {}
+        self.correlation = Correlation()
+        self._early = self.correlation.early  # replies kept for their waiters
         self.metadata = MetadataCache()
         self._closed = False
+
+    @property
+    def url(self) -> str:
+        """The coordinator this connection talks to now."""
+        return self.coordinators.current
 
     def socket(self, endpoint: str) -> zmq.Socket:
         sock = self.sockets.get(endpoint)
@@ -115,11 +84,7 @@ class Connection:
         """Send a request; returns its correlation id. A request answered more than once
         (a fetch with `follow`) reserves the ids of its later replies: id + 1, id + 2, ..."""
         follow = getattr(msg, "follow", 0)
-        if follow:  # its later replies come under id + 1 .. id + follow (PROTOCOL.md s.4)
-            replies = max(replies, 1 + follow)
-        corr = next(self._ids)
-        for _ in range(replies - 1):
-            next(self._ids)
+        corr = self.correlation.allocate(max(replies, 1 + follow) if follow else replies)
         try:
             send_frames(self.socket(endpoint), codec.encode_request(msg, corr, frames), copy=len(frames) == 0,
                         block=True)  # up to SNDTIMEO: a connection still being made
@@ -160,8 +125,7 @@ class Connection:
                 continue
             if env.corr_id == corr:
                 return env
-            if isinstance(env.corr_id, int):
-                self._early[env.corr_id] = env
+            self.correlation.keep(env)
 
     def take_stashed(self) -> list[codec.Envelope]:
         """The replies `wait_for` kept while it waited for another one (a pipelining
@@ -180,7 +144,21 @@ class Connection:
         return env
 
     def coordinator(self, msg: m.Message, timeout: float | None = None) -> m.Message:
-        return self.call(self.url, msg, timeout=timeout).msg
+        """A request to the coordinator, following NOT_COORDINATOR (and, with several
+        URLs, timeouts) to the next one after a capped backoff."""
+        coordinators = self.coordinators
+        for attempt in range(coordinators.attempts()):
+            try:
+                reply = self.call(self.url, msg, timeout=timeout).msg
+            except ZBrokerError as err:
+                if attempt == coordinators.attempts() - 1 or not coordinators.redirected(err):
+                    raise
+                log.info("coordinator.redirected", code=err.code.value, to=self.url)
+                time.sleep(coordinators.backoff())
+                continue
+            coordinators.answered()
+            return reply
+        raise AssertionError("unreachable")
 
     def refresh(self, topics: list[str] | None = None) -> None:
         self.metadata.update(self.coordinator(m.Metadata(topics=topics)).topics)
@@ -204,25 +182,6 @@ class Connection:
             sock.close(linger=0)
         self.sockets.clear()
         self.ctx.term()
-
-
-def curve_from_env() -> ClientKeys | None:
-    """CURVE keys from ZBROKER_CURVE_SERVER_KEY and ZBROKER_CURVE_KEY (file paths), if both are set.
-
-    One without the other, or one set but empty, is a ValueError: the client would otherwise
-    talk plaintext to a broker that expects CURVE, and see only UNAVAILABLE after its request
-    timeout (or to whatever answers at the URL, in the clear)."""
-    server, client = os.environ.get("ZBROKER_CURVE_SERVER_KEY"), os.environ.get("ZBROKER_CURVE_KEY")
-    for name, value in (("ZBROKER_CURVE_SERVER_KEY", server), ("ZBROKER_CURVE_KEY", client)):
-        if value is not None and not value.strip():
-            # `ZBROKER_CURVE_KEY="$KEY"` with KEY unset: read as "no CURVE", the client sent
-            # its records in plaintext to whatever answered. Only an absent variable means that.
-            raise ValueError(f"{name} is set but empty: name the key file, or unset it for plaintext")
-    if bool(server) != bool(client):
-        given, missing = (("ZBROKER_CURVE_SERVER_KEY", "ZBROKER_CURVE_KEY") if server
-                          else ("ZBROKER_CURVE_KEY", "ZBROKER_CURVE_SERVER_KEY"))
-        raise ValueError(f"{given} is set but {missing} is not: set both (CurveZMQ) or neither (plaintext)")
-    return ClientKeys.load(server, client) if server and client else None
 
 
 class Admin:
@@ -282,9 +241,6 @@ class Admin:
         self.close()
 
 
-class ProduceError(ZBrokerError):
-    """A batch failed for good (not retriable, or out of retries)."""
-
 
 class Producer:
     """Batching, pipelined, idempotent producer.
@@ -294,6 +250,7 @@ class Producer:
     (checked on every ``send`` and ``poll``), or on ``flush``. At most
     ``max_in_flight_records`` are unacknowledged at once. Retries keep the
     batch's (producer_id, sequence), so the partition actor stores it once.
+    The window and retry decisions are `producer_core.ProducerCore`'s.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
@@ -301,19 +258,13 @@ class Producer:
                  max_in_flight_bytes: int = 32 << 20, request_timeout: float = 5.0,
                  retries: int = 20, producer_id: int | None = None, curve: ClientKeys | None = None) -> None:
         self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
+        self.core = ProducerCore(batch_size=batch_size, batch_bytes=batch_bytes,
+                                 max_in_flight_records=max_in_flight_records,
+                                 max_in_flight_bytes=max_in_flight_bytes, retries=retries,
+                                 request_timeout=request_timeout, producer_id=producer_id)
         self.linger_s = linger_ms / 1000.0
-        self.max_in_flight_records = max_in_flight_records
-        self.max_in_flight_bytes = max_in_flight_bytes
-        self.in_flight_bytes = 0
-        self.retries = retries
-        self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes, producer_id=producer_id)
-        self.in_flight: dict[int, tuple[PendingBatch, float]] = {}
-        self.retrying: list[tuple[float, PendingBatch]] = []  # (resend at, batch), after a retriable failure
-        self.in_flight_records = 0  # sent or waiting to be resent, not yet acknowledged
-        self.errors: list[ZBrokerError] = []
-        self.results: list[tuple[str, int, int, int]] = []  # (topic, partition, base_offset, count)
-        self.keep_results = False
-        self.stats = {"batches": 0, "records": 0, "retries": 0, "duplicates": 0}
+        self.acc = self.core.acc
+        self.stats = self.core.stats
         self._oldest_open: float | None = None  # first-record time of the longest-waiting open batch
         self._last_index = batch_size - 1  # a record at this index fills its batch
         self._batch_bytes = batch_bytes
@@ -324,9 +275,23 @@ class Producer:
         # (the CLI's Ctrl-C, which must not wait for a hung partition's retries to run out).
         self.stop_waiting: Callable[[], bool] = lambda: False
 
+    producer_id = property(lambda self: self.acc.producer_id)
+    in_flight = property(lambda self: self.core.in_flight)
+    retrying = property(lambda self: self.core.retrying)
+    in_flight_records = property(lambda self: self.core.in_flight_records)
+    in_flight_bytes = property(lambda self: self.core.in_flight_bytes)
+    max_in_flight_records = property(lambda self: self.core.max_in_flight_records)
+    max_in_flight_bytes = property(lambda self: self.core.max_in_flight_bytes)
+    errors = property(lambda self: self.core.errors)
+    results = property(lambda self: self.core.results)
+
     @property
-    def producer_id(self) -> int:
-        return self.acc.producer_id
+    def keep_results(self) -> bool:
+        return self.core.keep_results
+
+    @keep_results.setter
+    def keep_results(self, value: bool) -> None:
+        self.core.keep_results = value
 
     def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
              partition: int | None = None, timestamp_ms: int | None = None) -> DeliveryHandle:
@@ -408,7 +373,7 @@ class Producer:
         now = time.monotonic()
         if self._oldest_open is not None and now >= self._oldest_open + self.linger_s:
             self._dispatch_lingered(now)
-        if self.in_flight or self.retrying:
+        if self.core.busy():
             self._pump(timeout)
 
     def _dispatch_lingered(self, now: float) -> None:
@@ -445,29 +410,26 @@ class Producer:
     def _dispatch(self, batch: PendingBatch) -> None:
         # The window is bounded in records and in bytes: large records would otherwise
         # put max_in_flight_records x their size in memory here and in the actor.
-        size = len(batch.payload)
+        core = self.core
         self._dispatches += 1
-        if self.in_flight and self._dispatches & 15 == 0:
+        if core.in_flight and self._dispatches & 15 == 0:
             # Take in the replies that are here now and then, so the window moves between
             # batches (a synchronous producer has no thread that would). Not on every
             # batch: with linger_ms=0 each record is one, and a receive that finds
             # nothing costs a few microseconds (bench/PROFILE.md, tenth pass).
             for env in self.conn.recv_nowait_all():
                 self._on_reply(env)
-        while (self.in_flight or self.retrying) and (
-                self.in_flight_records + batch.count > self.max_in_flight_records
-                or self.in_flight_bytes + size > self.max_in_flight_bytes) and not self.stop_waiting():
+        while not core.has_room(batch) and not self.stop_waiting():
             self._pump(self.conn.request_timeout)
-        self.in_flight_records += batch.count
-        self.in_flight_bytes += size
+        core.admit(batch)
         self._send(batch)
 
     def _send(self, batch: PendingBatch) -> None:
-        """Send (or resend) a batch counted in ``in_flight_records``."""
+        """Send (or resend) a batch admitted to the window."""
         batch.attempts += 1
         refused = batch.over_frame_limit()
         if refused is not None:
-            self._retry_or_fail(batch, refused)  # not retriable: it fails now
+            self._failed(batch, refused)  # not retriable: it fails now
             return
         try:
             endpoint = self.conn.endpoint(batch.topic, batch.partition)
@@ -475,40 +437,34 @@ class Producer:
                                                       producer_id=batch.producer_id, sequence=batch.sequence),
                                   (batch.payload,))
         except ZBrokerError as err:
-            self._retry_or_fail(batch, err)
+            self._failed(batch, err)
             return
-        self.in_flight[corr] = (batch, time.monotonic())
+        self.core.sent(corr, batch, time.monotonic())
 
-    def _retry_or_fail(self, batch: PendingBatch, err: ZBrokerError) -> None:
-        """Schedule a retry after a backoff (never sleeping here), or fail the batch for good."""
-        if (err.retriable or err.code in RETRIABLE_PRODUCE) and batch.attempts <= self.retries:
-            self.stats["retries"] += 1
-            self.retrying.append((time.monotonic() + min(0.05 * batch.attempts, 1.0), batch))
-            return
-        self.in_flight_records -= batch.count
-        self.in_flight_bytes -= len(batch.payload)
-        self.errors.append(err)
-        batch.failed(err)
-        log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
-                  reason=err.message, attempts=batch.attempts)
+    def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
+        if not self.core.failed(batch, err, time.monotonic()):
+            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
+                      reason=err.message, attempts=batch.attempts)
 
     def _resend_due(self, now: float) -> None:
-        due = [b for at, b in self.retrying if at <= now]
+        due = self.core.due(now)
         if not due:
             return
-        self.retrying = [(at, b) for at, b in self.retrying if at > now]
+        for topic, partition, endpoint in self.core.take_hints():  # the new leader, as the error named it
+            self.conn.metadata.redirect(topic, partition, endpoint)
         for topic in {b.topic for b in due}:  # where do they live now? once per topic
             try:
                 self.conn.refresh([topic])
             except ZBrokerError:
                 pass
-        for batch in sorted(due, key=lambda b: (b.topic, b.partition, b.sequence)):
+        for batch in due:
             self._send(batch)
 
     def _pump(self, timeout_s: float) -> None:
         wait = min(timeout_s, 0.05)
-        if self.retrying:
-            wait = max(0.0, min(wait, min(at for at, _b in self.retrying) - time.monotonic()))
+        retry_at = self.core.next_retry_at()
+        if retry_at is not None:
+            wait = max(0.0, min(wait, retry_at - time.monotonic()))
         stashed = self.conn.take_stashed()  # produce replies that came during a metadata refresh
         for env in stashed:
             self._on_reply(env)
@@ -518,42 +474,16 @@ class Producer:
         for env in self.conn.recv_nowait_all():
             self._on_reply(env)
         now = time.monotonic()
-        self._resend_timed_out(now)
+        for batch in self.core.timed_out(now):
+            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code="TIMEOUT",
+                      attempts=batch.attempts)
         self._resend_due(now)
 
     def _on_reply(self, env: codec.Envelope) -> None:
-        entry = self.in_flight.pop(env.corr_id, None)
-        if entry is None:
-            return  # the reply to an attempt we already retried
-        batch, _sent = entry
-        if env.error is not None:
-            self._retry_or_fail(batch, env.error)
-            return
-        self.in_flight_records -= batch.count
-        self.in_flight_bytes -= len(batch.payload)
-        reply: m.ProduceReply = env.msg
-        self.stats["batches"] += 1
-        self.stats["records"] += reply.count
-        if reply.duplicate:
-            self.stats["duplicates"] += 1
-        if self.keep_results:
-            self.results.append((batch.topic, batch.partition, reply.base_offset, reply.count))
-        batch.acknowledged(reply.base_offset)
-
-    def _resend_timed_out(self, now: float) -> None:
-        # `in_flight` is in send order (each send, a resend too, adds a new correlation
-        # id at the end), so the late ones are a prefix: with linger_ms=0 the window
-        # holds a thousand requests and this runs every few of them.
-        cutoff = now - self.conn.request_timeout
-        late = []
-        for corr, (_b, sent) in self.in_flight.items():
-            if sent >= cutoff:
-                break
-            late.append(corr)
-        for corr in late:
-            batch, _sent = self.in_flight.pop(corr)
-            self._retry_or_fail(batch, RequestTimeout("produce timed out", topic=batch.topic,
-                                                      partition=batch.partition))
+        batch = self.core.replied(env.corr_id, env.error, env.msg, time.monotonic())
+        if batch is not None:
+            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=env.error.code.value,
+                      reason=env.error.message, attempts=batch.attempts)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered and wait until all of it is acknowledged."""
@@ -561,14 +491,14 @@ class Producer:
             self._dispatch(batch)
         self._oldest_open = None
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.in_flight or self.retrying:
+        while self.core.busy():
             if deadline is not None and time.monotonic() > deadline:
-                raise RequestTimeout("flush timed out", in_flight_batches=len(self.in_flight) + len(self.retrying))
+                raise RequestTimeout("flush timed out",
+                                     in_flight_batches=len(self.core.in_flight) + len(self.core.retrying))
             self._pump(0.05)
-        if self.errors:
-            errors, self.errors = self.errors, []
-            raise ProduceError(f"{len(errors)} batch(es) failed; first: {errors[0].message}",
-                               code=errors[0].code, first=errors[0].to_wire(), failed=len(errors))
+        failure = self.core.take_failure()
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
         try:
@@ -681,57 +611,23 @@ class Consumer:
                  on_assign: Callable[[list], None] | None = None,
                  on_revoke: Callable[[list], None] | None = None, heartbeat: bool = True,
                  curve: ClientKeys | None = None, read_ahead: bool = True,
-                 read_ahead_bytes: int = 32 << 20, poll_ahead: bool = False, lease_ahead: bool = False) -> None:
+                 read_ahead_bytes: int = 32 << 20, poll_ahead: bool = False, lease_ahead: bool = False,
+                 conn: Connection | None = None) -> None:
         topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
-        self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
-        self.mode = ""
-        self.read_ahead = read_ahead
-        self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
-        self._orphans: set[int] = set()  # read-ahead fetches given up on: their replies are dropped
-        # ...and followed fetches given up on, as sorted, disjoint [first, last] id ranges
-        self._orphan_firsts: list[int] = []
-        self._orphan_lasts: list[int] = []
+        self.conn = conn if conn is not None else Connection(url, request_timeout=request_timeout, curve=curve)
+        self.core = ConsumerCore(group=group, topics=topics, member_id=member_id, ack_batch=ack_batch,
+                                 ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
+                                 read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead)
+        self._core_ack = self.core.ack  # bound once: ack() runs per record
         self.poll_ahead = poll_ahead or lease_ahead
-        self.lease_ahead = lease_ahead
-        # Ahead leases held, oldest first: partition key -> [[lease id, next offset to hand out, end], ...].
-        # The coordinator grants the next one once the log reached the end of the last, which
-        # can be before this consumer handed all of the last one out.
-        self._ahead_leases: dict[tuple[str, int], list[list]] = {}
-        # Partitions with an ahead lease whose read-ahead fetch failed: when to fetch again.
-        self._ahead_retry: dict[tuple[str, int], float] = {}
-        self._held: list[list[ConsumedRecord]] = []  # leased (by a poll sent ahead), not handed out yet
-        # Acks in delivery order (see ack): the last batch, the next record expected, how many
-        # were acked in order, how many of those are folded into self.acks, each delivery's span.
-        self._delivered: list = [None]
-        self._next: ConsumedRecord | None = None
-        self._in_order = self._folded = 0
-        self._spans: list[tuple[int, int]] = []
-        self._ack_check_mask = 63 if ack_batch >= 64 else 0
         self._poll_ahead: tuple[int, int, float] | None = None  # (corr id, generation, give up at)
-        self.group = group
-        self.topics = topics
-        self.member_id = member_id
         self.session_timeout_ms = session_timeout_ms
-        self.ack_batch = ack_batch
-        self.ack_interval_s = ack_interval_ms / 1000.0
         self.on_assign = on_assign
         self.on_revoke = on_revoke
-        self.generation = -1
-        self.assignment: list = []
-        self.ack_timeout_ms = 0
-        self.acks = AckAccumulator()
-        self._acks_since: float | None = None
         # corr -> (ranges, ranges of polls before it, when it was sent)
         self._ack_requests: dict[int, tuple[list, list, float]] = {}
         self._poll_acks: dict[int, list] = {}  # poll sent ahead (corr) -> the acks riding on it
-        # The latest stale ranges, for inspection (stats["stale"] counts them all): a consumer
-        # runs for months, and every lease that expired or moved before its ack adds ranges.
-        self.stale: collections.deque = collections.deque(maxlen=MAX_STALE_KEPT)
-        self.stats = {"polled": 0, "acked": 0, "stale": 0, "rejoins": 0}
         self._needs_rejoin = threading.Event()
-        # Set (by the heartbeat thread too) when the coordinator no longer knows this member:
-        # its leases are gone then, and nothing leased before the re-join may be handed out.
-        self._member_lost = False
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         try:
@@ -746,29 +642,34 @@ class Consumer:
                                                       daemon=True)
             self._heartbeat_thread.start()
 
+    member_id = core_field("member_id")
+    generation = core_field("generation")
+    assignment = core_field("assignment")
+    mode = core_field("mode")
+    ack_timeout_ms = core_field("ack_timeout_ms")
+    group = core_field("group")
+    topics = core_field("topics")
+    read_ahead = core_field("read_ahead")
+    lease_ahead = core_field("lease_ahead")
+    ack_batch = core_field("ack_batch")
+    ack_interval_s = core_field("ack_interval_s")
+    acks = core_field("acks")
+    ahead = core_field("ahead")
+    stats = core_field("stats")
+    stale = core_field("stale")
+    _held = core_field("held")
+    _ahead_leases = core_field("ahead_leases")
+
     # -- membership -------------------------------------------------------------------------
 
     def _join(self) -> None:
         previous_member = self.member_id
         try:
-            reply = self.conn.coordinator(m.Join(group=self.group, topics=self.topics, member_id=self.member_id,
-                                                 session_timeout_ms=self.session_timeout_ms))
+            reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms))
         except UnknownMember:
             self.member_id = ""
-            reply = self.conn.coordinator(m.Join(group=self.group, topics=self.topics,
-                                                 session_timeout_ms=self.session_timeout_ms))
-        old = {tuple(p) for p in self.assignment}
-        new = {tuple(p) for p in reply.assignment}
-        self.member_id = reply.member_id
-        self.generation = reply.generation
-        self.assignment = reply.assignment
-        self.ack_timeout_ms = reply.ack_timeout_ms
-        self.mode = reply.mode
-        # Leases on the partitions a member keeps stay valid across a rebalance (PROTOCOL.md s.14);
-        # those on partitions that moved were revoked and go to their new owner ("rebalance").
-        # Dropping the former would leave them to come back only at their ack timeout.
-        self._held = [part for part in self._held if self._still_leased(part[0], previous_member)]
-        self._member_lost = False
+            reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
+        revoked, assigned, given_up = self.core.joined(reply, previous_member)
         if self._poll_ahead is not None and self._poll_ahead[1] != self.generation:
             # Sent in the old generation: its leases (an ahead lease among them) ended with it.
             self._orphan_poll_ahead()
@@ -776,25 +677,13 @@ class Consumer:
         # on arrival, so the acks go again (a repeat is harmless; a loss costs a redelivery).
         for corr in list(self._poll_acks):
             self._hold_again(self._poll_acks.pop(corr))
-        self._ahead_leases.clear()  # an ahead lease ends with its generation
-        self._ahead_retry.clear()
-        # Shared groups interleave members' leases: the next one need not start
-        # where this member's last ended, so guessing would only cost fetches.
-        keep = [tuple(p) for p in reply.assignment] if self.read_ahead and self.mode == "exclusive" else []
-        self._orphan_ranges(self.ahead.retain(keep))
+        self.conn.correlation.orphan_ranges(given_up)
         self._needs_rejoin.clear()
         self._connect_to_assigned()
-        if old - new and self.on_revoke:
-            self.on_revoke(sorted(old - new))
-        if new - old and self.on_assign:
-            self.on_assign(sorted(new - old))
-
-    def _still_leased(self, record: ConsumedRecord, previous_member: str) -> bool:
-        """After a join: does the lease ``record`` came under still stand? Yes if this is the
-        member that got it (a re-sync, not a new member: the coordinator had not lost it) and
-        its partition is still assigned to it."""
-        return (bool(previous_member) and previous_member == self.member_id and not self._member_lost
-                and [record.topic, record.partition] in [list(p) for p in self.assignment])
+        if revoked and self.on_revoke:
+            self.on_revoke(revoked)
+        if assigned and self.on_assign:
+            self.on_assign(assigned)
 
     def _connect_to_assigned(self) -> None:
         """Connect to the actors of the assigned partitions now, while the first poll goes
@@ -812,6 +701,13 @@ class Consumer:
         except zmq.ZMQError as err:  # e.g. a bad endpoint in the metadata: the fetch reports it
             log.info("consumer.connect_deferred", group=self.group, error=str(err))
 
+    def _stash_arrived(self) -> None:
+        """Keep every reply that is here now for its waiter."""
+        early = self.conn._early
+        for env in self.conn.recv_nowait_all():
+            if isinstance(env.corr_id, int):
+                early[env.corr_id] = env
+
     def _rejoin(self) -> None:
         self.stats["rejoins"] += 1
         self._join()
@@ -822,11 +718,16 @@ class Consumer:
         sock.setsockopt(zmq.LINGER, 0)
         if self.conn.curve is not None:
             self.conn.curve.apply(sock)
-        sock.connect(self.conn.url)
+        connected_to = self.conn.url
+        sock.connect(connected_to)
         interval = self.session_timeout_ms / 3000.0
         ids = itertools.count(1)
         try:
             while not self._stop.wait(interval):
+                if self.conn.url != connected_to:  # the coordinator moved (NOT_COORDINATOR): beat there
+                    sock.disconnect(connected_to)
+                    connected_to = self.conn.url
+                    sock.connect(connected_to)
                 corr = next(ids)
                 try:
                     sock.send_multipart(codec.encode_request(
@@ -838,7 +739,7 @@ class Consumer:
                     env = codec.decode_reply(sock.recv_multipart())
                     if env.error is not None and env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
                         if env.error.code == ErrorCode.UNKNOWN_MEMBER or not env.error.data.get("member_known", True):
-                            self._member_lost = True
+                            self.core.member_lost = True
                         self._needs_rejoin.set()
         except zmq.ZMQError:
             pass  # the context is being closed
@@ -846,20 +747,30 @@ class Consumer:
             sock.close(linger=0)
 
     def _group_call(self, make: Callable[[], m.Message], timeout: float | None = None) -> codec.Envelope:
-        """A group request that re-joins and retries once when fenced."""
-        for attempt in range(3):
+        """A group request that re-joins and retries when fenced, and follows the coordinator
+        when it moved (NOT_COORDINATOR, or a timeout with several URLs): a pause, then a re-join
+        at the new one, whose redeliveries follow."""
+        fenced, moved = 0, 0
+        while True:
             if self._needs_rejoin.is_set():
                 self._rejoin()
             try:
                 return self.conn.call(self.conn.url, make(), timeout=timeout)
             except (Fenced, UnknownMember) as err:
-                if attempt == 2:
+                fenced += 1
+                if fenced == 3:
                     raise
-                if isinstance(err, UnknownMember):
-                    self.member_id = ""  # expired: join as a new member
                 if isinstance(err, UnknownMember) or not err.data.get("member_known", True):
-                    self._member_lost = True
+                    self.core.lost(forget_id=isinstance(err, UnknownMember))  # expired: join as a new member
                 self._rejoin()
+            except ZBrokerError as err:
+                coordinators = self.conn.coordinators
+                moved += 1
+                if moved >= coordinators.attempts() or not coordinators.redirected(err):
+                    raise
+                log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
+                time.sleep(coordinators.backoff())
+                self._needs_rejoin.set()  # the new coordinator learns of this member by its join
         raise AssertionError("unreachable")
 
     # -- polling ----------------------------------------------------------------------------
@@ -893,7 +804,7 @@ class Consumer:
             if records:
                 return records
             timeout = max(0.0, deadline - time.monotonic())
-        max_wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        wait_ms = max_wait_ms(timeout)
         reply = None
         if self._poll_ahead is not None and self._needs_rejoin.is_set():
             reply = self._answered_before_rejoin()
@@ -902,13 +813,13 @@ class Consumer:
         if reply is _NOT_YET:
             return []
         if reply is None:
-            reply = self._poll_now(max_records, max_wait_ms, timeout)
+            reply = self._poll_now(max_records, wait_ms, timeout)
         deliveries = self._take_ahead_leases(reply.deliveries)
         self._held = [part for part in self._fetch_deliveries(deliveries) if part]
         records = self._hand_out(max_records)
         if self.poll_ahead and not self._held:
-            self._send_poll_ahead(max_records, max_wait_ms)
-        if self.read_ahead and self.mode == "exclusive":
+            self._send_poll_ahead(max_records, wait_ms)
+        if self.core.reading_ahead:
             self._send_read_ahead(timeout)
         if not records and self._ahead_leases:
             records = self._records_ahead(max_records, deadline)
@@ -919,22 +830,16 @@ class Consumer:
         deliveries whose leases still stand (None, and it is dropped, if it was not answered:
         it would be fenced). A rebalance keeps a member's leases on the partitions it keeps:
         dropped, they would come back only at their ack timeout, one attempt more."""
-        for env in self.conn.recv_nowait_all():
-            if isinstance(env.corr_id, int):
-                self.conn._early[env.corr_id] = env
+        self._stash_arrived()
         corr = self._poll_ahead[0]
         answered = self.conn._early.get(corr)
         if answered is None or answered.error is not None:
             self._orphan_poll_ahead()
             return None
-        previous_member, lost = self.member_id, self._member_lost
+        previous_member, lost = self.member_id, self.core.member_lost
         reply = self._take_poll_ahead(0.0)
         self._rejoin()
-        keep = {tuple(p) for p in self.assignment}
-        same_member = bool(previous_member) and previous_member == self.member_id and not lost
-        # Ahead leases end with the generation (PROTOCOL.md, poll): not one of them stands.
-        reply.deliveries = [d for d in reply.deliveries
-                            if same_member and d[6] != "ahead" and (d[0], d[1]) in keep]
+        reply.deliveries = self.core.standing_deliveries(reply.deliveries, previous_member, lost)
         return reply
 
     def _poll_now(self, max_records: int, max_wait_ms: int, timeout: float) -> m.PollReply:
@@ -956,11 +861,7 @@ class Consumer:
 
     def _acks_for_poll(self) -> list:
         """Take the held acks for the poll about to be sent."""
-        self._fold_in_order_acks()
-        if not self.acks:
-            return []
-        self._acks_since = None
-        ranges = self.acks.take()
+        ranges = self.core.take_acks()
         if len(ranges) > RANGES_PER_REQUEST:  # more than a header holds: the rest go on their own
             self._send_acks(ranges[RANGES_PER_REQUEST:], [])
             ranges = ranges[:RANGES_PER_REQUEST]
@@ -968,57 +869,27 @@ class Consumer:
 
     def _hold_again(self, ranges: list) -> None:
         """Acks a poll carried that may not have been applied (fenced, lost): send them again."""
-        for r in ranges:
-            self.acks.add_range(r)
-        if ranges and self._acks_since is None:
-            self._acks_since = time.monotonic()
+        self.core.hold_again(ranges, time.monotonic())
 
     def _on_poll_acks(self, reply: m.PollReply) -> None:
-        self.stats["acked"] += reply.acked
+        self.core.applied(reply.acked, reply.stale)
         if reply.stale:
-            self._note_stale(reply.stale)
+            log.warning("ack.stale", group=self.group, ranges=len(reply.stale))
 
     def _orphan_poll_ahead(self) -> None:
         """Stop waiting for the poll sent ahead; the acks it carried are held again."""
         corr = self._poll_ahead[0]
         self._poll_ahead = None
-        self._orphans.add(corr)
+        self.conn.correlation.orphan(corr)
         self._hold_again(self._poll_acks.pop(corr, []))
 
     # -- ahead leases -------------------------------------------------------------------------
 
     def _ahead_wanted(self, max_records: int) -> int:
-        return max_records if self.lease_ahead and self.read_ahead and self.mode == "exclusive" else 0
+        return self.core.ahead_wanted(max_records)
 
     def _take_ahead_leases(self, deliveries: list) -> list:
-        """File the ahead leases of a poll reply; returns the deliveries to fetch now.
-
-        New records leased the ordinary way after an ahead lease mean the log passed
-        that ahead lease's end: what this consumer has not handed out of it yet exists,
-        and goes first, as a delivery of its own (read-ahead keeps one position per
-        partition, so it has to be handed out in offset order).
-        """
-        if not self._ahead_leases and not any(d[6] == "ahead" for d in deliveries):
-            return deliveries
-        rest, first = [], []
-        for d in deliveries:
-            topic, partition, lease, start, end, _attempt, reason = d
-            key = (topic, partition)
-            if reason != "ahead":
-                held = self._ahead_leases.get(key)
-                while reason == "new" and held and held[0][2] <= start:
-                    a_lease, a_pos, a_end = held.pop(0)
-                    if a_pos < a_end:
-                        first.append([topic, partition, a_lease, a_pos, a_end, 1, "new"])
-                if held == []:
-                    del self._ahead_leases[key]
-                rest.append(d)
-                continue
-            held = self._ahead_leases.setdefault(key, [])
-            if not held:
-                self.ahead.leased(key, start, start)  # the read-ahead fetch for this partition starts here
-            held.append([lease, start, end])
-        return first + rest
+        return self.core.take_ahead_leases(deliveries)
 
     def _records_ahead(self, max_records: int, deadline: float) -> list[ConsumedRecord]:
         """Hand out what the parked fetches brought under the ahead leases, waiting until
@@ -1030,8 +901,7 @@ class Consumer:
                 self._held = parts
                 records = self._hand_out(max_records)
                 if self._poll_ahead is None and self._ahead_leases:
-                    self._send_poll_ahead(max_records, max(0, min(int((deadline - time.monotonic()) * 1000),
-                                                                   m.MAX_WAIT_MS)))
+                    self._send_poll_ahead(max_records, max_wait_ms(deadline - time.monotonic()))
                 self._send_read_ahead(max(0.0, deadline - time.monotonic()), collected=True)
                 return records
             if not self._ahead_leases or (self._poll_ahead is not None and self._poll_ahead[0] in self.conn._early):
@@ -1039,7 +909,7 @@ class Consumer:
             now = time.monotonic()
             if self._poll_ahead is None:
                 # Redeliveries, and the next ahead lease once this one is used up, come from a poll.
-                self._send_poll_ahead(max_records, max(0, min(int((deadline - now) * 1000), m.MAX_WAIT_MS)))
+                self._send_poll_ahead(max_records, max_wait_ms(deadline - now))
             self._send_read_ahead(max(0.0, deadline - now), collected=True)
             due = self._acks_due_at()
             until = deadline if due is None else min(deadline, due)
@@ -1054,55 +924,13 @@ class Consumer:
 
     def _serve_ahead(self, max_records: int) -> list[list[ConsumedRecord]]:
         """Records under the ahead leases that the read-ahead already holds, one part per lease."""
-        parts, room = [], max_records
-        for key, held in list(self._ahead_leases.items()):
-            while held and room > 0:
-                entry = held[0]
-                lease, pos, end = entry
-                first, part = pos, []
-                while pos < end and room > 0:
-                    frame = self.ahead.covering(key, pos)
-                    if frame is None:
-                        break
-                    try:
-                        got = decode_fetched(frame, key[0], key[1], from_offset=pos,
-                                             until_offset=min(end, pos + room), make=ConsumedRecord,
-                                             extra=(lease, 1, "new"))
-                    except ZBrokerError as err:
-                        self._damaged_read_ahead(key, err)
-                        break
-                    if not got:
-                        break
-                    part.extend(got)
-                    pos = got[-1].offset + 1
-                    room -= len(got)
-                entry[1] = pos
-                if pos > first:
-                    self.ahead.leased(key, first, pos)
-                    parts.append(part)
-                if pos < end:
-                    break  # the rest has not arrived yet
-                held.pop(0)
-            if not held:
-                del self._ahead_leases[key]
+        parts, damaged = self.core.serve_ahead(max_records)
+        for key, err in damaged:
+            self._damaged_read_ahead(key, err)
         return parts
 
     def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
-        """Up to ``max_records`` of the held records, whole deliveries first, in order."""
-        held, taken, sizes, room = self._held, [], [], max_records
-        while held and room:
-            part = held[0]
-            if len(part) <= room:
-                held.pop(0)
-            else:
-                part, held[0] = part[:room], part[room:]
-            taken.append(part)
-            sizes.append(len(part))
-            room -= len(part)
-        records = taken[0] if len(taken) == 1 else [r for part in taken for r in part]
-        self.stats["polled"] += len(records)
-        self._deliver(records, sizes)
-        return records
+        return self.core.hand_out(max_records)
 
     def _send_poll_ahead(self, max_records: int, max_wait_ms: int) -> None:
         """Ask for the next lease now, so the coordinator works while the caller handles this batch."""
@@ -1174,62 +1002,25 @@ class Consumer:
                     return self.conn.wait_for(corr, 0)
                 self.flush_acks(wait=False)
 
-    def _orphan_ranges(self, ranges: list[tuple[int, int]]) -> None:
-        """Drop the replies that come under these ids (fetches given up on)."""
-        firsts, lasts = self._orphan_firsts, self._orphan_lasts
-        for first, last in ranges:
-            i = bisect.bisect(firsts, first)
-            firsts.insert(i, first)
-            lasts.insert(i, last)
-        if len(firsts) > MAX_ORPHAN_RANGES:  # the oldest ids: their replies came long ago or never will
-            del firsts[:len(firsts) - MAX_ORPHAN_RANGES], lasts[:len(lasts) - MAX_ORPHAN_RANGES]
-
-    def _orphaned(self, corr: int) -> bool:
-        if corr in self._orphans:
-            return True
-        i = bisect.bisect(self._orphan_firsts, corr) - 1
-        return i >= 0 and corr <= self._orphan_lasts[i]
-
-    def _drop_orphans(self) -> None:
-        if len(self._orphans) > MAX_ORPHANS:  # replies that never came (their actor died): stop waiting
-            self._orphans.clear()
-        early = self.conn._early
-        for corr in [c for c in early if self._orphaned(c)]:
-            del early[corr]
-            self._orphans.discard(corr)
-
     def _damaged_read_ahead(self, key: tuple[str, int], err: ZBrokerError) -> None:
         """A damaged batch in what the read-ahead holds: dropped, or every poll would raise
         it again and no other partition would be served. Its lease expires and comes back."""
         self._fetch_failed(key[0], key[1], err)
-        self._orphan_ranges(self.ahead.drop(key))
+        self.conn.correlation.orphan_ranges(self.ahead.drop(key))
         self._read_ahead_failed(key)
 
     def _read_ahead_failed(self, key: tuple[str, int]) -> None:
-        """The read-ahead gave up on ``key`` (its actor restarted, the partition moved).
-        Records under an ahead lease come only through it: fetch again soon, or they
-        would wait for the lease to expire."""
-        if key in self._ahead_leases:
-            self._ahead_retry[key] = time.monotonic() + AHEAD_RETRY_S
-
-    def _restart_ahead_reads(self) -> None:
-        now = time.monotonic()
-        for key, at in list(self._ahead_retry.items()):
-            if at <= now:
-                del self._ahead_retry[key]
-                held = self._ahead_leases.get(key)
-                if held:
-                    self.ahead.leased(key, held[0][1], held[0][1])  # from the next record to hand out
+        self.core.read_ahead_failed(key, time.monotonic())
 
     def _send_read_ahead(self, timeout: float, collected: bool = False) -> None:
         """Fetch where the next leases will start; a fetch parks at the actor until records come.
         ``collected``: the caller has just filed the replies that came in (one receive fewer
         on the path of every record handed out under an ahead lease)."""
-        wait_ms = max(0, min(int(timeout * 1000), m.MAX_WAIT_MS))
+        wait_ms = max_wait_ms(timeout)
         if not collected:
             self._collect_read_ahead()
-        if self._ahead_retry:
-            self._restart_ahead_reads()
+        if self.core.ahead_retry:
+            self.core.restart_ahead_reads(time.monotonic())
         for key, offset, max_bytes in self.ahead.wanted():
             topic, partition = key
             # It follows the log end: each append reaches this consumer in a reply of its
@@ -1264,7 +1055,7 @@ class Consumer:
                     if self.ahead.overtaken(key, early):
                         # A later reply of the same fetch came first: the one awaited was
                         # dropped (a full queue at the actor). Start over from the next lease.
-                        self._orphan_ranges(self.ahead.drop(key))
+                        self.conn.correlation.orphan_ranges(self.ahead.drop(key))
                         self._read_ahead_failed(key)
                     break
                 corr = self._read_ahead_arrived(key, corr, env)
@@ -1272,7 +1063,7 @@ class Consumer:
             # No reply within its wait and the request timeout: the actor died with the fetch
             # parked (or hangs). Its replies are dropped if they come; fetch again.
             log.info("read_ahead.overdue", topic=key[0], partition=key[1])
-            self._orphan_ranges(self.ahead.drop(key))
+            self.conn.correlation.orphan_ranges(self.ahead.drop(key))
             self._read_ahead_failed(key)
 
     def _read_ahead_arrived(self, key: tuple[str, int], corr: int, env: codec.Envelope) -> int | None:
@@ -1303,10 +1094,10 @@ class Consumer:
                     # deadline for the whole poll (not one per partition the dead actor held).
                     env = self.conn.wait_for(corr, max(0.005, deadline - time.monotonic()))
                 except RequestTimeout:
-                    self._orphans.add(corr)
+                    self.conn.correlation.orphan(corr)
                     env = None
                 if env is None:  # this reply, and any later ones of its fetch, are dropped when they come
-                    self._orphan_ranges(self.ahead.drop(key))
+                    self.conn.correlation.orphan_ranges(self.ahead.drop(key))
                     self._read_ahead_failed(key)
                 else:
                     self._read_ahead_arrived(key, corr, env)
@@ -1334,16 +1125,16 @@ class Consumer:
         ahead_deadline = time.monotonic() + READ_AHEAD_WAIT_S
         pending: dict[int, tuple[int, list]] = {}
         parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
-        reading_ahead = self.read_ahead and self.mode == "exclusive"
-        if self._orphans or self._orphan_firsts:
-            self._drop_orphans()
+        reading_ahead = self.core.reading_ahead
+        if self.conn.correlation.has_orphans():
+            self.conn.correlation.drop_orphans()
 
         def fetch(i: int, d: list, start: int) -> None:
             topic, partition, lease, _start, end, attempt, reason = d
             try:
                 corr = self.conn.send(self.conn.endpoint(topic, partition),
                                       m.Fetch(topic=topic, partition=partition, offset=start,
-                                              max_bytes=max(4096, (end - start) * 256)))
+                                              max_bytes=fetch_bytes(start, end)))
             except ZBrokerError as err:
                 self._fetch_failed(topic, partition, err)
                 return
@@ -1363,7 +1154,7 @@ class Consumer:
             try:
                 env = self.conn.wait_for(corr)
             except RequestTimeout as err:
-                self._orphans.add(corr)  # a reply that comes after all is dropped
+                self.conn.correlation.orphan(corr)  # a reply that comes after all is dropped
                 self._fetch_failed(topic, partition, err)
                 continue
             if env.error is not None:
@@ -1386,7 +1177,7 @@ class Consumer:
             # The partition moved or its actor restarted: the next fetch asks the
             # coordinator where it lives now. These leases expire and come back.
             self.conn.metadata.forget(topic)
-            self._orphan_ranges(self.ahead.drop((topic, partition)))
+            self.conn.correlation.orphan_ranges(self.ahead.drop((topic, partition)))
             self._read_ahead_failed((topic, partition))
 
     def __iter__(self) -> Iterator[ConsumedRecord]:
@@ -1431,80 +1222,25 @@ class Consumer:
     # -- acks -------------------------------------------------------------------------------
 
     def _deliver(self, records: list, sizes: list[int]) -> None:
-        """Start tracking in-order acks of a new batch (what was acked of the last is folded first)."""
-        self._fold_in_order_acks()
-        self._delivered = records + [None]  # the None ends the in-order run
-        self._next = records[0] if records else None
-        self._in_order = self._folded = 0
-        spans, at = [], 0
-        for n in sizes:
-            if n:
-                spans.append((at, at + n))
-            at += n
-        self._spans = spans
-
-    def _fold_in_order_acks(self) -> None:
-        """Turn the records acked in delivery order since the last fold into one range per delivery."""
-        lo, hi = self._folded, self._in_order
-        if hi <= lo:
-            return
-        records = self._delivered
-        for i0, i1 in self._spans:
-            a, b = max(i0, lo), min(i1, hi)
-            if a >= b:
-                continue
-            first, last = records[a], records[b - 1]
-            if last[4] - first[4] == b - 1 - a:  # offsets are dense within a delivery
-                topic, partition, lease_id = first[5][:3]
-                self.acks.add_range([topic, partition, lease_id, first[4], last[4] + 1])
-            else:  # pragma: no cover - defensive: never fold what was not acked
-                for r in records[a:b]:
-                    self.acks.add(*r[5][:3], r[4])
-        self._folded = hi
+        self.core.deliver(records, sizes)
 
     def ack(self, record: ConsumedRecord) -> None:
-        # The usual case: the caller acks the records of the last poll in the order it got
-        # them. That costs an identity check and an index step here; the run becomes one
-        # range per delivery when acks are sent.
-        if record is self._next:
-            i = self._in_order = self._in_order + 1
-            self._next = self._delivered[i]
-            if i & self._ack_check_mask == 0 or i == 1:
-                self._acks_held()
-            return
-        acks = self.acks
-        source = record[5]  # (topic, partition, lease_id, ...), see ConsumedRecord
-        acks.add(source[0], source[1], source[2], record[4])
-        if self._acks_since is None:
-            self._acks_since = time.monotonic()
-        # The clock is read every 64 acks, not every ack: poll() flushes anyway,
-        # so the interval bounds how long acks wait while a handler loops.
-        if acks.count >= self.ack_batch or (acks.count & 63 == 0 and
-                                            time.monotonic() - self._acks_since >= self.ack_interval_s):
-            self.flush_acks(wait=False)
+        # Once per record: the core's identity check and index step; the clock is read
+        # only when the core says the held acks may be due (bench/PROFILE.md).
+        if self._core_ack(record):
+            self._acks_held()
 
     def ack_many(self, records: Iterable[ConsumedRecord]) -> None:
         for record in records:
             self.ack(record)
 
     def _acks_held(self) -> None:
-        """On the first in-order ack and every 64th (every one with a small ack_batch):
-        start the ack interval, or send the acks held when a batch or the interval is up."""
-        if self._acks_since is None:
-            self._acks_since = time.monotonic()
-        held = self.acks.count + self._in_order - self._folded
-        if held >= self.ack_batch or time.monotonic() - self._acks_since >= self.ack_interval_s:
+        """Send the acks held when a batch or the interval is up."""
+        if self.core.acks_due(time.monotonic()):
             self.flush_acks(wait=False)
 
     def _acks_due_at(self) -> float | None:
-        """When the held acks must be sent: now if a batch is full, else when their
-        interval is up; None if none are held."""
-        held = self.acks.count + self._in_order - self._folded
-        if not held:
-            return None
-        if self._acks_since is None:  # in-order acks after a flush start the interval here
-            self._acks_since = time.monotonic()
-        return 0.0 if held >= self.ack_batch else self._acks_since + self.ack_interval_s
+        return self.core.acks_due_at(time.monotonic())
 
     def _flush_acks_if_due(self) -> None:
         due = self._acks_due_at()
@@ -1521,16 +1257,16 @@ class Consumer:
         proves it (the coordinator serves one connection's requests in order), so
         ``wait`` sends one, empty if need be.
         """
-        self._fold_in_order_acks()
+        self.core.fold_in_order_acks()
         if self.acks or (wait and self._poll_acks):
-            ranges = self.acks.take() if self.acks else []
+            ranges = self.core.take_acks()
             # Answered => every poll sent before it in this generation applied its acks
             # (or was fenced, and then so is this request: see _on_ack_reply).
             ranges_before = [r for acks in self._poll_acks.values() for r in acks] if wait else []
             self._send_acks(ranges, ranges_before)
             if wait:
                 self._poll_acks = {}
-        self._acks_since = None
+        self.core.acks_since = None
         self._collect_ack_replies(block=wait)
 
     def _send_acks(self, ranges: list, ranges_before: list) -> None:
@@ -1557,9 +1293,7 @@ class Consumer:
         lost: RequestTimeout | None = None
         while self._ack_requests:
             if not block:
-                for env in self.conn.recv_nowait_all():
-                    if isinstance(env.corr_id, int):
-                        self.conn._early[env.corr_id] = env
+                    self._stash_arrived()
             for corr in list(self._ack_requests):
                 ranges, ranges_before, sent_at = self._ack_requests[corr]
                 env = None
@@ -1584,7 +1318,7 @@ class Consumer:
         """``ranges_before``: acks that rode on polls sent before this request; they were
         applied if this one was, and are sent again with it if it was fenced."""
         if env.error is None:
-            self.stats["acked"] += env.msg.applied
+            self.core.applied(env.msg.applied, [])
             return
         err = env.error
         if err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
@@ -1599,24 +1333,13 @@ class Consumer:
             self._send_acks(list(ranges_before) + list(ranges), [])
             return
         if err.code == ErrorCode.STALE_LEASE:
-            self.stats["acked"] += int(err.data.get("applied", 0))
-            self._note_stale(err.data.get("stale", []))
+            stale = err.data.get("stale", [])
+            self.core.applied(int(err.data.get("applied", 0)), stale)
+            log.warning("ack.stale", group=self.group, ranges=len(stale))
             return
         if err.retriable:  # the coordinator is stopping or unreachable: the acks go again later
             self._hold_again(list(ranges_before) + list(ranges))
         raise err
-
-    def _note_stale(self, stale: list) -> None:
-        """Ack ranges the coordinator refused as not (or no longer) leased to this member."""
-        self.stats["stale"] += sum(r[4] - r[3] for r in stale)
-        # An ahead lease the coordinator ended (reset, rebalance): hand out nothing more under it.
-        ended = {r[2] for r in stale}
-        for key, held in list(self._ahead_leases.items()):
-            held[:] = [entry for entry in held if entry[0] not in ended]
-            if not held:
-                del self._ahead_leases[key]
-        self.stale.extend(stale)
-        log.warning("ack.stale", group=self.group, ranges=len(stale))
 
     def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
         """Records applied, over as many requests as the ranges need."""

@@ -1,0 +1,273 @@
+"""The client cores, driven by hand: crafted replies in, requests and decisions out, the
+clock an argument. No sockets, no broker, no private attributes."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from zbroker.client.consumer_core import ConsumerCore, fetch_bytes, max_wait_ms
+from zbroker.client.core import ConsumedRecord, MetadataCache
+from zbroker.client.producer_core import ProduceError, ProducerCore, leader_hint, retry_delay
+from zbroker.client.transport import Coordinators, Correlation, bootstrap_urls
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import (ProtocolError as BadRequest, NotCoordinator, NotLeader, NotOwner, RequestTimeout,
+                                     ErrorCode)
+
+CLIENT = pathlib.Path(__file__).resolve().parents[2] / "zbroker" / "client"
+FORBIDDEN = {"zmq", "asyncio", "time", "socket"}
+
+
+@pytest.mark.parametrize("module", ["consumer_core.py", "producer_core.py", "core.py"])
+def test_the_cores_import_neither_zmq_asyncio_time_nor_socket(module):
+    imported = set()
+    for node in ast.walk(ast.parse((CLIENT / module).read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & FORBIDDEN, f"{module} imports {imported & FORBIDDEN}"
+
+
+def test_the_import_check_sees_a_forbidden_import():
+    # The check above must be able to fail: the same walk over a module that imports time.
+    tree = ast.parse("import json\nfrom time import monotonic\n")
+    found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert found & FORBIDDEN == {"time"}
+
+
+def test_the_client_imports_nothing_from_the_actors():
+    for path in CLIENT.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("zbroker.actors"), f"{path.name} imports {node.module}"
+
+
+# -- consumer core: membership and rejoin -------------------------------------------------
+
+def rec(partition: int, offset: int, lease: int = 7) -> ConsumedRecord:
+    return ConsumedRecord("t", partition, offset, 0, None, b"", None, lease, 1, "new")
+
+
+def join_reply(member: str, generation: int, assignment: list, mode: str = "exclusive") -> m.JoinReply:
+    return m.JoinReply(member_id=member, generation=generation, mode=mode, assignment=assignment,
+                       ack_timeout_ms=30000)
+
+
+def joined_core() -> ConsumerCore:
+    core = ConsumerCore(group="g", topics=["t"])
+    revoked, assigned, _ = core.joined(join_reply("m", 1, [["t", 0], ["t", 1]]), previous_member="")
+    assert (revoked, assigned) == ([], [("t", 0), ("t", 1)])
+    return core
+
+
+def test_a_rejoin_keeps_held_records_whose_lease_still_stands_and_drops_the_rest():
+    core = joined_core()
+    core.held = [[rec(0, 0), rec(0, 1)], [rec(1, 5)]]
+    revoked, assigned, _ = core.joined(join_reply("m", 2, [["t", 0]]), previous_member="m")
+    assert (revoked, assigned) == ([("t", 1)], [])
+    # partition 1 moved: its lease went to another member, its record must not be handed out
+    assert [[r.offset for r in part] for part in core.held] == [[0, 1]]
+
+
+def test_a_member_the_coordinator_lost_keeps_nothing_it_held():
+    core = joined_core()
+    core.held = [[rec(0, 0)]]
+    core.lost(forget_id=True)  # UNKNOWN_MEMBER: join as a new member
+    assert core.join_request(10_000, as_new=True).member_id in ("", None)
+    core.joined(join_reply("m2", 2, [["t", 0], ["t", 1]]), previous_member="")
+    assert core.held == []
+
+
+def test_fenced_without_being_known_drops_the_held_records_even_under_the_same_id():
+    core = joined_core()
+    core.held = [[rec(0, 0)]]
+    core.lost(forget_id=False)
+    core.joined(join_reply("m", 2, [["t", 0], ["t", 1]]), previous_member="m")
+    assert core.held == []
+
+
+def test_a_poll_answered_before_a_rejoin_keeps_only_its_standing_ordinary_deliveries():
+    core = joined_core()
+    core.joined(join_reply("m", 2, [["t", 0]]), previous_member="m")
+    deliveries = [["t", 0, 7, 0, 5, 1, "new"], ["t", 1, 8, 0, 5, 1, "new"], ["t", 0, 9, 5, 15, 1, "ahead"]]
+    assert core.standing_deliveries(deliveries, "m", lost=False) == [["t", 0, 7, 0, 5, 1, "new"]]
+    assert core.standing_deliveries(deliveries, "other", lost=False) == []
+    assert core.standing_deliveries(deliveries, "m", lost=True) == []
+
+
+def test_a_join_ends_the_ahead_leases_and_gives_up_the_fetches_of_partitions_not_kept():
+    core = ConsumerCore(group="g", topics=["t"], lease_ahead=True)
+    core.joined(join_reply("m", 1, [["t", 0], ["t", 1]]), previous_member="")
+    core.take_ahead_leases([["t", 0, 7, 0, 10, 1, "ahead"], ["t", 1, 8, 0, 10, 1, "ahead"]])
+    core.ahead.sent(("t", 1), 40, 0, follow=3)
+    _, _, given_up = core.joined(join_reply("m", 2, [["t", 0]]), previous_member="m")
+    assert core.ahead_leases == {}
+    assert given_up == [(40, 43)]
+
+
+def test_shared_groups_do_not_read_ahead_and_ask_for_no_ahead_lease():
+    core = ConsumerCore(group="g", topics=["t"], lease_ahead=True)
+    core.joined(join_reply("m", 1, [["t", 0]], mode="shared"), previous_member="")
+    assert not core.reading_ahead and core.ahead_wanted(100) == 0
+    core.joined(join_reply("m", 2, [["t", 0]], mode="exclusive"), previous_member="m")
+    assert core.reading_ahead and core.ahead_wanted(100) == 100
+
+
+def test_stale_acks_end_the_ahead_lease_they_name():
+    core = ConsumerCore(group="g", topics=["t"], lease_ahead=True)
+    core.joined(join_reply("m", 1, [["t", 0]]), previous_member="")
+    core.take_ahead_leases([["t", 0, 7, 0, 10, 1, "ahead"]])
+    core.applied(3, [["t", 0, 7, 0, 2]])
+    assert core.ahead_leases == {} and core.stats["stale"] == 2 and core.stats["acked"] == 3
+
+
+def test_the_stale_ranges_a_consumer_keeps_are_bounded():
+    """Every ack that comes back stale (a lease that expired or moved first) was appended to
+    `Consumer.stale` for ever: a consumer that runs for months grows without bound."""
+    core = ConsumerCore(group="l", topics=["long"])
+    for lease in range(5000):
+        core.note_stale([["long", 0, lease, 0, 2]])
+    assert len(core.stale) <= 1000
+    assert list(core.stale)[-1] == ["long", 0, 4999, 0, 2]  # the latest are kept
+    assert core.stats["stale"] == 10_000  # and all are counted
+
+
+def test_a_failed_ahead_read_is_restarted_after_its_pause_on_the_hand_driven_clock():
+    core = ConsumerCore(group="g", topics=["t"], lease_ahead=True)
+    core.joined(join_reply("m", 1, [["t", 0]]), previous_member="")
+    core.take_ahead_leases([["t", 0, 7, 3, 10, 1, "ahead"]])
+    core.ahead.drop(("t", 0))
+    core.read_ahead_failed(("t", 0), now=10.0)
+    core.restart_ahead_reads(now=10.01)
+    assert core.ahead.wanted() == []  # not yet
+    core.restart_ahead_reads(now=10.06)
+    assert [(key, offset) for key, offset, _n in core.ahead.wanted()] == [(("t", 0), 3)]
+
+
+def test_held_acks_go_again_and_restart_their_interval():
+    core = ConsumerCore(group="g", topics=["t"], ack_interval_s=0.005)
+    core.hold_again([["t", 0, 7, 0, 5]], now=50.0)
+    assert core.acks_due_at(50.0) == 50.005 and not core.acks_due(50.004) and core.acks_due(50.005)
+    assert core.take_acks() == [["t", 0, 7, 0, 5]] and core.acks_due_at(60.0) is None
+
+
+def test_fetch_planning():
+    assert fetch_bytes(0, 10) == 4096 and fetch_bytes(0, 100) == 25_600
+    assert max_wait_ms(0.0123) == 12 and max_wait_ms(-1) == 0 and max_wait_ms(10 ** 9) == m.MAX_WAIT_MS
+
+
+# -- producer core ----------------------------------------------------------------------------
+
+def closed_batch(core: ProducerCore, n: int = 3, partition: int = 0):
+    for i in range(n):
+        core.acc.add("t", partition, [0, None, b"v%d" % i, None], 20, now=0.0)
+    return core.acc.close(("t", partition))
+
+
+def test_the_window_is_bounded_in_records_and_in_bytes():
+    core = ProducerCore(max_in_flight_records=5, max_in_flight_bytes=1 << 20)
+    first, second = closed_batch(core, 3), closed_batch(core, 3)
+    assert core.has_room(first)
+    core.admit(first)
+    first.attempts += 1
+    core.sent(1, first, now=0.0)
+    assert not core.has_room(second)  # 6 records > 5
+    core.replied(1, None, m.ProduceReply(base_offset=0, count=3, duplicate=False), now=0.1)
+    assert core.has_room(second) and core.in_flight_records == 0 and first.outcome.base_offset == 0
+    small = ProducerCore(max_in_flight_bytes=1)
+    a, b = closed_batch(small), closed_batch(small)
+    small.admit(a)
+    small.sent(1, a, 0.0)
+    assert not small.has_room(b)
+
+
+def test_not_leader_is_retried_at_the_leader_it_names_with_a_capped_backoff():
+    core = ProducerCore(retries=50)
+    batch = closed_batch(core)
+    core.admit(batch)
+    leader = {"endpoint": "tcp://127.0.0.2:7401", "actor_id": "p2", "leader_epoch": 4}
+    for attempt in range(1, 40):
+        batch.attempts = attempt
+        core.sent(attempt, batch, now=float(attempt))
+        assert core.replied(attempt, NotLeader("moved", topic="t", partition=0, leader=leader), None,
+                            now=float(attempt)) is None  # retried, not failed
+        assert core.next_retry_at() == attempt + retry_delay(attempt) <= attempt + 1.0
+        assert core.due(now=attempt + 2.0) == [batch]
+    assert core.take_hints()[-1] == ("t", 0, "tcp://127.0.0.2:7401")
+    assert core.take_failure() is None
+    cache = MetadataCache()
+    cache.update([{"name": "t", "partitions": [{"endpoint": "tcp://127.0.0.1:7401"}]}])
+    cache.redirect("t", 0, "tcp://127.0.0.2:7401")
+    assert cache.endpoint("t", 0) == "tcp://127.0.0.2:7401"
+
+
+def test_not_owner_without_a_hint_and_a_timeout_are_retried_too():
+    assert leader_hint(NotOwner("moved")) is None
+    assert leader_hint(NotLeader("moved", leader=None)) is None
+    core = ProducerCore(request_timeout=5.0)
+    batch = closed_batch(core)
+    core.admit(batch)
+    batch.attempts = 1
+    core.sent(9, batch, now=0.0)
+    assert core.timed_out(now=4.9) == [] and core.in_flight
+    assert core.timed_out(now=5.1) == [] and not core.in_flight and core.retrying  # retried
+
+
+def test_a_batch_out_of_retries_or_refused_fails_once_in_the_report():
+    core = ProducerCore(retries=1)
+    batch = closed_batch(core)
+    core.admit(batch)
+    batch.attempts = 1
+    core.sent(1, batch, 0.0)
+    assert core.replied(1, BadRequest("no", field="x"), None, 0.0) is batch
+    assert core.replied(1, BadRequest("no"), None, 0.0) is None  # a reply to nothing in flight
+    report = core.take_failure()
+    assert isinstance(report, ProduceError) and report.code is ErrorCode.BAD_REQUEST and report.data["failed"] == 1
+    assert batch.outcome.error is not None and core.in_flight_records == 0
+    assert core.take_failure() is None
+
+
+# -- transport: correlation and the bootstrap list ----------------------------------------------
+
+def test_correlation_reserves_the_ids_of_later_replies_and_drops_orphans():
+    corr = Correlation()
+    assert corr.allocate() == 1 and corr.allocate(replies=65) == 2 and corr.allocate() == 67
+    corr.orphan_ranges([(2, 66)])
+    corr.orphan(67)
+    for i in (3, 50, 67, 68):
+        corr.keep(type("Env", (), {"corr_id": i})())
+    corr.keep(type("Env", (), {"corr_id": None})())  # no id: nobody can wait for it
+    corr.drop_orphans()
+    assert list(corr.early) == [68]
+
+
+def test_a_url_may_list_several_coordinators():
+    assert bootstrap_urls("tcp://a:1, tcp://b:2,") == ["tcp://a:1", "tcp://b:2"]
+    with pytest.raises(ValueError):
+        bootstrap_urls(" , ")
+
+
+def test_not_coordinator_follows_the_leader_named_or_rotates_with_a_capped_backoff():
+    c = Coordinators("tcp://a:1,tcp://b:2,tcp://c:3")
+    assert c.redirected(NotCoordinator("not me", leader={"endpoint": "tcp://c:3", "node_id": "n3", "epoch": 2}))
+    assert c.current == "tcp://c:3"
+    assert c.redirected(NotCoordinator("not me", leader=None)) and c.current == "tcp://a:1"
+    assert c.redirected(RequestTimeout("no reply")) and c.current == "tcp://b:2"
+    delays = []
+    for _ in range(10):
+        c.redirected(RequestTimeout("no reply"))
+        delays.append(c.backoff())
+    assert delays == sorted(delays) and delays[-1] == Coordinators.BACKOFF_MAX_S
+    c.answered()
+    assert c.backoff() == Coordinators.BACKOFF_START_S
+    assert not c.redirected(BadRequest("no"))
+
+
+def test_a_single_coordinator_url_raises_its_timeouts_as_before():
+    c = Coordinators("tcp://a:1")
+    assert not c.redirected(RequestTimeout("no reply"))
+    assert c.redirected(NotCoordinator("not me", leader=None)) and c.current == "tcp://a:1"

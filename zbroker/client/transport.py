@@ -1,0 +1,206 @@
+"""What the sync and the asyncio drivers share below the protocol decisions.
+
+Theory of operation
+-------------------
+A client holds one DEALER per actor endpoint (`client_dealer`) and matches
+replies to requests by correlation id (`Correlation`): ids are handed out in
+order, a request answered more than once (a fetch with ``follow``) reserves
+the ids of its later replies, a reply that arrives before anyone waits for it
+is kept (`early`), and the replies of requests given up on (orphans: single
+ids, and the id ranges a followed fetch reserved) are dropped when they come.
+`Coordinators` is the bootstrap list: the comma-separated coordinator URLs a
+client may talk to, and which one it talks to now (it follows a
+NOT_COORDINATOR hint, or rotates to the next URL after a timeout).
+
+`Correlation` and `Coordinators` do no I/O; the drivers read the clock and the
+sockets and tell them what happened.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from typing import Any
+
+import zmq
+
+from zbroker.client.keys import ClientKeys
+from zbroker.protocol.errors import ErrorCode, ProtocolError
+
+DEFAULT_URL = "tcp://127.0.0.1:7400"
+MAX_ORPHANS = 4096
+# Id ranges of read-ahead fetches given up on (a followed fetch reserved up to 65
+# ids, most never used): kept apart from MAX_ORPHANS single ids, so that rebalances
+# of many partitions do not overflow that set and leave their replies stranded.
+MAX_ORPHAN_RANGES = 4096
+
+
+class Correlation:
+    """Correlation ids, replies that came before their waiter, and ids given up on."""
+
+    __slots__ = ("_next", "early", "_orphans", "_firsts", "_lasts")
+
+    def __init__(self) -> None:
+        self._next = 1
+        self.early: dict[int, Any] = {}  # corr id -> envelope, until its waiter takes it
+        self._orphans: set[int] = set()
+        self._firsts: list[int] = []  # sorted, disjoint [first, last] id ranges given up on
+        self._lasts: list[int] = []
+
+    def allocate(self, replies: int = 1) -> int:
+        """The id of a new request; its later replies (``replies - 1`` of them) come under id + 1, ..."""
+        corr = self._next
+        self._next = corr + max(1, replies)
+        return corr
+
+    def keep(self, env: Any) -> None:
+        """A reply nobody is waiting for yet: kept for its waiter (replies without an id are dropped)."""
+        if isinstance(env.corr_id, int):
+            self.early[env.corr_id] = env
+
+    def orphan(self, corr: int) -> None:
+        """Give up on the reply to ``corr``: it is dropped if it comes."""
+        self._orphans.add(corr)
+
+    def orphan_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Give up on every reply under these [first, last] id ranges."""
+        firsts, lasts = self._firsts, self._lasts
+        for first, last in ranges:
+            i = bisect.bisect(firsts, first)
+            firsts.insert(i, first)
+            lasts.insert(i, last)
+        if len(firsts) > MAX_ORPHAN_RANGES:  # the oldest ids: their replies came long ago or never will
+            del firsts[:len(firsts) - MAX_ORPHAN_RANGES], lasts[:len(lasts) - MAX_ORPHAN_RANGES]
+
+    def orphaned(self, corr: int) -> bool:
+        if corr in self._orphans:
+            return True
+        i = bisect.bisect(self._firsts, corr) - 1
+        return i >= 0 and corr <= self._lasts[i]
+
+    def has_orphans(self) -> bool:
+        return bool(self._orphans or self._firsts)
+
+    def drop_orphans(self) -> None:
+        """Drop the kept replies of requests given up on."""
+        if len(self._orphans) > MAX_ORPHANS:  # replies that never came (their actor died): stop waiting
+            self._orphans.clear()
+        early = self.early
+        for corr in [c for c in early if self.orphaned(c)]:
+            del early[corr]
+            self._orphans.discard(corr)
+
+
+def bootstrap_urls(url: str) -> list[str]:
+    """The coordinator URLs of a client URL argument: one, or several separated by commas."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"no coordinator URL in {url!r} (a URL looks like tcp://HOST:PORT)")
+    return urls
+
+
+class Coordinators:
+    """The bootstrap list and the coordinator a client talks to now.
+
+    A single URL behaves as before. With several, a NOT_COORDINATOR answer that
+    names the leader (``data.leader.endpoint``) moves the client there, and one
+    that names none, or a timeout, moves it to the next URL of the list; the
+    caller retries after `backoff` seconds, so a failover is a pause, not an error.
+    """
+
+    BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 2.0
+
+    def __init__(self, url: str) -> None:
+        self.urls = bootstrap_urls(url)
+        self.current = self.urls[0]
+        self._failures = 0
+
+    @property
+    def several(self) -> bool:
+        return len(self.urls) > 1
+
+    def redirected(self, error: Any) -> bool:
+        """After ``error`` from the current coordinator: True if the request should go again
+        (to `current`, after `backoff()`), False if the error is the caller's to handle."""
+        code = getattr(error, "code", None)
+        if code is ErrorCode.NOT_COORDINATOR:
+            leader = (getattr(error, "data", None) or {}).get("leader")
+            endpoint = leader.get("endpoint") if isinstance(leader, dict) else None
+            if isinstance(endpoint, str) and endpoint and endpoint != self.current:
+                self.current = endpoint
+            else:
+                self._rotate()
+            self._failures += 1
+            return True
+        if code is ErrorCode.TIMEOUT and self.several:
+            self._rotate()
+            self._failures += 1
+            return True
+        return False
+
+    def _rotate(self) -> None:
+        if self.current in self.urls:
+            self.current = self.urls[(self.urls.index(self.current) + 1) % len(self.urls)]
+        else:  # a leader we were sent to stopped answering: back to the list
+            self.current = self.urls[0]
+
+    def backoff(self) -> float:
+        """Seconds to wait before the next attempt: doubling with each failure in a row, capped."""
+        return min(self.BACKOFF_MAX_S, self.BACKOFF_START_S * (2 ** max(0, self._failures - 1)))
+
+    def answered(self) -> None:
+        self._failures = 0
+
+    def attempts(self) -> int:
+        """How many redirects a call follows before giving up: every URL a few times over."""
+        return 4 * len(self.urls) + 4
+
+
+def client_dealer(ctx: zmq.Context, endpoint: str, request_timeout: float, curve: ClientKeys | None) -> zmq.Socket:
+    """A client's DEALER to one actor (either driver passes its own context)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued towards a peer that is not connected
+    sock.setsockopt(zmq.SNDTIMEO, int(request_timeout * 1000))
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    try:
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(endpoint)
+    except zmq.ZMQError as err:
+        # An unclosed socket would make the context's term() wait for ever.
+        sock.close(linger=0)
+        raise ProtocolError(f"cannot connect to {endpoint!r}: {err} (a URL looks like tcp://HOST:PORT)",
+                            endpoint=endpoint) from None
+    return sock
+
+
+def poll_timeout_ms(timeout_s: float) -> int:
+    """A zmq poll timeout in whole milliseconds, rounded up.
+
+    Rounded down, a wait of 0.7 ms became a poll(0) that returns at once, and
+    every caller that loops until its deadline spun on the CPU for the rest of
+    that millisecond: about half a millisecond of busy-waiting per wait.
+    """
+    return max(0, math.ceil(timeout_s * 1000))
+
+
+def curve_from_env() -> ClientKeys | None:
+    """CURVE keys from ZBROKER_CURVE_SERVER_KEY and ZBROKER_CURVE_KEY (file paths), if both are set.
+
+    One without the other, or one set but empty, is a ValueError: the client would otherwise
+    talk plaintext to a broker that expects CURVE, and see only UNAVAILABLE after its request
+    timeout (or to whatever answers at the URL, in the clear)."""
+    server, client = os.environ.get("ZBROKER_CURVE_SERVER_KEY"), os.environ.get("ZBROKER_CURVE_KEY")
+    for name, value in (("ZBROKER_CURVE_SERVER_KEY", server), ("ZBROKER_CURVE_KEY", client)):
+        if value is not None and not value.strip():
+            # `ZBROKER_CURVE_KEY="$KEY"` with KEY unset: read as "no CURVE", the client sent
+            # its records in plaintext to whatever answered. Only an absent variable means that.
+            raise ValueError(f"{name} is set but empty: name the key file, or unset it for plaintext")
+    if bool(server) != bool(client):
+        given, missing = (("ZBROKER_CURVE_SERVER_KEY", "ZBROKER_CURVE_KEY") if server
+                          else ("ZBROKER_CURVE_KEY", "ZBROKER_CURVE_SERVER_KEY"))
+        raise ValueError(f"{given} is set but {missing} is not: set both (CurveZMQ) or neither (plaintext)")
+    return ClientKeys.load(server, client) if server and client else None
