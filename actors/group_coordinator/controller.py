@@ -25,6 +25,12 @@ calls these functions, and makes each decision durable before it takes effect.
 * **Epochs.** Every change of leader (to another actor or to none) bumps the
   leader epoch by one; nothing else does. Replicas refuse an older epoch, which
   is what fences a deposed leader.
+* **A restarted actor** (a new process, or back from the dead) may have lost
+  the unsynced tail of its logs (``--fsync interval``): it leaves every ISR it
+  was in (unless it is the last member), and a partition it led gets a new
+  leader, or itself again at a new epoch if no other ISR member lives, so that
+  no offset is ever written twice under one epoch. It rejoins the ISR when its
+  leader sees it caught up.
 * **ISR changes** come only from the current leader (`alter_isr`) at the
   current epoch; the leader may not drop itself, and the ISR stays a subset of
   the replicas, kept in replica order.
@@ -131,6 +137,20 @@ def elect(rs: ReplicaSet, live: set[str], *, unclean: bool = False) -> ReplicaSe
     if leader == rs.leader:
         return rs
     return dataclasses.replace(rs, leader=leader, leader_epoch=rs.leader_epoch + 1, isr=isr)
+
+
+def restarted(rs: ReplicaSet, actor: str, live: set[str]) -> ReplicaSet:
+    """The partition's state once `actor` came back as a new process (see the module doc)."""
+    if actor not in rs.replicas:
+        return rs
+    if rs.leader == actor:
+        new = elect(rs, live - {actor})
+        if new.leader is None:  # no other ISR member is live: it leads again, at a new epoch
+            return dataclasses.replace(new, leader=actor, isr=rs.isr)
+        return new
+    if actor in rs.isr and len(rs.isr) > 1:
+        return dataclasses.replace(rs, isr=tuple(r for r in rs.isr if r != actor))
+    return rs
 
 
 def alter_isr(rs: ReplicaSet, sender: str, leader_epoch: int, isr: list[str], *, topic: str,

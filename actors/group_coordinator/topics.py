@@ -302,8 +302,9 @@ class TopicRegistry:
     def _live(self) -> set[str]:
         return {a for a, info in self.actors.items() if info.alive}
 
-    def _reelect(self, only_actor: str | None = None) -> list:
-        """Re-decide every replicated partition's leader (those `only_actor` holds, if given)."""
+    def _reelect(self, only_actor: str | None = None, restarted: str | None = None) -> list:
+        """Re-decide every replicated partition's leader (those `only_actor` holds, if given),
+        `restarted` having come back as a new process (controller.restarted)."""
         live = self._live()
         decisions = []
         touched: set[str] = set()
@@ -311,7 +312,8 @@ class TopicRegistry:
             rs = part.newest
             if rs is None or (only_actor is not None and only_actor not in rs.replicas):
                 continue
-            new = ctl.finish_reassign(ctl.elect(rs, live, unclean=self.unclean_leader_election), live)
+            new = ctl.restarted(rs, restarted, live) if restarted is not None else rs
+            new = ctl.finish_reassign(ctl.elect(new, live, unclean=self.unclean_leader_election), live)
             if new is not rs:
                 decisions.append((key, new))
                 touched.update(rs.replicas, new.replicas)
@@ -436,6 +438,7 @@ class TopicRegistry:
             if len(self.actors) >= MAX_ACTORS:
                 raise Unavailable("too many partition actors registered", actor_id=actor_id, limit=MAX_ACTORS)
         is_new = info is None or not info.alive or info.endpoint != endpoint or info.pid != pid
+        restarted = info is not None and (not info.alive or info.pid != pid)
         self.actors[actor_id] = ActorInfo(actor_id, endpoint, storage_id, pid, now_ms, True,
                                           list(not_open or []), not_open_count, rack)
         self.on_report(actor_id, reported, now_ms)
@@ -445,7 +448,7 @@ class TopicRegistry:
             return []
         effects = self._place_unplaced()
         effects += self._rebalance_storage(storage_id)
-        effects += self._reelect(only_actor=actor_id)
+        effects += self._reelect(only_actor=actor_id, restarted=actor_id if restarted else None)
         return effects
 
     def deregister(self, actor_id: str, pid: int, now_ms: int) -> list:

@@ -275,7 +275,7 @@ def test_random_joins_and_deaths_keep_the_controller_invariants(events, unclean)
         now += 1
         if kind == "die" and reg.actors[arg].alive:
             writes(reg.deregister(arg, pids[arg], now))
-        elif kind == "join" and not reg.actors[arg].alive:
+        elif kind == "join":  # back from the dead, or restarted as a new process
             pids[arg] += 1000
             info = reg.actors[arg]
             writes(reg.register(arg, info.endpoint, info.storage_id, pids[arg], [], now))
@@ -315,3 +315,18 @@ def test_random_joins_and_deaths_keep_the_controller_invariants(events, unclean)
                 assert part.replication.leader_epoch >= epochs[p]
                 epochs[p] = part.replication.leader_epoch
                 assert part.owner == part.replication.leader
+
+
+def test_a_restarted_leader_hands_over_and_a_restarted_follower_leaves_the_isr():
+    # A new process may have lost its unsynced tail: leading on at the same epoch would
+    # write offsets again that its followers already hold under that epoch.
+    reg = created()
+    confirm(reg, reg.register("b", reg.actors["b"].endpoint, reg.actors["b"].storage_id, 999, [], 10))
+    assert (state(reg).leader, state(reg).leader_epoch, state(reg).isr) == ("a", 0, ("a", "c"))
+    confirm(reg, reg.register("a", reg.actors["a"].endpoint, reg.actors["a"].storage_id, 998, [], 11))
+    assert (state(reg).leader, state(reg).leader_epoch, state(reg).isr) == ("c", 1, ("c",))
+    # The only ISR member restarting leads again, at a new epoch.
+    confirm(reg, reg.register("c", reg.actors["c"].endpoint, reg.actors["c"].storage_id, 997, [], 12))
+    assert (state(reg).leader, state(reg).leader_epoch, state(reg).isr) == ("c", 2, ("c",))
+    # A registration of the same process changes nothing.
+    assert reg.register("c", reg.actors["c"].endpoint, reg.actors["c"].storage_id, 997, [], 13) == []
