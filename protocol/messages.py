@@ -272,6 +272,8 @@ class HelloReply(Message):
     actor: str
     limits: dict
     internal_endpoint: str | None = None  # the coordinator's endpoint for the broker's own actors
+    # What this actor supports beyond the base protocol, e.g. "replication" (PROTOCOL.md s.8.1).
+    features: list = dataclasses.field(default_factory=list)
 
 
 @request("status")

@@ -262,7 +262,8 @@ class CoordinatorShell:
                 self.reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
                                                actor="group-coordinator",
                                                limits={"max_header_bytes": codec.MAX_HEADER_BYTES},
-                                               internal_endpoint=self.internal_endpoint))
+                                               internal_endpoint=self.internal_endpoint,
+                                               features=["replication"]))
             elif op == "metadata":
                 self.reply(token, m.MetadataReply(topics=self.topics.metadata(msg.topics)))
             elif op == "list_topics":
