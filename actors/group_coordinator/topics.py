@@ -151,6 +151,12 @@ class TopicRegistry:
         # write_id -> (the partition states it records, the effects held until it is durable)
         self._writes: dict[int, tuple[list[tuple[Key, ReplicaSet]], list]] = {}
         self._write_ids = 0
+        # After a restart no actor has registered yet: the replicas of restored partitions
+        # count as live until they have had actor_timeout_ms to do so, or every partition
+        # would change leader to whichever replica registered first.
+        self._restored = False
+        self._grace_until_ms: int | None = None
+        self._now_ms = 0
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -179,6 +185,7 @@ class TopicRegistry:
             if (t, p) in self.partitions:
                 self.partitions[(t, p)].owner = owner
                 self.partitions[(t, p)].storage_id = storage
+        self._restored = bool(snapshot.get("replicated"))
         for t, p, replicas, leader, leader_epoch, isr in snapshot.get("replicated", []):
             if (t, p) in self.partitions and "min_insync" in self.topics[t]:
                 part = self.partitions[(t, p)]
@@ -299,8 +306,24 @@ class TopicRegistry:
         return [ctl.Candidate(a, self.actors[a].storage_id, ctl.host_of(self.actors[a].endpoint),
                               self.actors[a].rack, replicas[a], leaders[a]) for a in sorted(replicas)]
 
+    def _clock(self, now_ms: int) -> bool:
+        """Note the time; True once, when the post-restart grace ends."""
+        self._now_ms = now_ms
+        if not self._restored:
+            return False
+        if self._grace_until_ms is None:
+            self._grace_until_ms = now_ms + self.actor_timeout_ms
+        if now_ms < self._grace_until_ms:
+            return False
+        self._restored = False
+        return True
+
     def _live(self) -> set[str]:
-        return {a for a, info in self.actors.items() if info.alive}
+        live = {a for a, info in self.actors.items() if info.alive}
+        if self._restored:  # still in the grace after a restart: not seen is not dead yet
+            live |= {a for part in self.partitions.values() if part.replication is not None
+                     for a in part.replication.replicas if a not in self.actors}
+        return live
 
     def _reelect(self, only_actor: str | None = None, restarted: str | None = None) -> list:
         """Re-decide every replicated partition's leader (those `only_actor` holds, if given),
@@ -432,6 +455,7 @@ class TopicRegistry:
                  now_ms: int, not_open: list | None = None, not_open_count: int = 0, rack: str | None = None,
                  replica_states: list | None = None) -> list:
         """A partition actor's (re-)registration, once a second. Returns effects."""
+        self._clock(now_ms)
         info = self.actors.get(actor_id)
         if info is None and len(self.actors) >= MAX_ACTORS:
             self._forget_dead(now_ms, older_than_ms=0)
@@ -481,6 +505,8 @@ class TopicRegistry:
 
     def tick(self, now_ms: int) -> list:
         effects: list = []
+        if self._clock(now_ms):
+            effects += self._reelect()  # replicas that never registered since the restart are dead
         for info in self.actors.values():
             if info.alive and now_ms - info.last_seen_ms > self.actor_timeout_ms:
                 info.alive = False

@@ -330,3 +330,16 @@ def test_a_restarted_leader_hands_over_and_a_restarted_follower_leaves_the_isr()
     assert (state(reg).leader, state(reg).leader_epoch, state(reg).isr) == ("c", 2, ("c",))
     # A registration of the same process changes nothing.
     assert reg.register("c", reg.actors["c"].endpoint, reg.actors["c"].storage_id, 997, [], 13) == []
+
+
+def test_a_restarted_coordinator_waits_for_the_leaders_to_register_before_electing():
+    reg = created()
+    again = TopicRegistry(actor_timeout_ms=TIMEOUT)
+    again.restore(reg.snapshot())
+    # b registers first: a, the leader, has not yet, which is no reason to depose it.
+    b = reg.actors["b"]
+    assert not any(isinstance(e, WriteMetadata) for e in again.register("b", b.endpoint, b.storage_id, b.pid, [], 0))
+    assert again.tick(TIMEOUT - 1) == []
+    # a never comes back within the actor timeout: now it is dead, and b leads.
+    confirm(again, again.tick(TIMEOUT))
+    assert (state(again).leader, state(again).leader_epoch) == ("b", 1)
