@@ -69,3 +69,39 @@ def test_builtin_actors_sharing_one_directory_cannot_hold_two_replicas(broker_pa
 def broker_pair(start):
     """Two built-in actors in today's layout: one shared <data>/partitions."""
     return start(partition_actors=2)
+
+
+def _wait_for(check, timeout: float = 60.0):
+    """Poll `check()` until it returns something truthy (the broker says so), or fail."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"not reached within {timeout} s: {check()!r}")
+
+
+def test_a_sigkilled_leader_loses_its_leadership_to_an_isr_member_at_a_new_epoch(start):
+    import os
+    import signal
+    broker = start(partition_actors=3, extra_args=("--actor-dirs",))
+    with Admin(broker.url) as admin:
+        admin.create_topic("failover", partitions=1, replication_factor=3)
+        before = admin.describe_topic("failover")["partitions"][0]
+        victim = next(a for a in admin.status()["actors"] if a.get("actor_id") == before["leader"])
+        os.kill(victim["pid"], signal.SIGKILL)
+        # The supervisor restarts it: a new process, which may have lost its unsynced
+        # tail, so it leads no more (and leaves the ISR until its leader re-admits it).
+        after = _wait_for(lambda: (lambda p: p if p["leader_epoch"] > before["leader_epoch"] else None)(
+            admin.describe_topic("failover")["partitions"][0]))
+        assert after["leader"] != before["leader"] and after["leader"] in before["isr"]
+        assert after["leader_epoch"] == before["leader_epoch"] + 1
+        assert after["replicas"] == before["replicas"]
+        meta = admin.metadata(["failover"])[0]["partitions"][0]
+        assert meta["actor_id"] == after["leader"] and meta["leader_epoch"] >= after["leader_epoch"]
+        # Under-replicated until the restarted replica is re-admitted (once partition actors
+        # replicate, that may already have happened), never below min_insync.
+        for row in admin.status()["under_replicated"]:
+            assert row["leader"] == after["leader"] and not row["below_min_insync"]
