@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tests.integration.test_cli_and_clients import cli
+from tests.support.waiting import wait_for
 from zbroker.client import Admin
 from zbroker.protocol.errors import NotEnoughReplicas
 
@@ -71,18 +72,6 @@ def broker_pair(start):
     return start(partition_actors=2)
 
 
-def _wait_for(check, timeout: float = 60.0):
-    """Poll `check()` until it returns something truthy (the broker says so), or fail."""
-    import time
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"not reached within {timeout} s: {check()!r}")
-
-
 def test_a_sigkilled_leader_loses_its_leadership_to_an_isr_member_at_a_new_epoch(start):
     import os
     import signal
@@ -94,8 +83,8 @@ def test_a_sigkilled_leader_loses_its_leadership_to_an_isr_member_at_a_new_epoch
         os.kill(victim["pid"], signal.SIGKILL)
         # The supervisor restarts it: a new process, which may have lost its unsynced
         # tail, so it leads no more (and leaves the ISR until its leader re-admits it).
-        after = _wait_for(lambda: (lambda p: p if p["leader_epoch"] > before["leader_epoch"] else None)(
-            admin.describe_topic("failover")["partitions"][0]))
+        after = wait_for(lambda: (lambda p: p if p["leader_epoch"] > before["leader_epoch"] else None)(
+            admin.describe_topic("failover")["partitions"][0]), 60, "a new leader epoch")
         assert after["leader"] != before["leader"] and after["leader"] in before["isr"]
         assert after["leader_epoch"] == before["leader_epoch"] + 1
         assert after["replicas"] == before["replicas"]
