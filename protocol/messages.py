@@ -272,6 +272,8 @@ class HelloReply(Message):
     actor: str
     limits: dict
     internal_endpoint: str | None = None  # the coordinator's endpoint for the broker's own actors
+    # What this actor supports beyond the base protocol, e.g. "replication" (PROTOCOL.md s.8.1).
+    features: list = dataclasses.field(default_factory=list)
 
 
 @request("status")
@@ -281,8 +283,11 @@ class Status(Message):
 
 @reply("status")
 class StatusReply(Message):
+    """under_replicated: [{"topic", "partition", "leader", "leader_epoch", "replicas", "isr", "min_insync",
+    "below_min_insync", "offline"}] for replicated partitions short of replicas in sync or of a leader."""
     actors: list
     healthy: bool = True
+    under_replicated: list = dataclasses.field(default_factory=list)
 
 
 # ======================================================================================
@@ -306,14 +311,23 @@ class MetadataReply(Message):
 
 @request("create_topic")
 class CreateTopic(Message):
+    """replication_factor R > 1 places R replicas on actors with distinct data directories;
+    min_insync (default min(2, R)) is how many must hold a record before it is acknowledged."""
     topic: str
     partitions: int = 1
     config: dict | None = None
+    replication_factor: int = 1
+    min_insync: int | None = None
 
     def check(self) -> None:
         if not (1 <= self.partitions <= 10_000):
             raise ProtocolError("'partitions' must be between 1 and 10000", op="create_topic",
                                 field="partitions", got=self.partitions)
+        if self.replication_factor < 1 or (self.min_insync is not None
+                                           and not 1 <= self.min_insync <= self.replication_factor):
+            raise ProtocolError("'replication_factor' must be >= 1 and 'min_insync' between 1 and it",
+                                op="create_topic", field="min_insync", got=self.min_insync,
+                                replication_factor=self.replication_factor)
 
 
 @reply("create_topic")
@@ -340,7 +354,8 @@ class DescribeTopic(Message):
 
 @reply("describe_topic")
 class DescribeTopicReply(Message):
-    """partitions: [{"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint"}]"""
+    """partitions: [{"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint", "leader",
+    "leader_epoch", "replicas", "isr", "high_watermark", "replica_log_ends", "min_insync"}]"""
     topic: str
     partitions: list
     config: dict
@@ -674,6 +689,10 @@ class Register(Message):
     partitions: list
     not_open: list = dataclasses.field(default_factory=list)
     not_open_count: int = 0
+    # Replica placement prefers distinct racks (zbroker partition --rack).
+    rack: str | None = None
+    # [[topic, partition, leader_epoch, log_end, high_watermark]] for every replica it holds.
+    replica_states: list = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
         if len(self.not_open) > MAX_NOT_OPEN_LISTED:
@@ -699,8 +718,11 @@ def check_assignment(op: str, assignment: list, field: str = "assignment") -> No
 
 @reply("register")
 class RegisterReply(Message):
-    """assignment: [[topic, partition, config], ...] the actor should own."""
+    """assignment: [[topic, partition, config], ...] the actor should own; replicas and
+    coordinator_epoch as in `Assign`."""
     assignment: list
+    replicas: list = dataclasses.field(default_factory=list)
+    coordinator_epoch: int = 0
 
     def check(self) -> None:
         check_assignment("register", self.assignment)
@@ -708,9 +730,11 @@ class RegisterReply(Message):
 
 @request("report", tell=True)
 class Report(Message):
-    """Log-end report. partitions: [[topic, partition, log_start, log_end, bytes], ...]"""
+    """Log-end report. partitions: [[topic, partition, log_start, log_end, bytes], ...];
+    replica_states as in `Register`."""
     actor_id: str
     partitions: list
+    replica_states: list = dataclasses.field(default_factory=list)
 
 
 @request("deregister", tell=True)
@@ -723,8 +747,14 @@ class Deregister(Message):
 
 @request("assign")
 class Assign(Message):
-    """Coordinator -> partition actor: the full set it should own. [[topic, partition, config]]"""
+    """Coordinator -> partition actor: the full set it should own. [[topic, partition, config]]
+
+    replicas: [[topic, partition, state]] for the replicated ones among them, state =
+    {"leader_epoch", "leader", "leader_endpoint", "replicas", "isr", "min_insync",
+    "replica_endpoints"}; coordinator_epoch: the lease epoch the coordinator decided under."""
     assignment: list
+    replicas: list = dataclasses.field(default_factory=list)
+    coordinator_epoch: int = 0
 
     def check(self) -> None:
         check_assignment("assign", self.assignment)
@@ -733,6 +763,46 @@ class Assign(Message):
 @reply("assign")
 class AssignReply(Message):
     partitions: list
+
+
+@request("alter_isr")
+class AlterIsr(Message):
+    """Partition leader -> coordinator: the ISR it proposes at its leader epoch."""
+    topic: str
+    partition: int
+    leader_epoch: int
+    isr: list
+
+
+@reply("alter_isr")
+class AlterIsrReply(Message):
+    """The state the controller recorded (the leader adopts it)."""
+    topic: str
+    partition: int
+    leader_epoch: int
+    isr: list
+
+
+@request("reassign_partition")
+class ReassignPartition(Message):
+    """Admin: move a replicated partition to `replicas` (actor ids) online."""
+    topic: str
+    partition: int
+    replicas: list
+
+    def check(self) -> None:
+        if not self.replicas or not all(isinstance(r, str) and r for r in self.replicas):
+            raise ProtocolError("'replicas' must be a non-empty list of actor ids", op=self.op, field="replicas")
+
+
+@reply("reassign_partition")
+class ReassignPartitionReply(Message):
+    """replicas: the set now (target + replicas leaving while the move runs); done once it is target."""
+    topic: str
+    partition: int
+    replicas: list
+    target: list
+    done: bool = False
 
 
 # ======================================================================================

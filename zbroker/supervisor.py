@@ -68,6 +68,16 @@ class BrokerConfig:
     offsets_url: str | None = None  # default: sqlite:///<data_dir>/offsets.sqlite3
     log_level: str = "info"
     curve_dir: str | None = None  # CurveZMQ keys (actors/security.py); None = no encryption
+    rack: str | None = None  # the built-in partition actors' rack (replica placement)
+    # Each built-in partition actor on its own data directory, so that replicas of one
+    # partition can sit on several of them (they never share one). Off: all share
+    # <data>/partitions and split its partitions, as before replication.
+    actor_dirs: bool = False
+    unclean_leader_election: bool = False
+
+    def partition_dir(self, data: Path, i: int) -> Path:
+        """p0 keeps <data>/partitions either way, so turning actor_dirs on moves nothing of it."""
+        return data / "partitions" if i == 0 or not self.actor_dirs else data / f"partitions-p{i}"
 
     @property
     def coordinator_endpoint(self) -> str:
@@ -163,7 +173,8 @@ class Supervisor:
                     "internal_endpoint": config.bind_endpoint(config.port + 1),
                     "data_dir": str(data / "coordinator"), "log_level": config.log_level,
                     "curve_dir": config.curve_dir, "bound_file": self.coordinator_bound,
-                    "advertise_host": config.advertise_host}),
+                    "advertise_host": config.advertise_host,
+                    "unclean_leader_election": config.unclean_leader_election}),
             _Child("commit-writer", "zbroker.actors.commit_writer.shell:run",
                    {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
                     "log_level": config.log_level, "curve_dir": config.curve_dir}),
@@ -171,9 +182,9 @@ class Supervisor:
         for i in range(config.partition_actors):
             self.children.append(_Child(
                 f"partition-{i}", "zbroker.actors.partition_log.shell:run",
-                {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(data / "partitions"),
+                {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(config.partition_dir(data, i)),
                  "bind": config.partition_bind(i), "advertise_host": config.advertise_host, "fsync": config.fsync,
-                 "log_level": config.log_level, "curve_dir": config.curve_dir}))
+                 "log_level": config.log_level, "curve_dir": config.curve_dir, "rack": config.rack}))
 
     def _start(self, child: _Child) -> None:
         wait_for = None if child.name == "coordinator" else self.coordinator_bound
@@ -505,8 +516,9 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
                  fsync: str = "interval:1000", offsets_url: str | None = None, log_level: str = "warning",
                  wait: bool = True, log_file: str | Path | None = None, timeout: float = 30.0,
                  curve_dir: str | Path | None = None, host: str = "127.0.0.1",
-                 advertise_host: str | None = None) -> BrokerHandle:
-    """Start ``zbroker up`` as a subprocess; with ``port=0`` pick free ports."""
+                 advertise_host: str | None = None, extra_args: tuple[str, ...] = ()) -> BrokerHandle:
+    """Start ``zbroker up`` as a subprocess; with ``port=0`` pick free ports. ``extra_args`` go
+    to ``zbroker up`` as they are (``--actor-dirs``, ``--rack NAME``, ...)."""
     if port == 0:
         port = free_port_block(partition_actors + 2, host="0.0.0.0" if host == "*" else host)
     config = BrokerConfig(data_dir=str(data_dir), host=host, advertise_host=advertise_host, port=port,
@@ -520,6 +532,7 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
         cmd += ["--offsets", offsets_url]
     if curve_dir:
         cmd += ["--curve", str(curve_dir)]
+    cmd += list(extra_args)
     stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
     try:
         process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)

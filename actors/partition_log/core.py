@@ -628,14 +628,14 @@ class PartitionActorCore:
     def registered(self) -> bool:
         return self._unanswered_since_ms is None
 
-    def registration(self, *, endpoint: str, storage_id: str, pid: int) -> m.Register:
+    def registration(self, *, endpoint: str, storage_id: str, pid: int, rack: str | None = None) -> m.Register:
         # The partitions it was given but could not open go too, with why, so that
         # `zbroker status` says what only this actor's log would otherwise say.
         not_open = [[t, p, self._why_not_open.get((t, p), "opening")]
                     for (t, p) in sorted(self._wanted)[:m.MAX_NOT_OPEN_LISTED]]
         return m.Register(actor_id=self.actor_id, endpoint=endpoint, storage_id=storage_id, pid=pid,
                           partitions=self.partition_reports(self.logs), not_open=not_open,
-                          not_open_count=len(self._wanted))
+                          not_open_count=len(self._wanted), rack=rack)
 
     def take_report(self, now_ms: int) -> m.Report | None:
         """Log ends of the partitions that changed since the last report, if any and if the

@@ -118,8 +118,10 @@ def storage_id_for(data_dir: Path) -> str:
 
 def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://127.0.0.1:0",
         advertise_host: str | None = None, fsync: str = "interval:1000", log_level: str = "info",
-        max_batch_bytes: int = Limits.max_batch_bytes, curve_dir: str | None = None) -> None:
-    """Process main. Runs until SIGTERM/SIGINT, then drains and exits 0."""
+        max_batch_bytes: int = Limits.max_batch_bytes, curve_dir: str | None = None,
+        rack: str | None = None) -> None:
+    """Process main. Runs until SIGTERM/SIGINT, then drains and exits 0. ``rack`` names the
+    failure domain this actor is in: replicas of a partition are spread over racks first."""
     log = runtime.configure_logging(log_level, actor="partition-log", actor_id=actor_id)
     open_files = runtime.raise_open_file_limit()
     stop = runtime.StopFlag().install()
@@ -164,7 +166,8 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         # refused frames did through their errors' tracebacks, see core.handle): with
         # the young generation collected every 50,000 allocations, 100,000 fuzzed
         # frames held 100 MiB (tests/fuzz).
-        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl, sync_failures, coordinator)
+        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl, sync_failures, coordinator,
+              rack)
         syncer.shutdown(wait=True)  # background fsyncs finish before the final one in close()
         for effect in core.close():
             _apply(effect, router, dealer, log)
@@ -192,7 +195,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
 
 def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
           storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
-          sync_failures: list, coordinator: str = "") -> None:
+          sync_failures: list, coordinator: str = "", rack: str | None = None) -> None:
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
@@ -206,7 +209,8 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
             corr += 1
             # A registration the coordinator's queue refuses is dropped: the next one is a second away.
             runtime.send_reply(dealer, None, codec.encode_request(
-                core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid), corr), what="registration")
+                core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid, rack=rack), corr),
+                what="registration")
             unanswered_ms = core.registration_sent(now)
             if unanswered_ms is not None:
                 log.warning("coordinator.registration_unanswered", unanswered_ms=unanswered_ms, coordinator=coordinator,

@@ -155,8 +155,15 @@ class AsyncAdmin:
     def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0) -> None:
         self.conn = AsyncConnection(url, request_timeout=request_timeout)
 
-    async def create_topic(self, name: str, partitions: int = 1, config: dict | None = None) -> dict:
-        return (await self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config))).to_fields()
+    async def create_topic(self, name: str, partitions: int = 1, config: dict | None = None, *,
+                           replication_factor: int = 1, min_insync: int | None = None) -> dict:
+        return (await self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config,
+                                                          replication_factor=replication_factor,
+                                                          min_insync=min_insync))).to_fields()
+
+    async def reassign_partition(self, topic: str, partition: int, replicas: list[str]) -> dict:
+        return (await self.conn.coordinator(m.ReassignPartition(topic=topic, partition=partition,
+                                                                replicas=replicas))).to_fields()
 
     async def list_topics(self) -> list[str]:
         return (await self.conn.coordinator(m.ListTopics())).topics
