@@ -288,7 +288,9 @@ class Replica:
         return reply, data, effects
 
     def _diverging(self, msg: m.ReplicaFetch, log_end: int) -> dict | None:
-        if msg.fetch_offset == 0 and msg.last_fetched_epoch == NO_EPOCH:
+        if msg.last_fetched_epoch == NO_EPOCH:
+            # The follower holds no record (an empty log, perhaps started at our log start
+            # after a lost disk): nothing to part from.
             return None
         epoch, end = self.log.epochs.end_offset_for(msg.last_fetched_epoch, log_end)
         if epoch == NO_EPOCH:
