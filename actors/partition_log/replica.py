@@ -136,6 +136,7 @@ class Replica:
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
         self._epoch_start = 0
+        self.reported_hw = -1  # the HW the owner last published (reports, waiting consumers)
         if state.leader == actor_id and log.epochs.latest_epoch >= state.leader_epoch:
             # This replica may have led this very epoch before it restarted, and lost the
             # unsynced tail its followers already copied: leading it again would write other
@@ -191,6 +192,15 @@ class Replica:
         self.deposed = False
         self._start(now_ms)
         return self._advance(effects)
+
+    def not_leader_error(self) -> NotLeader:
+        """NOT_LEADER with data.leader, for a produce or fetch sent to this replica."""
+        return self._not_leader()
+
+    def drop_held(self) -> list:
+        """The tokens of every held produce, now forgotten (the partition leaves this actor)."""
+        held, self._held = self._held, []
+        return [token for _end, _seq, token in sorted(held)]
 
     def _not_leader(self, state: ReplicaState | None = None) -> NotLeader:
         state = state or self.state
