@@ -256,6 +256,9 @@ class HelloReply(Message):
     actor: str
     limits: dict
     internal_endpoint: str | None = None  # the coordinator's endpoint for the broker's own actors
+    # What the answering actor supports beyond the base protocol ("replication", ...); older
+    # actors send none, and a client treats a missing feature as absent.
+    features: list = dataclasses.field(default_factory=list)
 
 
 @request("status")

@@ -446,7 +446,7 @@ class PartitionActorCore:
             if op == "hello":
                 return [Reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
                                                    actor=f"partition-log:{self.actor_id}",
-                                                   limits=self.limits.to_dict()))]
+                                                   limits=self.limits.to_dict(), features=["replication"]))]
             if op == "status":
                 return [Reply(token, m.StatusReply(actors=[self.status(now_ms)]))]
             if op == "assign":
