@@ -272,7 +272,8 @@ class HelloReply(Message):
     actor: str
     limits: dict
     internal_endpoint: str | None = None  # the coordinator's endpoint for the broker's own actors
-    # What this actor supports beyond the base protocol, e.g. "replication" (PROTOCOL.md s.8.1).
+    # What the answering actor supports beyond the base protocol ("replication", ...); older
+    # actors send none, and a client treats a missing feature as absent.
     features: list = dataclasses.field(default_factory=list)
 
 
@@ -695,6 +696,7 @@ class Register(Message):
     replica_states: list = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
+        check_replica_states(self.op, self.replica_states)
         if len(self.not_open) > MAX_NOT_OPEN_LISTED:
             raise ProtocolError("register lists too many partitions not open", op=self.op, field="not_open",
                                 limit=MAX_NOT_OPEN_LISTED, got=len(self.not_open))
@@ -726,6 +728,29 @@ class RegisterReply(Message):
 
     def check(self) -> None:
         check_assignment("register", self.assignment)
+        check_replicas("register", self.replicas)
+
+
+REPLICA_STATE_KEYS = {"leader_epoch": int, "leader": (str, type(None)), "leader_endpoint": (str, type(None)),
+                      "replicas": list, "isr": list, "min_insync": int, "replica_endpoints": dict}
+
+
+def check_replicas(op: str, replicas: list) -> None:
+    """Each item is [topic, partition, state], state a map with REPLICA_STATE_KEYS."""
+    for i, item in enumerate(replicas):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and _is_int(item[1])
+                and isinstance(item[2], dict)):
+            raise ProtocolError("replicas items must be [topic, partition, state]", op=op, index=i)
+        state = item[2]
+        for key, kind in REPLICA_STATE_KEYS.items():
+            value = state.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ProtocolError(f"replica state field {key!r} is missing or has the wrong type", op=op,
+                                    index=i, field=key)
+        if state["leader_epoch"] < 0 or state["min_insync"] < 1 or not all(
+                isinstance(r, str) for r in state["replicas"] + state["isr"]):
+            raise ProtocolError("replica state needs leader_epoch >= 0, min_insync >= 1 and actor ids",
+                                op=op, index=i)
 
 
 @request("report", tell=True)
@@ -735,6 +760,94 @@ class Report(Message):
     actor_id: str
     partitions: list
     replica_states: list = dataclasses.field(default_factory=list)
+
+    def check(self) -> None:
+        check_replica_states(self.op, self.replica_states)
+
+
+def check_replica_states(op: str, states: list) -> None:
+    for i, item in enumerate(states):
+        if not (isinstance(item, list) and len(item) == 5 and isinstance(item[0], str)
+                and all(_is_int(x) for x in item[1:])):
+            raise ProtocolError("replica_states items must be [topic, partition, leader_epoch, log_end, "
+                                "high_watermark]", op=op, index=i)
+
+
+# ======================================================================================
+# Internal: replication (follower -> leader, leader -> coordinator)
+# ======================================================================================
+
+@request("replica_fetch")
+class ReplicaFetch(Message):
+    """Follower -> leader: the stored batches from fetch_offset, which is also the
+    follower's log end. last_fetched_epoch: the epoch of the follower's record at
+    fetch_offset - 1 (-1 for none), so the leader can tell it where they diverge."""
+    topic: str
+    partition: int
+    replica_id: str
+    leader_epoch: int
+    fetch_offset: int
+    last_fetched_epoch: int
+    max_bytes: int = 1 << 20
+    max_wait_ms: int = 0
+
+    def check(self) -> None:
+        _nonneg(self.op, partition=self.partition, leader_epoch=self.leader_epoch,
+                fetch_offset=self.fetch_offset, max_bytes=self.max_bytes, max_wait_ms=self.max_wait_ms)
+        if self.max_wait_ms > MAX_WAIT_MS:
+            raise ProtocolError(f"'max_wait_ms' must be at most {MAX_WAIT_MS}", op=self.op, field="max_wait_ms")
+
+
+@reply("replica_fetch")
+class ReplicaFetchReply(Message):
+    """Payload frames: stored batches from fetch_offset (none when diverging). epochs:
+    [[epoch, start_offset]] describing the returned range. diverging: {"epoch",
+    "end_offset"} when the follower's log parts from the leader's below fetch_offset."""
+    topic: str
+    partition: int
+    leader_epoch: int
+    high_watermark: int
+    log_start: int
+    log_end: int
+    epochs: list = dataclasses.field(default_factory=list)
+    diverging: dict | None = None
+
+    def check(self) -> None:
+        for i, entry in enumerate(self.epochs):
+            if not (isinstance(entry, list) and len(entry) == 2 and all(_is_int(x) and x >= 0 for x in entry)):
+                raise ProtocolError("epochs items must be [epoch, start_offset]", op=self.op, index=i)
+        if self.diverging is not None and not (_is_int(self.diverging.get("epoch"))
+                                               and _is_int(self.diverging.get("end_offset"))):
+            raise ProtocolError("diverging must be {epoch, end_offset}", op=self.op, field="diverging")
+
+
+@request("alter_isr")
+class AlterIsr(Message):
+    """Partition leader -> coordinator: the ISR it proposes (shrink or expand)."""
+    topic: str
+    partition: int
+    leader_epoch: int
+    isr: list
+
+    def check(self) -> None:
+        _check_actor_ids(self.op, self.isr)
+
+
+@reply("alter_isr")
+class AlterIsrReply(Message):
+    """The ISR the controller has recorded; the leader adopts it."""
+    topic: str
+    partition: int
+    leader_epoch: int
+    isr: list
+
+    def check(self) -> None:
+        _check_actor_ids(self.op, self.isr)
+
+
+def _check_actor_ids(op: str, ids: list) -> None:
+    if not ids or not all(isinstance(x, str) for x in ids):
+        raise ProtocolError("'isr' must be a non-empty list of actor ids", op=op, field="isr")
 
 
 @request("deregister", tell=True)
@@ -749,38 +862,21 @@ class Deregister(Message):
 class Assign(Message):
     """Coordinator -> partition actor: the full set it should own. [[topic, partition, config]]
 
-    replicas: [[topic, partition, state]] for the replicated ones among them, state =
-    {"leader_epoch", "leader", "leader_endpoint", "replicas", "isr", "min_insync",
-    "replica_endpoints"}; coordinator_epoch: the lease epoch the coordinator decided under."""
+    replicas: [[topic, partition, state]] for the replicated ones among them (see
+    `check_replicas`); coordinator_epoch: the sender's lease epoch (0 from a coordinator
+    that predates replication), the actor refuses one below the highest it has seen."""
     assignment: list
-    replicas: list = dataclasses.field(default_factory=list)
     coordinator_epoch: int = 0
+    replicas: list = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
         check_assignment("assign", self.assignment)
+        check_replicas("assign", self.replicas)
 
 
 @reply("assign")
 class AssignReply(Message):
     partitions: list
-
-
-@request("alter_isr")
-class AlterIsr(Message):
-    """Partition leader -> coordinator: the ISR it proposes at its leader epoch."""
-    topic: str
-    partition: int
-    leader_epoch: int
-    isr: list
-
-
-@reply("alter_isr")
-class AlterIsrReply(Message):
-    """The state the controller recorded (the leader adopts it)."""
-    topic: str
-    partition: int
-    leader_epoch: int
-    isr: list
 
 
 @request("reassign_partition")

@@ -93,7 +93,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     if not internal:
         raise SystemExit(f"error: the broker at {args.broker} did not name its internal endpoint")
     run(actor_id, internal, args.data, bind=args.bind, advertise_host=args.advertise_host, fsync=args.fsync,
-        log_level=args.log_level, curve_dir=args.curve, rack=args.rack)
+        log_level=args.log_level, curve_dir=args.curve, replica_lag_ms=args.replica_lag_ms, rack=args.rack)
     return 0
 
 
@@ -588,6 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="name or address clients dial for this actor (default: the host of --bind)")
     part.add_argument("--actor-id", default=None)
     part.add_argument("--fsync", default="interval:1000")
+    part.add_argument("--replica-lag-ms", type=int, default=10_000, metavar="MS",
+                      help="a follower this long behind the leader's log end is proposed out of the ISR")
     part.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     part.add_argument("--curve", default=None, metavar="DIR", help="the broker's CurveZMQ key directory")
     part.add_argument("--rack", default=None, metavar="NAME",

@@ -21,7 +21,9 @@ import zmq
 from zbroker.actors import runtime, security
 from zbroker.actors.wire import recv_frames
 from zbroker.actors.partition_log.core import (OUT_OF_FILES, FsyncPolicy, Limits, OpenFailed, OutOfFiles,
-                                       PartitionActorCore, Reply, ReplyError, detached, partitions_for_open_files)
+                                       PartitionActorCore, Reply, ReplyError, SendToCoordinator, SendToLeader,
+                                       detached, partitions_for_open_files)
+from zbroker.actors.partition_log.links import ReplicationLinks
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.messages import validate_topic_name
@@ -119,7 +121,7 @@ def storage_id_for(data_dir: Path) -> str:
 def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://127.0.0.1:0",
         advertise_host: str | None = None, fsync: str = "interval:1000", log_level: str = "info",
         max_batch_bytes: int = Limits.max_batch_bytes, curve_dir: str | None = None,
-        rack: str | None = None) -> None:
+        replica_lag_ms: int = 10_000, rack: str | None = None) -> None:
     """Process main. Runs until SIGTERM/SIGINT, then drains and exits 0. ``rack`` names the
     failure domain this actor is in: replicas of a partition are spread over racks first."""
     log = runtime.configure_logging(log_level, actor="partition-log", actor_id=actor_id)
@@ -136,7 +138,8 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
 
     core = PartitionActorCore(actor_id, open_log=LockedLogOpener(data), fsync=FsyncPolicy.parse(fsync),
                               limits=Limits(max_batch_bytes=max_batch_bytes), background_sync=background_sync,
-                              max_open_partitions=None if open_files is None else partitions_for_open_files(open_files))
+                              max_open_partitions=None if open_files is None else partitions_for_open_files(open_files),
+                              replica_lag_ms=replica_lag_ms)
     ctx = zmq.Context()
     keys = security.KeyRing(curve_dir) if curve_dir is not None else None  # "" is refused, not plaintext
     auth = security.start_authenticator(ctx, keys, log) if keys else None
@@ -199,6 +202,17 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
+    global _links
+    _links = ReplicationLinks(router.context, poller, log)
+    try:
+        _turns(core, router, dealer, endpoint, storage_id, stop, log, acl, sync_failures, coordinator, poller)
+    finally:
+        _links.close()
+
+
+def _turns(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
+           storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
+           sync_failures: list, coordinator: str, poller: zmq.Poller) -> None:
     corr = 0
     pid = os.getpid()
     while not stop.stopping:
@@ -244,6 +258,9 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
                 if frames is None:
                     break
                 _handle_from_coordinator(core, frames, now, router, dealer, log, wall=wall)
+        if core.replicas:
+            for effect in _links.on_ready(ready, core, now) + _links.expire(core, now):
+                _apply(effect, router, dealer, log)
         for effect in core.tick(now, wall_ms=wall):
             _apply(effect, router, dealer, log)
         for effect in core.end_turn(now):
@@ -284,9 +301,13 @@ def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, r
     if is_reply:
         if env.op == "register":
             core.registration_answered()
+        if env.op == "alter_isr":
+            for effect in _links.alter_isr_reply(env, core, now):
+                _apply(effect, router, dealer, log)
+            return
         if env.op == "register" and env.msg is not None:
             try:
-                effects = core.on_assign(env.msg.assignment, now, wall_ms=wall)
+                effects = core.accept_assignment(env.msg, now, wall_ms=wall)
             except (ZBrokerError, ValueError, TypeError) as err:
                 log.error("coordinator.bad_assignment", reason=str(err))
                 return
@@ -320,6 +341,9 @@ def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int
 
 
 def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> None:
+    if isinstance(effect, (SendToLeader, SendToCoordinator)):
+        _links.send(effect, dealer, wall_ms())
+        return
     route, corr_id, op = effect.token
     if effect.nth:  # a followed fetch's later reply: the core checked the id is an int that stays in range
         corr_id += effect.nth
@@ -334,6 +358,8 @@ def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> Non
 
 # Replies wait here for the end of the loop turn (`runtime.Outbox`); one per process.
 _outbox = runtime.Outbox()
+# The sockets to leaders (a follower's fetches) and the alter_isr bookkeeping; set by _loop.
+_links: ReplicationLinks | None = None
 
 
 def _send(route: tuple, frames: list, must_arrive: bool = False) -> None:
