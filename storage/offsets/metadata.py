@@ -166,6 +166,21 @@ class MetadataChanges:
             raise ProtocolError("a change set names each topic and each partition at most once",
                                 op="write_metadata")
 
+    @classmethod
+    def from_wire(cls, create_topics: list, update_topics: list, delete_topics: list,
+                  partitions: list) -> "MetadataChanges":
+        """From a ``write_metadata`` request's fields; ProtocolError for anything malformed."""
+        return cls(tuple(TopicMeta.from_wire(t) for t in create_topics),
+                   tuple(TopicMeta.from_wire(t) for t in update_topics),
+                   tuple((d[0], d[1]) for d in delete_topics),
+                   tuple(PartitionUpdate.from_wire(u) for u in partitions))
+
+    def to_wire(self) -> dict:
+        return {"create_topics": [t.to_wire() for t in self.create_topics],
+                "update_topics": [t.to_wire() for t in self.update_topics],
+                "delete_topics": [[n, i] for n, i in self.delete_topics],
+                "partitions": [u.to_wire() for u in self.partitions]}
+
     @property
     def empty(self) -> bool:
         return not (self.create_topics or self.update_topics or self.delete_topics or self.partitions)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 from hypothesis import event, given, settings
@@ -271,7 +272,8 @@ RATES = st.lists(st.floats(0.92, 1.08), min_size=3, max_size=3)
 OFFSETS = st.lists(st.floats(-1e6, 1e6), min_size=3, max_size=3)
 
 
-@settings(max_examples=200, deadline=None)
+# `make test` runs 200; `make test-fast` fewer (ZBROKER_MODEL_EXAMPLES, as test_model.py does).
+@settings(max_examples=int(os.environ.get("ZBROKER_MODEL_EXAMPLES", "200")), deadline=None)
 @given(RATES, OFFSETS, st.lists(OPS, min_size=40, max_size=250))
 def test_random_interleavings_keep_one_leader_no_stale_write_and_forward_epochs(rates, offsets, ops):
     cluster = Cluster(rates, offsets)
