@@ -114,8 +114,10 @@ WITH fence AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM written) AS changed, EXISTS (SELECT 1 FROM fence) AS current,
-       (SELECT epoch FROM {s}.{lease} WHERE id = 1) AS epoch
+       (SELECT epoch FROM {s}.{lease} WHERE id = 1 FOR SHARE) AS epoch
 """
+# The last FOR SHARE is for the error's data: locked, the row is read in its newest
+# version (the epoch that fenced us), not as the statement's snapshot saw it.
 
 # Take the lease if it is free or has expired by the server's clock (the epoch grows by
 # one and the history gets a row), renew it if the caller holds it and it has not
