@@ -130,7 +130,7 @@ class Leadership:
 
     def next_deadline(self) -> float:
         """When on_tick has something to do."""
-        due = [self._next_ask_ms if self._next_ask_ms is not None else 0.0]
+        due = [max(self._next_ask_ms if self._next_ask_ms is not None else -math.inf, self._wait_until_ms)]
         if self._inflight is not None:
             due = [self._inflight[1] + self.config.request_timeout_ms]
         if self.epoch is not None and self.deadline_ms is not None:

@@ -368,3 +368,14 @@ def test_a_store_that_went_back_in_time_is_not_followed_to_an_older_epoch():
 def test_settings_that_leave_no_time_to_renew_are_refused():
     with pytest.raises(ZBrokerError):
         LeadershipConfig(lease_ms=1000, renew_interval_ms=1000, safety_margin_ms=100)
+
+
+def test_next_deadline_names_the_next_ask_the_timeout_and_the_step_down():
+    core = Leadership("a", "tcp://a:1", CONFIG)
+    assert core.next_deadline() == -math.inf  # ask at once
+    (ask,) = core.on_tick(100)
+    assert core.next_deadline() == 100 + CONFIG.request_timeout_ms
+    core.on_lease_answer(ask.request_id, LeaseState("a", "e", 1, True, 5000), 150)
+    assert core.next_deadline() == 100 + CONFIG.renew_interval_ms
+    assert core.deadline_ms == 100 + 5000 - 500
+    assert [type(e) for e in core.on_tick(4600)] == [StepDown, RenewLease]  # nothing renewed it
