@@ -1011,3 +1011,70 @@ class LoadOffsetsReply(Message):
                     and all(isinstance(h, list) and len(h) == 2 and all(_is_int(x) for x in h) for h in r[4])):
                 raise ProtocolError("rows must be [group, topic, partition, committed, holes, generation, "
                                     "reset_epoch]", op="load_offsets", field="rows", index=i)
+
+
+# -- coordinator <-> commit writer: cluster metadata and the coordinator lease (issues 25, 26)
+# The writer is each node's only gateway to the store; the shapes of the lists are those of
+# storage/offsets/metadata.py (to_wire/from_wire), which checks them element by element.
+
+@request("coordinator_lease")
+class CoordinatorLease(Message):
+    """Coordinator -> writer: take or renew the coordinator lease (by the database's clock).
+
+    The writer adopts the answer's epoch for its fenced flushes when ``held``.
+    """
+    node_id: str
+    endpoint: str
+    lease_ms: int
+
+
+@reply("coordinator_lease")
+class CoordinatorLeaseReply(Message):
+    """The lease row as the database saw it: holder, epoch, whether the asker holds it, and
+    how long the holder's lease still runs by the database clock."""
+    holder: str | None
+    holder_endpoint: str | None
+    epoch: int
+    held: bool
+    remaining_ms: int
+
+
+@request("load_metadata")
+class LoadMetadata(Message):
+    """Coordinator -> writer: every topic and partition state in the store."""
+
+
+@reply("load_metadata")
+class LoadMetadataReply(Message):
+    """topics: [[name, partitions, config, replication_factor, min_insync, incarnation], ...]
+    partitions: [[topic, partition, replicas, leader, leader_epoch, isr], ...]"""
+    topics: list
+    partitions: list
+
+
+@request("write_metadata")
+class WriteMetadata(Message):
+    """Coordinator -> writer: one atomic change set, applied only while `coordinator_epoch` is
+    the lease's and every partition's stored leader epoch is the expected one.
+
+    create_topics, update_topics: topic lists as in LoadMetadataReply; delete_topics:
+    [[name, incarnation], ...]; partitions: [[topic, partition, replicas, leader,
+    leader_epoch, isr, expected_leader_epoch | nil], ...] (nil: a new partition).
+    """
+    coordinator_epoch: int
+    create_topics: list = dataclasses.field(default_factory=list)
+    update_topics: list = dataclasses.field(default_factory=list)
+    delete_topics: list = dataclasses.field(default_factory=list)
+    partitions: list = dataclasses.field(default_factory=list)
+
+    def check(self) -> None:
+        for i, d in enumerate(self.delete_topics):
+            if not (isinstance(d, list) and len(d) == 2 and isinstance(d[0], str) and _is_int(d[1])):
+                raise ProtocolError("delete_topics items must be [name, incarnation]", op=self.op,
+                                    field="delete_topics", index=i)
+
+
+@reply("write_metadata")
+class WriteMetadataReply(Message):
+    """applied: false when a condition failed; then nothing was written."""
+    applied: bool
