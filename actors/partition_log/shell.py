@@ -205,14 +205,14 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
     global _links
     _links = ReplicationLinks(router.context, poller, log)
     try:
-        _turns(core, router, dealer, endpoint, storage_id, stop, log, acl, sync_failures, coordinator, poller)
+        _turns(core, router, dealer, endpoint, storage_id, stop, log, acl, sync_failures, coordinator, poller, rack)
     finally:
         _links.close()
 
 
 def _turns(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
            storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
-           sync_failures: list, coordinator: str, poller: zmq.Poller) -> None:
+           sync_failures: list, coordinator: str, poller: zmq.Poller, rack: str | None = None) -> None:
     corr = 0
     pid = os.getpid()
     while not stop.stopping:
