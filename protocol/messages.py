@@ -274,7 +274,9 @@ class HelloReply(Message):
     actor: str
     limits: dict
     internal_endpoint: str | None = None  # the coordinator's endpoint for the broker's own actors
-    features: list = dataclasses.field(default_factory=list)  # what this actor supports, e.g. "key_shared"
+    # What the answering actor supports beyond the base protocol ("replication", ...); older
+    # actors send none, and a client treats a missing feature as absent.
+    features: list = dataclasses.field(default_factory=list)
 
 
 @request("status")
@@ -284,8 +286,11 @@ class Status(Message):
 
 @reply("status")
 class StatusReply(Message):
+    """under_replicated: [{"topic", "partition", "leader", "leader_epoch", "replicas", "isr", "min_insync",
+    "below_min_insync", "offline"}] for replicated partitions short of replicas in sync or of a leader."""
     actors: list
     healthy: bool = True
+    under_replicated: list = dataclasses.field(default_factory=list)
 
 
 # ======================================================================================
@@ -309,14 +314,23 @@ class MetadataReply(Message):
 
 @request("create_topic")
 class CreateTopic(Message):
+    """replication_factor R > 1 places R replicas on actors with distinct data directories;
+    min_insync (default min(2, R)) is how many must hold a record before it is acknowledged."""
     topic: str
     partitions: int = 1
     config: dict | None = None
+    replication_factor: int = 1
+    min_insync: int | None = None
 
     def check(self) -> None:
         if not (1 <= self.partitions <= 10_000):
             raise ProtocolError("'partitions' must be between 1 and 10000", op="create_topic",
                                 field="partitions", got=self.partitions)
+        if self.replication_factor < 1 or (self.min_insync is not None
+                                           and not 1 <= self.min_insync <= self.replication_factor):
+            raise ProtocolError("'replication_factor' must be >= 1 and 'min_insync' between 1 and it",
+                                op="create_topic", field="min_insync", got=self.min_insync,
+                                replication_factor=self.replication_factor)
 
 
 @reply("create_topic")
@@ -343,7 +357,8 @@ class DescribeTopic(Message):
 
 @reply("describe_topic")
 class DescribeTopicReply(Message):
-    """partitions: [{"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint"}]"""
+    """partitions: [{"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint", "leader",
+    "leader_epoch", "replicas", "isr", "high_watermark", "replica_log_ends", "min_insync"}]"""
     topic: str
     partitions: list
     config: dict
@@ -718,8 +733,13 @@ class Register(Message):
     partitions: list
     not_open: list = dataclasses.field(default_factory=list)
     not_open_count: int = 0
+    # Replica placement prefers distinct racks (zbroker partition --rack).
+    rack: str | None = None
+    # [[topic, partition, leader_epoch, log_end, high_watermark]] for every replica it holds.
+    replica_states: list = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
+        check_replica_states(self.op, self.replica_states)
         if len(self.not_open) > MAX_NOT_OPEN_LISTED:
             raise ProtocolError("register lists too many partitions not open", op=self.op, field="not_open",
                                 limit=MAX_NOT_OPEN_LISTED, got=len(self.not_open))
@@ -743,18 +763,134 @@ def check_assignment(op: str, assignment: list, field: str = "assignment") -> No
 
 @reply("register")
 class RegisterReply(Message):
-    """assignment: [[topic, partition, config], ...] the actor should own."""
+    """assignment: [[topic, partition, config], ...] the actor should own; replicas and
+    coordinator_epoch as in `Assign`."""
     assignment: list
+    replicas: list = dataclasses.field(default_factory=list)
+    coordinator_epoch: int = 0
 
     def check(self) -> None:
         check_assignment("register", self.assignment)
+        check_replicas("register", self.replicas)
+
+
+REPLICA_STATE_KEYS = {"leader_epoch": int, "leader": (str, type(None)), "leader_endpoint": (str, type(None)),
+                      "replicas": list, "isr": list, "min_insync": int, "replica_endpoints": dict}
+
+
+def check_replicas(op: str, replicas: list) -> None:
+    """Each item is [topic, partition, state], state a map with REPLICA_STATE_KEYS."""
+    for i, item in enumerate(replicas):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and _is_int(item[1])
+                and isinstance(item[2], dict)):
+            raise ProtocolError("replicas items must be [topic, partition, state]", op=op, index=i)
+        state = item[2]
+        for key, kind in REPLICA_STATE_KEYS.items():
+            value = state.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ProtocolError(f"replica state field {key!r} is missing or has the wrong type", op=op,
+                                    index=i, field=key)
+        if state["leader_epoch"] < 0 or state["min_insync"] < 1 or not all(
+                isinstance(r, str) for r in state["replicas"] + state["isr"]):
+            raise ProtocolError("replica state needs leader_epoch >= 0, min_insync >= 1 and actor ids",
+                                op=op, index=i)
 
 
 @request("report", tell=True)
 class Report(Message):
-    """Log-end report. partitions: [[topic, partition, log_start, log_end, bytes], ...]"""
+    """Log-end report. partitions: [[topic, partition, log_start, log_end, bytes], ...];
+    replica_states as in `Register`."""
     actor_id: str
     partitions: list
+    replica_states: list = dataclasses.field(default_factory=list)
+
+    def check(self) -> None:
+        check_replica_states(self.op, self.replica_states)
+
+
+def check_replica_states(op: str, states: list) -> None:
+    for i, item in enumerate(states):
+        if not (isinstance(item, list) and len(item) == 5 and isinstance(item[0], str)
+                and all(_is_int(x) for x in item[1:])):
+            raise ProtocolError("replica_states items must be [topic, partition, leader_epoch, log_end, "
+                                "high_watermark]", op=op, index=i)
+
+
+# ======================================================================================
+# Internal: replication (follower -> leader, leader -> coordinator)
+# ======================================================================================
+
+@request("replica_fetch")
+class ReplicaFetch(Message):
+    """Follower -> leader: the stored batches from fetch_offset, which is also the
+    follower's log end. last_fetched_epoch: the epoch of the follower's record at
+    fetch_offset - 1 (-1 for none), so the leader can tell it where they diverge."""
+    topic: str
+    partition: int
+    replica_id: str
+    leader_epoch: int
+    fetch_offset: int
+    last_fetched_epoch: int
+    max_bytes: int = 1 << 20
+    max_wait_ms: int = 0
+
+    def check(self) -> None:
+        _nonneg(self.op, partition=self.partition, leader_epoch=self.leader_epoch,
+                fetch_offset=self.fetch_offset, max_bytes=self.max_bytes, max_wait_ms=self.max_wait_ms)
+        if self.max_wait_ms > MAX_WAIT_MS:
+            raise ProtocolError(f"'max_wait_ms' must be at most {MAX_WAIT_MS}", op=self.op, field="max_wait_ms")
+
+
+@reply("replica_fetch")
+class ReplicaFetchReply(Message):
+    """Payload frames: stored batches from fetch_offset (none when diverging). epochs:
+    [[epoch, start_offset]] describing the returned range. diverging: {"epoch",
+    "end_offset"} when the follower's log parts from the leader's below fetch_offset."""
+    topic: str
+    partition: int
+    leader_epoch: int
+    high_watermark: int
+    log_start: int
+    log_end: int
+    epochs: list = dataclasses.field(default_factory=list)
+    diverging: dict | None = None
+
+    def check(self) -> None:
+        for i, entry in enumerate(self.epochs):
+            if not (isinstance(entry, list) and len(entry) == 2 and all(_is_int(x) and x >= 0 for x in entry)):
+                raise ProtocolError("epochs items must be [epoch, start_offset]", op=self.op, index=i)
+        if self.diverging is not None and not (_is_int(self.diverging.get("epoch"))
+                                               and _is_int(self.diverging.get("end_offset"))):
+            raise ProtocolError("diverging must be {epoch, end_offset}", op=self.op, field="diverging")
+
+
+@request("alter_isr")
+class AlterIsr(Message):
+    """Partition leader -> coordinator: the ISR it proposes (shrink or expand)."""
+    topic: str
+    partition: int
+    leader_epoch: int
+    isr: list
+
+    def check(self) -> None:
+        _check_actor_ids(self.op, self.isr)
+
+
+@reply("alter_isr")
+class AlterIsrReply(Message):
+    """The ISR the controller has recorded; the leader adopts it."""
+    topic: str
+    partition: int
+    leader_epoch: int
+    isr: list
+
+    def check(self) -> None:
+        _check_actor_ids(self.op, self.isr)
+
+
+def _check_actor_ids(op: str, ids: list) -> None:
+    if not ids or not all(isinstance(x, str) for x in ids):
+        raise ProtocolError("'isr' must be a non-empty list of actor ids", op=op, field="isr")
 
 
 @request("deregister", tell=True)
@@ -767,16 +903,45 @@ class Deregister(Message):
 
 @request("assign")
 class Assign(Message):
-    """Coordinator -> partition actor: the full set it should own. [[topic, partition, config]]"""
+    """Coordinator -> partition actor: the full set it should own. [[topic, partition, config]]
+
+    replicas: [[topic, partition, state]] for the replicated ones among them (see
+    `check_replicas`); coordinator_epoch: the sender's lease epoch (0 from a coordinator
+    that predates replication), the actor refuses one below the highest it has seen."""
     assignment: list
+    coordinator_epoch: int = 0
+    replicas: list = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
         check_assignment("assign", self.assignment)
+        check_replicas("assign", self.replicas)
 
 
 @reply("assign")
 class AssignReply(Message):
     partitions: list
+
+
+@request("reassign_partition")
+class ReassignPartition(Message):
+    """Admin: move a replicated partition to `replicas` (actor ids) online."""
+    topic: str
+    partition: int
+    replicas: list
+
+    def check(self) -> None:
+        if not self.replicas or not all(isinstance(r, str) and r for r in self.replicas):
+            raise ProtocolError("'replicas' must be a non-empty list of actor ids", op=self.op, field="replicas")
+
+
+@reply("reassign_partition")
+class ReassignPartitionReply(Message):
+    """replicas: the set now (target + replicas leaving while the move runs); done once it is target."""
+    topic: str
+    partition: int
+    replicas: list
+    target: list
+    done: bool = False
 
 
 # ======================================================================================
@@ -889,3 +1054,70 @@ class LoadOffsetsReply(Message):
                     and all(isinstance(h, list) and len(h) == 2 and all(_is_int(x) for x in h) for h in r[4])):
                 raise ProtocolError("rows must be [group, topic, partition, committed, holes, generation, "
                                     "reset_epoch]", op="load_offsets", field="rows", index=i)
+
+
+# -- coordinator <-> commit writer: cluster metadata and the coordinator lease (issues 25, 26)
+# The writer is each node's only gateway to the store; the shapes of the lists are those of
+# storage/offsets/metadata.py (to_wire/from_wire), which checks them element by element.
+
+@request("coordinator_lease")
+class CoordinatorLease(Message):
+    """Coordinator -> writer: take or renew the coordinator lease (by the database's clock).
+
+    The writer adopts the answer's epoch for its fenced flushes when ``held``.
+    """
+    node_id: str
+    endpoint: str
+    lease_ms: int
+
+
+@reply("coordinator_lease")
+class CoordinatorLeaseReply(Message):
+    """The lease row as the database saw it: holder, epoch, whether the asker holds it, and
+    how long the holder's lease still runs by the database clock."""
+    holder: str | None
+    holder_endpoint: str | None
+    epoch: int
+    held: bool
+    remaining_ms: int
+
+
+@request("load_metadata")
+class LoadMetadata(Message):
+    """Coordinator -> writer: every topic and partition state in the store."""
+
+
+@reply("load_metadata")
+class LoadMetadataReply(Message):
+    """topics: [[name, partitions, config, replication_factor, min_insync, incarnation], ...]
+    partitions: [[topic, partition, replicas, leader, leader_epoch, isr], ...]"""
+    topics: list
+    partitions: list
+
+
+@request("write_metadata")
+class WriteMetadata(Message):
+    """Coordinator -> writer: one atomic change set, applied only while `coordinator_epoch` is
+    the lease's and every partition's stored leader epoch is the expected one.
+
+    create_topics, update_topics: topic lists as in LoadMetadataReply; delete_topics:
+    [[name, incarnation], ...]; partitions: [[topic, partition, replicas, leader,
+    leader_epoch, isr, expected_leader_epoch | nil], ...] (nil: a new partition).
+    """
+    coordinator_epoch: int
+    create_topics: list = dataclasses.field(default_factory=list)
+    update_topics: list = dataclasses.field(default_factory=list)
+    delete_topics: list = dataclasses.field(default_factory=list)
+    partitions: list = dataclasses.field(default_factory=list)
+
+    def check(self) -> None:
+        for i, d in enumerate(self.delete_topics):
+            if not (isinstance(d, list) and len(d) == 2 and isinstance(d[0], str) and _is_int(d[1])):
+                raise ProtocolError("delete_topics items must be [name, incarnation]", op=self.op,
+                                    field="delete_topics", index=i)
+
+
+@reply("write_metadata")
+class WriteMetadataReply(Message):
+    """applied: false when a condition failed; then nothing was written."""
+    applied: bool

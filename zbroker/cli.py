@@ -28,6 +28,7 @@ DEFAULT_URL = os.environ.get("ZBROKER_URL", "tcp://127.0.0.1:7400")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what actors.runtime.configure_logging knows
 # How long an interrupted `produce` waits for the acknowledgements of what it read.
 INTERRUPTED_FLUSH_S = 5.0
+REASSIGN_POLL_S = 0.5  # how often `topics reassign` looks at the move
 
 
 def _b(value: bytes | None) -> str | dict | None:
@@ -71,6 +72,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     return serve(BrokerConfig(data_dir=args.data, host=args.host, advertise_host=args.advertise_host, port=args.port,
                               partition_actors=args.partition_actors, fsync=args.fsync,
                               offsets_url=args.offsets, log_level=args.log_level, curve_dir=args.curve,
+                              rack=args.rack, actor_dirs=args.actor_dirs,
+                              unclean_leader_election=args.unclean_leader_election,
                               http=args.http, http_token=args.http_token or os.environ.get("ZBROKER_HTTP_TOKEN")))
 
 
@@ -96,7 +99,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     if not internal:
         raise SystemExit(f"error: the broker at {args.broker} did not name its internal endpoint")
     run(actor_id, internal, args.data, bind=args.bind, advertise_host=args.advertise_host, fsync=args.fsync,
-        log_level=args.log_level, curve_dir=args.curve)
+        log_level=args.log_level, curve_dir=args.curve, replica_lag_ms=args.replica_lag_ms, rack=args.rack)
     return 0
 
 
@@ -119,8 +122,11 @@ def cmd_topics(args: argparse.Namespace) -> int:
         if args.topics_cmd == "create":
             config = {k: v for k, v in (("segment_bytes", args.segment_bytes), ("retention_bytes", args.retention_bytes),
                                         ("retention_ms", args.retention_ms)) if v is not None}
-            result = admin.create_topic(args.name, partitions=args.partitions, config=config or None)
-            print(json.dumps(result) if args.json else f"created topic {args.name} with {args.partitions} partition(s)")
+            result = admin.create_topic(args.name, partitions=args.partitions, config=config or None,
+                                        replication_factor=args.replication_factor, min_insync=args.min_insync)
+            replicated = f", replication factor {args.replication_factor}" if args.replication_factor > 1 else ""
+            print(json.dumps(result) if args.json
+                  else f"created topic {args.name} with {args.partitions} partition(s){replicated}")
         elif args.topics_cmd == "list":
             topics = admin.list_topics()
             print(json.dumps(topics) if args.json else "\n".join(topics))
@@ -130,7 +136,46 @@ def cmd_topics(args: argparse.Namespace) -> int:
                 print(json.dumps(result))
             else:
                 print(f"topic {result['topic']}  config {json.dumps(result['config'])}")
-                _print_table(result["partitions"], ["partition", "log_start", "log_end", "bytes", "actor_id", "endpoint"])
+                _print_table([_replica_row(p) for p in result["partitions"]],
+                             ["partition", "leader", "leader_epoch", "replicas", "isr", "log_start",
+                              "high_watermark", "bytes", "replica_log_ends", "endpoint"])
+        elif args.topics_cmd == "reassign":
+            return _reassign(admin, args)
+    return 0
+
+
+def _replica_row(p: dict) -> dict:
+    """A describe_topic partition as a table row; each replica's log end with its lag behind
+    the high watermark (an older coordinator sends none of the replica fields)."""
+    high = p.get("high_watermark", p["log_end"])
+    ends = p.get("replica_log_ends") or {}
+    lag = ",".join(f"{a}:{end}(lag {max(0, high - end)})" for a, end in ends.items())
+    return {"partition": p["partition"], "leader": p.get("leader", p.get("actor_id")) or "NONE",
+            "leader_epoch": p.get("leader_epoch", 0), "replicas": ",".join(p.get("replicas") or []),
+            "isr": ",".join(p.get("isr") or []), "log_start": p["log_start"], "high_watermark": high,
+            "bytes": p["bytes"], "replica_log_ends": lag, "endpoint": p.get("endpoint") or ""}
+
+
+def _reassign(admin: Any, args: argparse.Namespace) -> int:
+    """Start the move; unless --no-wait, follow it until the replica set is the target."""
+    replicas = [r for r in args.replicas.split(",") if r]
+    result = admin.reassign_partition(args.name, args.partition, replicas)
+    give_up = time.monotonic() + args.timeout
+    while not result["done"] and not args.no_wait:
+        if time.monotonic() > give_up:
+            print(f"error: {args.name}/{args.partition} still moving after {args.timeout:g} s "
+                  f"(replicas {','.join(result['replicas'])}): the move goes on; see topics describe",
+                  file=sys.stderr)
+            return 1
+        time.sleep(REASSIGN_POLL_S)
+        part = admin.describe_topic(args.name)["partitions"][args.partition]
+        result = {**result, "replicas": part["replicas"], "isr": part["isr"],
+                  "done": part["replicas"] == replicas}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        state = "moved" if result["done"] else "moving"
+        print(f"{args.name}/{args.partition} {state}: replicas {','.join(result['replicas'])}")
     return 0
 
 
@@ -460,7 +505,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     # on purpose) is listed until it is forgotten, but harms no one.
     unserved = [a for a in status["actors"] if a["kind"] == "partition-log"
                 and (a.get("not_open_count") or (not a.get("alive", a.get("healthy")) and a.get("partitions")))]
-    healthy = bool(status["healthy"]) and not unserved
+    under = status.get("under_replicated") or []
+    healthy = bool(status["healthy"]) and not unserved and not any(u["below_min_insync"] for u in under)
     if args.json:
         print(json.dumps(status))
         return 0 if healthy else 1
@@ -479,6 +525,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {topic}/{partition}: {reason}")
         if a["not_open_count"] > len(listed):
             print(f"  ... and {a['not_open_count'] - len(listed)} more")
+    if under:
+        print("\nunder-replicated partitions (below min_insync: produce refused; no leader: unavailable):")
+        _print_table([{"partition": f"{u['topic']}/{u['partition']}", "leader": u["leader"] or "NONE",
+                       "isr": ",".join(u["isr"]), "replicas": ",".join(u["replicas"]), "min_insync": u["min_insync"],
+                       "state": "OFFLINE" if u["offline"] else "BELOW MIN" if u["below_min_insync"] else "degraded"}
+                      for u in under], ["partition", "leader", "isr", "replicas", "min_insync", "state"])
     return 0 if healthy else 1
 
 
@@ -550,6 +602,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "loopback for a wildcard host); off to run none")
     up.add_argument("--http-token", default=None, metavar="TOKEN",
                     help="bearer token the console asks for (env ZBROKER_HTTP_TOKEN); needed off loopback")
+    up.add_argument("--rack", default=None, metavar="NAME", help="rack of the built-in partition actors")
+    up.add_argument("--actor-dirs", action="store_true",
+                    help="each built-in partition actor on its own data directory (<data>/partitions for p0, "
+                         "<data>/partitions-p<i> for the others), so replicas can sit on several; replicas on "
+                         "one host do not survive that host's loss")
+    up.add_argument("--unclean-leader-election", action="store_true",
+                    help="let a replica outside the ISR lead when the whole ISR is gone: available again, "
+                         "but LOSING acknowledged records")
     up.set_defaults(func=cmd_up)
 
     part = sub.add_parser("partition", help="start an extra partition-log actor that joins a broker")
@@ -560,8 +620,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="name or address clients dial for this actor (default: the host of --bind)")
     part.add_argument("--actor-id", default=None)
     part.add_argument("--fsync", default="interval:1000")
+    part.add_argument("--replica-lag-ms", type=int, default=10_000, metavar="MS",
+                      help="a follower this long behind the leader's log end is proposed out of the ISR")
     part.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     part.add_argument("--curve", default=None, metavar="DIR", help="the broker's CurveZMQ key directory")
+    part.add_argument("--rack", default=None, metavar="NAME",
+                      help="failure domain of this actor: replicas of a partition are spread over racks first")
     part.set_defaults(func=cmd_partition)
 
     keys = sub.add_parser("keygen", help="create CurveZMQ keys: the broker's pair and one pair per client")
@@ -577,9 +641,20 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--segment-bytes", type=int)
     create.add_argument("--retention-bytes", type=int)
     create.add_argument("--retention-ms", type=int)
+    create.add_argument("--replication-factor", type=_positive, default=1,
+                        help="replicas per partition, on actors with distinct data directories (default 1)")
+    create.add_argument("--min-insync", type=_positive, default=None,
+                        help="replicas that must hold a record before it is acknowledged (default min(2, R))")
     tsub.add_parser("list", parents=[inner])
     describe = tsub.add_parser("describe", parents=[inner])
     describe.add_argument("name")
+    reassign = tsub.add_parser("reassign", parents=[inner], help="move a replicated partition's replicas online")
+    reassign.add_argument("name")
+    reassign.add_argument("--partition", type=_non_negative, required=True)
+    reassign.add_argument("--replicas", required=True, help="actor ids, comma-separated, preferred leader first")
+    reassign.add_argument("--no-wait", action="store_true", help="start the move and return")
+    reassign.add_argument("--timeout", type=_non_negative_number, default=300.0,
+                          help="seconds to follow the move (default 300)")
     topics.set_defaults(func=cmd_topics)
 
     produce = client_cmd("produce", "produce lines from stdin, or synthetic records")

@@ -73,6 +73,12 @@ class BrokerConfig:
     # or None for the default, the coordinator's host at port + 80.
     http: str | None = None
     http_token: str | None = None  # a bearer token; required for a non-loopback bind
+    rack: str | None = None  # the built-in partition actors' rack (replica placement)
+    # Each built-in partition actor on its own data directory, so that replicas of one
+    # partition can sit on several of them (they never share one). Off: all share
+    # <data>/partitions and split its partitions, as before replication.
+    actor_dirs: bool = False
+    unclean_leader_election: bool = False
 
     def http_address(self) -> tuple[str, int] | None:
         """Where the console listens, or None with `--http off`."""
@@ -97,6 +103,10 @@ class BrokerConfig:
         if address is not None and not _loopback(address[0]) and not self.http_token:
             return f"--http {address[0]}:{address[1]} is not a loopback address: give --http-token"
         return None
+
+    def partition_dir(self, data: Path, i: int) -> Path:
+        """p0 keeps <data>/partitions either way, so turning actor_dirs on moves nothing of it."""
+        return data / "partitions" if i == 0 or not self.actor_dirs else data / f"partitions-p{i}"
 
     @property
     def coordinator_endpoint(self) -> str:
@@ -192,7 +202,8 @@ class Supervisor:
                     "internal_endpoint": config.bind_endpoint(config.port + 1),
                     "data_dir": str(data / "coordinator"), "log_level": config.log_level,
                     "curve_dir": config.curve_dir, "bound_file": self.coordinator_bound,
-                    "advertise_host": config.advertise_host}),
+                    "advertise_host": config.advertise_host,
+                    "unclean_leader_election": config.unclean_leader_election}),
             _Child("commit-writer", "zbroker.actors.commit_writer.shell:run",
                    {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
                     "log_level": config.log_level, "curve_dir": config.curve_dir}),
@@ -200,9 +211,9 @@ class Supervisor:
         for i in range(config.partition_actors):
             self.children.append(_Child(
                 f"partition-{i}", "zbroker.actors.partition_log.shell:run",
-                {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(data / "partitions"),
+                {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(config.partition_dir(data, i)),
                  "bind": config.partition_bind(i), "advertise_host": config.advertise_host, "fsync": config.fsync,
-                 "log_level": config.log_level, "curve_dir": config.curve_dir}))
+                 "log_level": config.log_level, "curve_dir": config.curve_dir, "rack": config.rack}))
 
         address = config.http_address() if config.http_error() is None else None
         if address is not None:
@@ -573,11 +584,12 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
                  wait: bool = True, log_file: str | Path | None = None, timeout: float = 30.0,
                  curve_dir: str | Path | None = None, host: str = "127.0.0.1",
                  advertise_host: str | None = None, http: str | None = "off",
-                 http_token: str | None = None) -> BrokerHandle:
+                 http_token: str | None = None, extra_args: tuple[str, ...] = ()) -> BrokerHandle:
     """Start ``zbroker up`` as a subprocess; with ``port=0`` pick free ports.
 
     ``http`` is `--http`: "off" by default here (most tests need no console), None
-    for `zbroker up`'s default (port + 80), or "HOST:PORT"."""
+    for `zbroker up`'s default (port + 80), or "HOST:PORT". ``extra_args`` go to
+    ``zbroker up`` as they are (``--actor-dirs``, ``--rack NAME``, ...)."""
     if port == 0:
         port = free_port_block(partition_actors + 2, host="0.0.0.0" if host == "*" else host)
     config = BrokerConfig(data_dir=str(data_dir), host=host, advertise_host=advertise_host, port=port,
@@ -596,6 +608,7 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
         cmd += ["--http", http]
     if http_token:
         cmd += ["--http-token", http_token]
+    cmd += list(extra_args)
     stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
     try:
         process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)

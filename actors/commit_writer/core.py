@@ -45,9 +45,21 @@ outage: each waiting request keeps its key list for the reply, so their
 memory follows the advances received, not the keys, and the coordinator
 goes on sending every 50 ms (and all it has unconfirmed every 3 s).
 
+Fencing (issue 26): once the coordinator has taken the coordinator lease
+through this writer (``coordinator_lease``, see `on_lease`), every flush
+carries that epoch and the store writes it only while the epoch is still
+the lease's current one, in the same statement. A writer that never saw a
+lease writes unfenced, as a single-node broker always has. When the store
+refuses a flush (another node took the lease: `on_flush_fenced`), or the
+lease comes back at a new epoch (this node lost it and took it again), what
+is pending belongs to a term that is over: it is dropped and every waiting
+advance is answered STALE_EPOCH. The new term's coordinator reloads the
+offsets and redelivers what was not committed, so this loses nothing that
+at-least-once promises.
+
 The shell performs the effects (`Flush`, `Probe`, `Load`, `Reply`,
 `ReplyError`, `Status`) and reports back with ``on_flush_done`` /
-``on_flush_failed``. Time is always passed in as ``now_ms``.
+``on_flush_failed`` / ``on_flush_fenced``. Time is always passed in as ``now_ms``.
 """
 
 from __future__ import annotations
@@ -58,8 +70,9 @@ import dataclasses
 from typing import Any
 
 from zbroker.protocol import messages as m
-from zbroker.protocol.errors import ProtocolError, ShuttingDown, Unavailable, ZBrokerError
+from zbroker.protocol.errors import ProtocolError, ShuttingDown, StaleEpoch, Unavailable, ZBrokerError
 from zbroker.storage.offsets.base import OffsetRow
+from zbroker.storage.offsets.metadata import LeaseState
 
 Key = tuple[str, str, int]
 
@@ -101,9 +114,11 @@ class WriterConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Flush:
-    """Upsert these rows (one statement), then call on_flush_done / on_flush_failed."""
+    """Upsert these rows (one statement, fenced by `coordinator_epoch` unless None), then call
+    on_flush_done / on_flush_failed / on_flush_fenced."""
     flush_id: int
     rows: list[OffsetRow]
+    coordinator_epoch: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -204,6 +219,11 @@ class CommitWriterCore:
         self._last_flush_ok_ms: float | None = None
         self._next_status_ms: float | None = None
         self._closing = False
+        # The coordinator epoch flushes are fenced with; None: no lease seen, write unfenced.
+        self.coordinator_epoch: int | None = None
+        # The flush in flight belongs to an epoch that is over: whatever it ends with, its
+        # values are not merged back.
+        self._inflight_doomed = False
         self._last_error = ""
         self._latencies: collections.deque[float] = collections.deque(maxlen=self.config.latency_window)
         # Every flush's latency counted into fixed buckets since start (a Prometheus
@@ -212,7 +232,8 @@ class CommitWriterCore:
         self._flush_ms_sum = 0.0
         self._counts = dict.fromkeys(
             ("advances_received", "advances_coalesced", "advances_stale", "rows_flushed", "flushes",
-             "flush_errors", "probes", "requests", "requests_rejected", "requests_shed"), 0)
+             "flush_errors", "probes", "requests", "requests_rejected", "requests_shed", "flushes_fenced",
+             "advances_fenced"), 0)
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -291,6 +312,7 @@ class CommitWriterCore:
         self._retry_at_ms = 0.0
         self._last_contact_ms = now_ms
         inflight, self._inflight = self._inflight, None
+        self._inflight_doomed = False
         if inflight is None:
             self._counts["probes"] += 1
             return self._release() + self._maybe_flush(now_ms)
@@ -308,6 +330,30 @@ class CommitWriterCore:
         self._last_flush_ok_ms = now_ms
         return self._release() + self._maybe_flush(now_ms)
 
+    def on_lease(self, lease: LeaseState, now_ms: float) -> list[Effect]:
+        """A ``coordinator_lease`` answer from the store: adopt its epoch if this node holds it."""
+        if not lease.held or lease.epoch == self.coordinator_epoch:
+            return []
+        previous, self.coordinator_epoch = self.coordinator_epoch, lease.epoch
+        if previous is None:
+            return []  # the first term: what is pending was sent for it
+        return self._end_term(StaleEpoch("the coordinator epoch of these advances is over: not written",
+                                         epoch=lease.epoch, got=previous))
+
+    def on_flush_fenced(self, flush_id: int, now_ms: float, error: StaleEpoch) -> list[Effect]:
+        """The store refused the flush: the lease's epoch is no longer ours."""
+        if flush_id != self._busy_id:
+            return []
+        self._busy_id = None
+        if self._inflight is not None and not self._inflight_doomed:
+            self._counts["advances_fenced"] += len(self._inflight)
+        self._inflight = None
+        self._inflight_doomed = False
+        self._last_contact_ms = now_ms  # the store answered
+        self._consecutive_failures = 0
+        self._counts["flushes_fenced"] += 1
+        return self._end_term(error) + self._maybe_flush(now_ms)
+
     def on_flush_failed(self, flush_id: int, now_ms: float, error: str = "") -> list[Effect]:
         if flush_id != self._busy_id:
             return []
@@ -317,8 +363,9 @@ class CommitWriterCore:
         self._last_error = error[:500]
         self._retry_at_ms = now_ms + self.backoff_ms()
         inflight, self._inflight = self._inflight, None
-        if inflight is not None:
+        if inflight is not None and not self._inflight_doomed:
             self._merge_back(inflight)
+        self._inflight_doomed = False
         effects: list[Effect] = []
         # load_offsets cannot be served while the store fails; the coordinator retries.
         if any(w.keys is None for w in self._waiters):
@@ -335,6 +382,10 @@ class CommitWriterCore:
         """Stop taking requests; flush what is pending without waiting for the interval."""
         self._closing = True
         return self._maybe_flush(now_ms)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     @property
     def drained(self) -> bool:
@@ -448,7 +499,22 @@ class CommitWriterCore:
         self._next_id += 1
         self._busy_id = self._next_id
         self._busy_since_ms = now_ms
-        return Flush(self._busy_id, [_to_row(ent[0]) for ent in batch.values()])
+        return Flush(self._busy_id, [_to_row(ent[0]) for ent in batch.values()], self.coordinator_epoch)
+
+    def _end_term(self, error: StaleEpoch) -> list[Effect]:
+        """Drop what is pending and in flight (a term that is over) and answer every advance waiting."""
+        dropped = len(self._pending) + (len(self._inflight) if self._inflight else 0)
+        self._counts["advances_fenced"] += dropped
+        self._pending = collections.OrderedDict()
+        if self._inflight is not None:
+            self._inflight_doomed = True
+        effects: list[Effect] = []
+        for w in self._waiters:
+            # A load waited only for pending values to be written; there are none left.
+            effects.append(Load(w.token) if w.keys is None else ReplyError(w.token, error))
+        self._waiters.clear()
+        self._waiting_keys = 0
+        return effects
 
     def _merge_back(self, inflight: collections.OrderedDict) -> None:
         # In-flight entries are older than every pending one, so putting them first keeps the order.

@@ -11,7 +11,11 @@ effects. One asyncio loop runs three kinds of work:
 - the ticker: reads the clock, calls ``core.on_tick`` and sleeps until the
   core's next deadline or until something new arrives;
 - store tasks: at most one flush or probe at a time (the core guarantees it),
-  plus ``load_offsets`` reads; each reports its outcome back to the core.
+  plus ``load_offsets`` reads and the cluster ops (``coordinator_lease``,
+  ``load_metadata``, ``write_metadata``: docs/PROTOCOL.md section 16); each
+  reports its outcome back to the core. The store serialises them on its one
+  connection, so a lease renewal may wait behind a flush: the coordinator
+  counts its lease from when it asked, which makes that wait safe.
 
 Replies and status go out with ``NOBLOCK`` on a socket with ``IMMEDIATE``
 set: when the coordinator is away they are dropped instead of queued for a
@@ -45,8 +49,9 @@ from zbroker.actors.commit_writer.core import (
 )
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
-from zbroker.protocol.errors import ProtocolError, ShuttingDown, UnknownOp, ZBrokerError
+from zbroker.protocol.errors import ProtocolError, ShuttingDown, StaleEpoch, UnknownOp, ZBrokerError
 from zbroker.storage.offsets import OffsetStoreError, open_offset_store
+from zbroker.storage.offsets.metadata import MetadataChanges
 
 IDENTITY = b"writer"
 SHUTDOWN_GRACE_MS = 2000.0
@@ -196,6 +201,11 @@ class CommitWriterShell:
             # The page wanted rides in the (opaque to the core) token.
             page = (env.op, env.corr_id, env.msg.after, env.msg.limit)
             self._apply(self.core.on_load_offsets(page, now))
+        elif isinstance(env.msg, (m.CoordinatorLease, m.LoadMetadata, m.WriteMetadata)):
+            if self.core.closing:
+                self._send(codec.encode_error(env.op, env.corr_id, ShuttingDown("commit writer is stopping")))
+            else:
+                self._spawn(self._cluster_op(env.op, env.corr_id, env.msg))
         else:
             self._send(codec.encode_error(env.op, env.corr_id, UnknownOp(
                 f"the commit writer does not serve {env.op!r}", op=env.op)))
@@ -260,7 +270,10 @@ class CommitWriterShell:
     async def _flush(self, flush: Flush) -> None:
         try:
             await self._ensure_store()
-            await self.store.upsert(flush.rows)
+            await self.store.upsert(flush.rows, coordinator_epoch=flush.coordinator_epoch)
+        except StaleEpoch as exc:
+            effects = self.core.on_flush_fenced(flush.flush_id, runtime.now_ms_fine(), exc)
+            self.log.warning("flush refused: the coordinator epoch is over", **exc.data, rows=len(flush.rows))
         except OffsetStoreError as exc:
             effects = self.core.on_flush_failed(flush.flush_id, runtime.now_ms_fine(), error=exc.message)
             self._store_failed("flush failed", exc, rows=len(flush.rows))
@@ -298,6 +311,41 @@ class CommitWriterShell:
         # A page over the header limit is answered TOO_LARGE (by encode_reply); rows carry up
         # to 1000 hole ranges each, and the coordinator asks again with a smaller limit.
         self._send(codec.encode_reply(m.LoadOffsetsReply(rows=[r.to_wire() for r in page], more=more), corr_id))
+
+    async def _cluster_op(self, op: str, corr_id: Any, msg: m.Message) -> None:
+        """coordinator_lease, load_metadata, write_metadata: one store call, answered as it ends."""
+        try:
+            if isinstance(msg, m.WriteMetadata):  # checked before the store is touched
+                changes = MetadataChanges.from_wire(msg.create_topics, msg.update_topics, msg.delete_topics,
+                                                    msg.partitions)
+            await self._ensure_store()
+            if isinstance(msg, m.CoordinatorLease):
+                lease = await self.store.acquire_or_renew_lease(msg.node_id, msg.endpoint, msg.lease_ms)
+                self._apply(self.core.on_lease(lease, runtime.now_ms_fine()))
+                reply: m.Message = m.CoordinatorLeaseReply(**lease.to_wire())
+            elif isinstance(msg, m.LoadMetadata):
+                meta = await self.store.load_metadata()
+                reply = m.LoadMetadataReply(topics=[t.to_wire() for t in meta.topics.values()],
+                                            partitions=[p.to_wire() for p in meta.partitions.values()])
+            else:
+                applied = await self.store.write_metadata(changes, msg.coordinator_epoch)
+                if not applied:
+                    self.log.info("metadata change refused: a condition failed",
+                                  coordinator_epoch=msg.coordinator_epoch)
+                reply = m.WriteMetadataReply(applied=applied)
+        except ZBrokerError as exc:  # a malformed change set, or the store failing
+            if isinstance(exc, OffsetStoreError):
+                self._store_failed(f"{op} failed", exc)
+            self._send(codec.encode_error(op, corr_id, exc))
+        except asyncio.CancelledError:
+            self._send(codec.encode_error(op, corr_id, ShuttingDown("commit writer is stopping")))
+            raise
+        except Exception as exc:  # a bug: the coordinator still gets an answer, not a timeout
+            self.log.exception(f"{op} failed unexpectedly")
+            self._send(codec.encode_error(op, corr_id, ZBrokerError(f"{op} failed: {type(exc).__name__}", op=op)))
+        else:
+            self._send(codec.encode_reply(reply, corr_id))
+        self._wake.set()
 
     def _store_failed(self, event: str, exc: ZBrokerError, **extra: Any) -> None:
         stats = self.core.statistics(runtime.now_ms_fine())

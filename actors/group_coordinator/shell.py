@@ -35,7 +35,8 @@ from zbroker.actors import runtime, security
 from zbroker.client.wire import recv_frames
 from zbroker.actors.group_coordinator import effects as fx
 from zbroker.actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
-from zbroker.actors.group_coordinator.topics import AssignActor, PersistTopics, TopicRegistry
+from zbroker.actors.group_coordinator.topics import (AssignActor, LogEvent, PersistTopics, ReloadMetadata,
+                                                     TopicRegistry, WriteMetadata)
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched, encode_records, key_hashes
@@ -67,7 +68,7 @@ KEY_FETCH_BYTES = 1 << 20
 GROUP_OPS = {"join", "heartbeat", "leave", "poll", "ack", "nack", "extend", "reject", "list_groups",
              "describe_group", "configure_group", "reset_group", "list_quarantine", "release_key"}
 # What hello says this coordinator supports (PROTOCOL.md, hello).
-FEATURES = ["key_shared"]
+FEATURES = ["key_shared", "replication"]
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -150,7 +151,7 @@ class Outbound:
 
 class CoordinatorShell:
     def __init__(self, router: zmq.Socket, internal: zmq.Socket, data_dir: Path, log: Any,
-                 acl: security.Acl | None = None) -> None:
+                 acl: security.Acl | None = None, *, unclean_leader_election: bool = False) -> None:
         self.router = router  # clients
         self.internal = internal  # the broker's own actors: partition logs and the commit writer
         self.acl = acl
@@ -158,7 +159,7 @@ class CoordinatorShell:
         self.endpoint: str | None = None  # set once bound
         self.log = log
         self.meta = MetaFiles(data_dir)
-        self.topics = TopicRegistry()
+        self.topics = TopicRegistry(unclean_leader_election=unclean_leader_election)
         snapshot = self.meta.load(self.meta.topics_path)
         if snapshot:
             self.topics.restore(snapshot)
@@ -239,11 +240,24 @@ class CoordinatorShell:
                 self.group_request(token, op, msg, now)
             elif op == "register":
                 self.apply(self.topics.register(msg.actor_id, msg.endpoint, msg.storage_id, msg.pid,
-                                                msg.partitions, now, msg.not_open, msg.not_open_count), now)
+                                                msg.partitions, now, msg.not_open, msg.not_open_count,
+                                                rack=msg.rack, replica_states=msg.replica_states), now)
                 self.feed_ranges(self.topics.on_report(msg.actor_id, msg.partitions, now), now)
-                self.reply(token, m.RegisterReply(assignment=self.topics.assignment_for(msg.actor_id)))
+                self.reply(token, m.RegisterReply(assignment=self.topics.assignment_for(msg.actor_id),
+                                                  replicas=self.topics.replicas_for(msg.actor_id),
+                                                  coordinator_epoch=self.topics.coordinator_epoch))
             elif op == "report":
                 self.feed_ranges(self.topics.on_report(msg.actor_id, msg.partitions, now), now)
+                if msg.replica_states:
+                    self.topics.on_replica_states(msg.actor_id, msg.replica_states)
+            elif op == "alter_isr":
+                # Only on the internal endpoint, whose routing ids cannot be taken over: the
+                # identity says which actor proposes.
+                sender = identity.decode(errors="replace").removeprefix("partition:")
+                self.apply(self.topics.alter_isr(sender, msg.topic, msg.partition, msg.leader_epoch, msg.isr,
+                                                 self.hold(token)), now)
+            elif op == "reassign_partition":
+                self.apply(self.topics.reassign(msg.topic, msg.partition, msg.replicas, self.hold(token)), now)
             elif op == "deregister":
                 self.apply(self.topics.deregister(msg.actor_id, msg.pid, now), now)
             elif op == "writer_status":
@@ -262,13 +276,22 @@ class CoordinatorShell:
                 self.reply(token, m.DescribeTopicReply(topic=msg.topic, partitions=self.topics.describe(msg.topic),
                                                        config=self.topics.require_topic(msg.topic)["config"]))
             elif op == "create_topic":
-                self.create_topic(msg.topic, msg.partitions, msg.config, now)
-                self.reply(token, m.CreateTopicReply(topic=msg.topic, partitions=msg.partitions))
+                if msg.replication_factor == 1 and msg.min_insync in (None, 1):
+                    self.create_topic(msg.topic, msg.partitions, msg.config, now)
+                    self.reply(token, m.CreateTopicReply(topic=msg.topic, partitions=msg.partitions))
+                else:  # answered once its placement is durable
+                    self.create_topic(msg.topic, msg.partitions, msg.config, now,
+                                      replication_factor=msg.replication_factor, min_insync=msg.min_insync,
+                                      token=self.hold(token))
             elif op == "status":
-                self.reply(token, m.StatusReply(actors=self.status(now), healthy=self.healthy(now)))
+                under = self.topics.replication_status()
+                self.reply(token, m.StatusReply(actors=self.status(now), under_replicated=under,
+                                                healthy=self.healthy(now)
+                                                and not any(u["below_min_insync"] for u in under)))
             else:
                 raise UnknownOp(f"op {op!r} is not served by the coordinator", op=op)
         except ZBrokerError as err:
+            self.tokens.pop(id(token), None)  # refused before any effect could answer it
             if op in m.TELLS and sock is self.internal:
                 self.log.warning("actor.tell_refused", op=op, code=err.code.value, reason=err.message)
             else:
@@ -294,8 +317,19 @@ class CoordinatorShell:
         handler = getattr(self.core, op)
         self.apply(handler(key, msg, now), now)
 
-    def create_topic(self, name: str, partitions: int, config: dict | None, now: int) -> None:
-        self.apply(self.topics.create_topic(name, partitions, config, now), now)
+    def hold(self, token: runtime.RouterToken) -> int:
+        """A token the cores answer later through an `fx.Reply` effect."""
+        self.tokens[id(token)] = token
+        return id(token)
+
+    def create_topic(self, name: str, partitions: int, config: dict | None, now: int, **replication: Any) -> None:
+        try:
+            effects = self.topics.create_topic(name, partitions, config, now, **replication)
+        except ZBrokerError:
+            if replication.get("token") is not None:
+                self.tokens.pop(replication["token"], None)
+            raise
+        self.apply(effects, now)
         self.core.set_topic(name, partitions)
         self.log.info("topic.created", topic=name, partitions=partitions)
 
@@ -337,6 +371,17 @@ class CoordinatorShell:
                 self.log.info(effect.event, **effect.fields)
             elif isinstance(effect, PersistTopics):
                 self.meta.save(self.meta.topics_path, self.topics.snapshot())
+            elif isinstance(effect, WriteMetadata):
+                # Durable before effective: until the offset store holds topic metadata, the
+                # snapshot (which includes every pending decision) is that record.
+                self.meta.save(self.meta.topics_path, self.topics.snapshot())
+                self.apply(self.topics.on_metadata_written(effect.write_id, True, now), now)
+            elif isinstance(effect, ReloadMetadata):
+                self.log.error("metadata.write_refused", reason="the store holds other metadata than this "
+                               "coordinator; its refused decisions took no effect")
+            elif isinstance(effect, LogEvent):
+                loud = effect.event in ("controller.unclean_election", "controller.partition_offline")
+                (self.log.warning if loud else self.log.info)(effect.event, **effect.fields)
             elif isinstance(effect, AssignActor):
                 self.send_assign(effect.actor_id, now)
             else:  # pragma: no cover
@@ -357,7 +402,9 @@ class CoordinatorShell:
     def send_assign(self, actor_id: str, now: int) -> None:
         assignment = self.topics.assignment_for(actor_id)
         self.log.info("placement.assign", actor_id=actor_id, partitions=[[t, p] for t, p, _c in assignment])
-        self.request(f"partition:{actor_id}".encode(), m.Assign(assignment=assignment), now, lambda env: None)
+        self.request(f"partition:{actor_id}".encode(),
+                     m.Assign(assignment=assignment, replicas=self.topics.replicas_for(actor_id),
+                              coordinator_epoch=self.topics.coordinator_epoch), now, lambda env: None)
 
     # -- commit writer ----------------------------------------------------------------------
 
@@ -663,7 +710,8 @@ class CoordinatorShell:
 
 
 def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0.1:0", log_level: str = "info",
-        curve_dir: str | None = None, bound_file: str | None = None, advertise_host: str | None = None) -> None:
+        curve_dir: str | None = None, bound_file: str | None = None, advertise_host: str | None = None,
+        unclean_leader_election: bool = False) -> None:
     """Process main for the group coordinator.
 
     Two ROUTER sockets: ``endpoint`` for clients and ``internal_endpoint`` for
@@ -673,6 +721,8 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
     then, so that they never dial another broker's coordinator on the same ports.
     ``advertise_host`` names this host in the endpoints it reports (``hello``'s
     ``internal_endpoint``, which an actor on another host dials, and ``status``).
+    ``unclean_leader_election`` lets a replicated partition whose whole ISR is gone be led
+    by a replica outside it: available again, at the price of acknowledged records.
     """
     log = runtime.configure_logging(log_level, actor="group-coordinator")
     stop = runtime.StopFlag().install()
@@ -697,7 +747,8 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
             tmp = Path(bound_file).with_suffix(".tmp")
             tmp.write_text(str(os.getpid()))
             os.replace(tmp, bound_file)
-        shell = CoordinatorShell(router, internal, data, log, keys.acl() if keys else None)
+        shell = CoordinatorShell(router, internal, data, log, keys.acl() if keys else None,
+                                 unclean_leader_election=unclean_leader_election)
         shell.endpoint, shell.internal_endpoint = bound, bound_internal
         log.info("actor.started", endpoint=bound, internal_endpoint=bound_internal, data_dir=str(data),
                  topics=len(shell.topics.topics))

@@ -44,6 +44,18 @@ reports
     The coordinator must learn log ends quickly (consumers long-poll on it),
     so every turn that appended produces a report of the changed partitions,
     and every second a full report doubles as a heartbeat.
+replicated partitions
+    A partition that `assign` lists in ``replicas`` gets a `Replica`
+    (replica.py) beside its log. As leader: produce is checked by it
+    (NOT_LEADER, NOT_ENOUGH_REPLICAS) and its reply held until the high
+    watermark covers the batch; consumer fetches see and are told only what
+    is below the HW; `replica_fetch` is served (long-polled like a fetch);
+    the HW is reported as log_end. As follower: produce and fetch get
+    NOT_LEADER, and the core emits `SendToLeader` fetches whose replies
+    (`on_replica_fetch_reply`) it applies to the log, fsynced before the next
+    fetch reports them under ``--fsync always``. A partition without replica
+    state takes exactly the path above: the produce and fetch paths test
+    ``self.replicas`` (an empty dict) once per request, nothing per record.
 """
 
 from __future__ import annotations
@@ -59,8 +71,11 @@ import structlog
 
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import stored_range, validate_payload
-from zbroker.protocol.errors import (NotOwner, OffsetOutOfRange, ProtocolError, TooLarge, Unauthorized, UnknownOp,
-                             ZBrokerError)
+from zbroker.actors.partition_log.replica import (DEFAULT_REPLICA_LAG_MS, Acknowledge, ProposeIsr, Refuse, Replica,
+                                                 ReplicaState)
+from zbroker.protocol.batch import parse_batch_header
+from zbroker.protocol.errors import (NotOwner, OffsetOutOfRange, ProtocolError, StaleEpoch, TooLarge, Unauthorized,
+                                     UnknownOp, ZBrokerError)
 from zbroker.storage.log.partition_log import LogConfig, PartitionLog
 
 log = structlog.get_logger("zbroker.partition")
@@ -138,6 +153,27 @@ class ReplyError:
     nth: int = 0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SendToLeader:
+    """Send a follower's `replica_fetch` to the leader at `endpoint`; hand its reply (or
+    the failure to get one) to `PartitionActorCore.on_replica_fetch_reply`."""
+    endpoint: str
+    msg: m.ReplicaFetch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SendToCoordinator:
+    """Send `msg` (alter_isr) to the coordinator; its reply goes to `on_alter_isr_reply`."""
+    msg: m.Message
+
+
+@dataclasses.dataclass(slots=True)
+class _ParkedReplicaFetch:
+    deadline_ms: int
+    token: Any
+    msg: m.ReplicaFetch
+
+
 @dataclasses.dataclass(slots=True)
 class _ParkedFetch:
     deadline_ms: int
@@ -185,6 +221,18 @@ FDS_PER_PARTITION = 10
 RESERVED_FDS = 256
 
 
+def _below(data: bytes, end: int) -> bytes:
+    """The whole stored batches of `data` that end at or below offset `end` (a replicated
+    partition's high watermark is a batch boundary: every replica holds the same batches)."""
+    position = 0
+    while position < len(data):
+        header = parse_batch_header(data, position)
+        if header.next_offset > end:
+            break
+        position += header.total_size
+    return data if position == len(data) else data[:position]
+
+
 def partitions_for_open_files(limit: int) -> int:
     """How many partitions an actor may open under an open-file limit and still serve
     them all: opening until EMFILE would leave none for a fetch of an old segment,
@@ -199,8 +247,15 @@ LogOpener = Callable[[str, int, LogConfig, int], PartitionLog]
 class PartitionActorCore:
     def __init__(self, actor_id: str, *, open_log: LogOpener, fsync: FsyncPolicy = FsyncPolicy(),
                  limits: Limits = Limits(), background_sync: Callable[[list], None] | None = None,
-                 max_open_partitions: int | None = None) -> None:
+                 max_open_partitions: int | None = None, replica_lag_ms: int = DEFAULT_REPLICA_LAG_MS) -> None:
         self.actor_id = actor_id
+        # Replicated partitions only (assign's `replicas`); empty for an R = 1 broker.
+        self.replicas: dict[tuple[str, int], Replica] = {}
+        self._replica_states: dict[tuple[str, int], ReplicaState] = {}
+        self._parked_replica: dict[tuple[str, int], list[_ParkedReplicaFetch]] = {}
+        self._synced_leaders: set[tuple[str, int]] = set()  # fsync=always: report local ends after end_turn
+        self.coordinator_epoch = 0
+        self.replica_lag_ms = replica_lag_ms
         self.max_open_partitions = max_open_partitions  # see partitions_for_open_files
         # With interval fsync nothing waits for the fsync, so the shell may run it on a
         # thread (a slow disk then stalls no request); `always` syncs here, before replying.
@@ -234,8 +289,21 @@ class PartitionActorCore:
 
     # -- assignment -------------------------------------------------------------------------
 
-    def on_assign(self, assignment: Iterable, now_ms: int, *, wall_ms: int | None = None) -> list:
-        """Own exactly the partitions in ``assignment`` ([[topic, partition, config], ...])."""
+    def accept_assignment(self, msg: m.Assign | m.RegisterReply, now_ms: int, *,
+                          wall_ms: int | None = None) -> list:
+        """An `assign` (or `register` reply): refused with STALE_EPOCH from a coordinator
+        older than one already obeyed."""
+        if msg.coordinator_epoch < self.coordinator_epoch:
+            raise StaleEpoch("assignment from an older coordinator", epoch=self.coordinator_epoch,
+                             got=msg.coordinator_epoch)
+        self.coordinator_epoch = msg.coordinator_epoch
+        return self.on_assign(msg.assignment, now_ms, replicas=msg.replicas, wall_ms=wall_ms)
+
+    def on_assign(self, assignment: Iterable, now_ms: int, replicas: Iterable = (), *,
+                  wall_ms: int | None = None) -> list:
+        """Own exactly the partitions in ``assignment`` ([[topic, partition, config], ...]);
+        those in ``replicas`` ([[topic, partition, state], ...]) are replicated."""
+        self._replica_states = {(t, int(p)): ReplicaState.from_wire(state) for t, p, state in replicas}
         wanted: dict[tuple[str, int], LogConfig] = {}
         for item in assignment:
             topic, partition, config = item[0], item[1], item[2] if len(item) > 2 else None
@@ -247,7 +315,58 @@ class PartitionActorCore:
         self._wanted = {k: c for k, c in wanted.items() if k not in self.logs}
         self._why_not_open = {k: why for k, why in self._why_not_open.items() if k in self._wanted}
         self._open_wanted(now_ms, now_ms if wall_ms is None else wall_ms)
+        return effects + self._sync_replicas(now_ms)
+
+    def _sync_replicas(self, now_ms: int) -> list:
+        """Give every open log the replica state its assignment names (or none)."""
+        effects: list = []
+        for key in [k for k in self.replicas if k not in self._replica_states or k not in self.logs]:
+            effects += self._drop_replica(key, "the partition is no longer replicated here")
+        for key, state in self._replica_states.items():
+            plog = self.logs.get(key)
+            if plog is None:
+                continue
+            replica = self.replicas.get(key)
+            if replica is None:
+                self.replicas[key] = Replica(key[0], key[1], self.actor_id, plog, state, now_ms,
+                                             replica_lag_ms=self.replica_lag_ms,
+                                             fetch_max_bytes=self.limits.max_fetch_bytes)
+                self._changed.add(key)
+                continue
+            try:
+                effects += self._replica_effects(key, replica.assign(state, now_ms), now_ms)
+            except StaleEpoch as err:
+                log.warning("replica.stale_assignment", topic=key[0], partition=key[1], epoch=err.data.get("epoch"),
+                            got=err.data.get("got"))
+            self._changed.add(key)
         return effects
+
+    def _drop_replica(self, key: tuple[str, int], why: str) -> list:
+        replica = self.replicas.pop(key)
+        effects = [ReplyError(t.token, "produce", NotOwner(why, topic=key[0], partition=key[1]))
+                   for t in replica.drop_held()]
+        for parked in self._parked_replica.pop(key, []):
+            effects.append(ReplyError(parked.token, "replica_fetch", NotOwner(why, topic=key[0], partition=key[1])))
+        return effects
+
+    def _replica_effects(self, key: tuple[str, int], effects: list, now_ms: int) -> list:
+        """The replica core's effects as this actor's: replies released or failed, proposals
+        sent; a high watermark that moved wakes the consumers waiting on it."""
+        out: list = []
+        for effect in effects:
+            if isinstance(effect, Acknowledge):
+                out.append(effect.token)
+            elif isinstance(effect, Refuse):
+                out.append(ReplyError(effect.token.token, "produce", detached(effect.error)))
+            elif isinstance(effect, ProposeIsr):
+                out.append(SendToCoordinator(effect.request))
+        replica = self.replicas.get(key)
+        if replica is not None and replica.high_watermark != replica.reported_hw:
+            replica.reported_hw = replica.high_watermark
+            self._changed.add(key)
+            out += self._wake_parked(key, now_ms)
+            out += self._wake_replica_fetches(key, now_ms)  # followers learn the new HW
+        return out
 
     def _open_wanted(self, now_ms: int, wall_ms: int) -> None:
         out_of_files = 0
@@ -304,10 +423,10 @@ class PartitionActorCore:
             raise OutOfFiles(exc.strerror) from None
 
     def _release(self, key: tuple[str, int], now_ms: int) -> list:
+        effects = self._drop_replica(key, "partition moved to another actor") if key in self.replicas else []
         plog = self.logs.pop(key)
         plog.close()
         self._dirty_since_sync.discard(key)
-        effects = []
         for parked in list(self._parked.pop(key, {}).values()):
             if not parked.done:
                 self._finish(parked)
@@ -342,12 +461,14 @@ class PartitionActorCore:
             if op == "hello":
                 return [Reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
                                                    actor=f"partition-log:{self.actor_id}",
-                                                   limits=self.limits.to_dict()))]
+                                                   limits=self.limits.to_dict(), features=["replication"]))]
             if op == "status":
                 return [Reply(token, m.StatusReply(actors=[self.status(now_ms)]))]
             if op == "assign":
-                effects = self.on_assign(env.msg.assignment, now_ms, wall_ms=wall_ms)
+                effects = self.accept_assignment(env.msg, now_ms, wall_ms=wall_ms)
                 return effects + [Reply(token, self.assignment_reply())]
+            if op == "replica_fetch":
+                return self.replica_fetch(token, env.msg, now_ms)
             raise UnknownOp(f"op {op!r} is not served by a partition actor", op=op)
         except ZBrokerError as err:
             self.counters["errors"] += 1
@@ -365,6 +486,8 @@ class PartitionActorCore:
             raise TooLarge("batch exceeds max_batch_bytes", limit=self.limits.max_batch_bytes,
                            got=len(payload), topic=msg.topic, partition=msg.partition)
         count = validate_payload(payload)
+        if self.replicas and key in self.replicas:
+            return self._produce_replicated(token, msg, key, plog, payload, count, now_ms)
         if msg.producer_id:
             earlier = plog.check_sequence(msg.producer_id, msg.sequence)
             if earlier is not None:
@@ -385,6 +508,33 @@ class PartitionActorCore:
             return reply
         return self._wake_parked(key, now_ms) + reply
 
+    def _produce_replicated(self, token: Any, msg: m.Produce, key: tuple[str, int], plog: PartitionLog,
+                            payload: Any, count: int, now_ms: int) -> list:
+        """acks=all: refused unless this replica leads with min_insync in sync (nothing
+        appended), and answered once the high watermark covers the batch."""
+        replica = self.replicas[key]
+        refusal = replica.check_produce()
+        if refusal is not None:
+            raise refusal
+        if msg.producer_id:
+            earlier = plog.check_sequence(msg.producer_id, msg.sequence)
+            if earlier is not None:
+                # Answered only once the original batch is replicated too.
+                self.counters["duplicates"] += 1
+                reply = Reply(token, m.ProduceReply(base_offset=earlier[0], count=earlier[1], duplicate=True))
+                return self._replica_effects(key, replica.hold(reply, earlier[0] + earlier[1], now_ms), now_ms)
+        base = plog.append(payload, count, append_time_ms=now_ms, producer_id=msg.producer_id,
+                           producer_seq=msg.sequence)
+        self.counters["records_appended"] += count
+        self.counters["bytes_appended"] += len(payload)
+        self._dirty_since_sync.add(key)
+        effects = replica.hold(Reply(token, m.ProduceReply(base_offset=base, count=count)), base + count, now_ms)
+        if self.fsync.mode == "always":
+            self._synced_leaders.add(key)  # its own copy counts after end_turn's fsync
+        else:
+            effects += replica.on_local_end(plog.log_end, now_ms)
+        return self._replica_effects(key, effects, now_ms) + self._wake_replica_fetches(key, now_ms)
+
     def _produce_reply(self, token: Any, reply: m.ProduceReply) -> list:
         effect = Reply(token, reply)
         if self.fsync.mode == "always":
@@ -402,7 +552,13 @@ class PartitionActorCore:
             raise ProtocolError("a fetch with 'follow' needs an integer id that stays below 2^64 + follow",
                                 op="fetch", field="follow", got=msg.follow)
         budget = self._fetch_bytes(msg)
-        if msg.offset == plog.log_end and msg.max_wait_ms > 0:
+        if self.replicas and key in self.replicas:
+            replica = self.replicas[key]
+            if not replica.is_leader:
+                raise replica.not_leader_error()
+            if msg.offset >= replica.high_watermark and msg.max_wait_ms > 0:
+                return self._park(token, msg, now_ms, msg.offset, 0, budget)
+        elif msg.offset == plog.log_end and msg.max_wait_ms > 0:
             return self._park(token, msg, now_ms, msg.offset, 0, budget)
         return self._answer(token, msg, plog, msg.offset, 0, budget, now_ms)
 
@@ -431,15 +587,21 @@ class PartitionActorCore:
         """The `nth` reply of a fetch, read from `offset`; with `now_ms`, a followed fetch
         that still has replies and bytes left and caught up with the log end is parked
         again (its reply says `more`). `now_ms=None` ends it (deadline, shutdown)."""
-        data = plog.read(offset, bytes_left)
+        visible_end = plog.log_end
+        if self.replicas and (msg.topic, msg.partition) in self.replicas:
+            # Consumers see only what is on min_insync replicas.
+            visible_end = self.replicas[(msg.topic, msg.partition)].high_watermark
+            data = _below(plog.read(offset, bytes_left), visible_end) if offset < visible_end else b""
+        else:
+            data = plog.read(offset, bytes_left)
         next_offset = offset
         if data:
             span = stored_range(data)
             next_offset = offset if span is None else span[1]
         bytes_left -= len(data)
         more = (now_ms is not None and nth < msg.follow and bytes_left > 0 and msg.max_wait_ms > 0
-                and next_offset == plog.log_end)
-        reply = Reply(token, m.FetchReply(log_start=plog.log_start, log_end=plog.log_end, more=more), (data,), nth)
+                and next_offset == visible_end)
+        reply = Reply(token, m.FetchReply(log_start=plog.log_start, log_end=visible_end, more=more), (data,), nth)
         effects = self._after_sync((msg.topic, msg.partition), reply)
         if more:
             effects += self._park(token, msg, now_ms, next_offset, nth + 1, bytes_left)
@@ -491,11 +653,12 @@ class PartitionActorCore:
         if not waiting:
             return []
         plog = self.logs[key]
+        visible_end = self.replicas[key].high_watermark if self.replicas and key in self.replicas else plog.log_end
         effects = []
         for parked in list(waiting.values()):
             if parked.done:  # answered meanwhile, to make room for a fetch parked again below
                 continue
-            if parked.offset == plog.log_end:
+            if parked.offset >= visible_end:
                 # Parked after the append that woke it (fsync=always wakes at end_turn): it
                 # has nothing to read yet, and waits on instead of getting an empty reply.
                 self._parked.setdefault(key, {})[parked.seq] = parked
@@ -507,6 +670,85 @@ class PartitionActorCore:
             except OffsetOutOfRange as err:
                 effects.append(ReplyError(parked.token, "fetch", err, parked.nth))
         return effects
+
+    # -- replication: leader side -------------------------------------------------------------
+
+    def replica_fetch(self, token: Any, msg: m.ReplicaFetch, now_ms: int) -> list:
+        key = (msg.topic, msg.partition)
+        self._owned_log(key)
+        replica = self.replicas.get(key)
+        if replica is None:
+            raise NotOwner("the partition is not replicated on this actor", topic=key[0], partition=key[1])
+        hw_before = replica.high_watermark
+        try:
+            reply, data, effects = replica.on_replica_fetch(msg, now_ms)
+        except ZBrokerError as err:
+            return self._replica_effects(key, getattr(err, "effects", []), now_ms) + [
+                ReplyError(token, "replica_fetch", detached(err))]
+        effects = self._replica_effects(key, effects, now_ms)
+        # Parked at the log end, unless this very fetch moved the HW: the follower learns it now.
+        if (not data and reply.diverging is None and msg.max_wait_ms > 0 and msg.fetch_offset == reply.log_end
+                and replica.high_watermark == hw_before):
+            self._parked_replica.setdefault(key, []).append(
+                _ParkedReplicaFetch(now_ms + msg.max_wait_ms, token, msg))
+            return effects
+        return effects + [Reply(token, reply, (data,))]
+
+    def _wake_replica_fetches(self, key: tuple[str, int], now_ms: int, *, expired_only: bool = False) -> list:
+        parked = self._parked_replica.get(key)
+        if not parked:
+            return []
+        if expired_only:
+            due = [p for p in parked if p.deadline_ms <= now_ms]
+            if not due:
+                return []
+            self._parked_replica[key] = [p for p in parked if p.deadline_ms > now_ms]
+        else:
+            due, self._parked_replica[key] = parked, []
+        effects = []
+        for waiting in due:
+            effects += self.replica_fetch(waiting.token, dataclasses.replace(waiting.msg, max_wait_ms=0), now_ms)
+        return effects
+
+    def on_alter_isr_reply(self, key: tuple[str, int], reply: m.AlterIsrReply | None, error: ZBrokerError | None,
+                           now_ms: int) -> list:
+        replica = self.replicas.get(key)
+        if replica is None:
+            return []
+        if reply is not None:
+            return self._replica_effects(key, replica.on_isr_recorded(reply, now_ms), now_ms)
+        return self._replica_effects(key, replica.on_isr_refused(error, now_ms), now_ms)
+
+    # -- replication: follower side ---------------------------------------------------------
+
+    def replica_fetches(self, now_ms: int) -> list:
+        """The `replica_fetch` requests followers should send now."""
+        out = []
+        for replica in self.replicas.values():
+            request = replica.next_fetch(now_ms)
+            if request is not None:
+                out.append(SendToLeader(*request))
+        return out
+
+    def on_replica_fetch_reply(self, key: tuple[str, int], reply: m.ReplicaFetchReply | None, frames: list,
+                               error: ZBrokerError | None, now_ms: int) -> list:
+        replica = self.replicas.get(key)
+        if replica is None:
+            return []
+        if reply is None:
+            replica.on_fetch_failed(error, now_ms)
+            return []
+        plog = self.logs[key]
+        end_before = plog.log_end
+        replica.on_fetch_reply(reply, b"".join(bytes(f) for f in frames), now_ms)
+        if plog.log_end != end_before or reply.diverging is not None:
+            self._changed.add(key)
+            if self.fsync.mode == "always":
+                plog.flush()  # the next fetch reports this end: it must be on disk first
+                self.counters["fsyncs"] += 1
+            else:
+                self._dirty_since_sync.add(key)
+        return self.replica_fetches(now_ms)
 
     def _owned_log(self, key: tuple[str, int]) -> PartitionLog:
         plog = self.logs.get(key)
@@ -520,10 +762,16 @@ class PartitionActorCore:
 
     def end_turn(self, now_ms: int) -> list:
         """Called once per loop turn after the shell drained its sockets."""
-        if not self._held_replies and not self._wake_after_sync:
+        if not self._held_replies and not self._wake_after_sync and not self._synced_leaders:
             return []
         self.sync_dirty()
         held, self._held_replies = self._held_replies, []
+        if self._synced_leaders:
+            leaders, self._synced_leaders = self._synced_leaders, set()
+            for key in leaders:
+                replica = self.replicas.get(key)
+                if replica is not None:
+                    held += self._replica_effects(key, replica.on_local_end(self.logs[key].log_end, now_ms), now_ms)
         for key in self._wake_after_sync:
             held += self._wake_parked(key, now_ms)
         self._wake_after_sync.clear()
@@ -567,6 +815,12 @@ class PartitionActorCore:
                 self._next_fsync_ms = None
         if self._wanted and now_ms >= self._next_open_retry_ms:
             self._open_wanted(now_ms, wall)
+            effects += self._sync_replicas(now_ms)
+        if self.replicas:
+            for key, replica in self.replicas.items():
+                effects += self._replica_effects(key, replica.tick(now_ms), now_ms)
+                effects += self._wake_replica_fetches(key, now_ms, expired_only=True)
+            effects += self.replica_fetches(now_ms)
         if now_ms >= self._next_retention_ms:
             self._next_retention_ms = now_ms + RETENTION_CHECK_MS
             for key, plog in self.logs.items():
@@ -587,13 +841,35 @@ class PartitionActorCore:
             candidates.append(0)  # arm the fsync timer on the next tick
         if self._wanted:
             candidates.append(self._next_open_retry_ms)
+        for key, replica in self.replicas.items():
+            due = replica.deadline_ms()
+            if due is not None:
+                candidates.append(due)
+            candidates += [p.deadline_ms for p in self._parked_replica.get(key, ())]
         return min(candidates)
 
     # -- reports ----------------------------------------------------------------------------
 
     def partition_reports(self, keys: Iterable[tuple[str, int]]) -> list[list]:
+        """[topic, partition, log_start, log_end, bytes]; a replicated partition's leader reports
+        its high watermark as log_end (the coordinator leases only replicated records), and
+        its followers leave it out."""
+        if self.replicas:
+            return [self._report_row(t, p) for (t, p) in sorted(keys)
+                    if (t, p) in self.logs and ((t, p) not in self.replicas or self.replicas[(t, p)].is_leader)]
         return [[t, p, self.logs[(t, p)].log_start, self.logs[(t, p)].log_end, self.logs[(t, p)].size_bytes]
                 for (t, p) in sorted(keys) if (t, p) in self.logs]
+
+    def _report_row(self, topic: str, partition: int) -> list:
+        plog = self.logs[(topic, partition)]
+        replica = self.replicas.get((topic, partition))
+        end = plog.log_end if replica is None else replica.high_watermark
+        return [topic, partition, plog.log_start, end, plog.size_bytes]
+
+    def replica_states(self, keys: Iterable[tuple[str, int]] | None = None) -> list[list]:
+        """`replica_states` items for every replica held (or those of `keys`)."""
+        chosen = sorted(self.replicas) if keys is None else sorted(k for k in keys if k in self.replicas)
+        return [self.replicas[k].state_row() for k in chosen]
 
     def heartbeat_due(self, now_ms: int) -> bool:
         """Once a second the shell re-registers: a full report that doubles as a heartbeat."""
@@ -628,14 +904,15 @@ class PartitionActorCore:
     def registered(self) -> bool:
         return self._unanswered_since_ms is None
 
-    def registration(self, *, endpoint: str, storage_id: str, pid: int) -> m.Register:
+    def registration(self, *, endpoint: str, storage_id: str, pid: int, rack: str | None = None) -> m.Register:
         # The partitions it was given but could not open go too, with why, so that
         # `zbroker status` says what only this actor's log would otherwise say.
         not_open = [[t, p, self._why_not_open.get((t, p), "opening")]
                     for (t, p) in sorted(self._wanted)[:m.MAX_NOT_OPEN_LISTED]]
         return m.Register(actor_id=self.actor_id, endpoint=endpoint, storage_id=storage_id, pid=pid,
                           partitions=self.partition_reports(self.logs), not_open=not_open,
-                          not_open_count=len(self._wanted))
+                          not_open_count=len(self._wanted), replica_states=self.replica_states(),
+                          rack=rack)
 
     def take_report(self, now_ms: int) -> m.Report | None:
         """Log ends of the partitions that changed since the last report, if any and if the
@@ -644,7 +921,8 @@ class PartitionActorCore:
             return None
         self._next_report_ms = now_ms + REPORT_PACE_MS
         changed, self._changed = self._changed, set()
-        return m.Report(actor_id=self.actor_id, partitions=self.partition_reports(changed))
+        return m.Report(actor_id=self.actor_id, partitions=self.partition_reports(changed),
+                        replica_states=self.replica_states(changed) if self.replicas else [])
 
     def status(self, now_ms: int) -> dict:
         return {"kind": "partition-log", "actor_id": self.actor_id, "fsync": str(self.fsync),

@@ -21,7 +21,9 @@ import zmq
 from zbroker.actors import runtime, security
 from zbroker.client.wire import recv_frames
 from zbroker.actors.partition_log.core import (OUT_OF_FILES, FsyncPolicy, Limits, OpenFailed, OutOfFiles,
-                                       PartitionActorCore, Reply, ReplyError, detached, partitions_for_open_files)
+                                       PartitionActorCore, Reply, ReplyError, SendToCoordinator, SendToLeader,
+                                       detached, partitions_for_open_files)
+from zbroker.actors.partition_log.links import ReplicationLinks
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.messages import validate_topic_name
@@ -118,8 +120,10 @@ def storage_id_for(data_dir: Path) -> str:
 
 def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://127.0.0.1:0",
         advertise_host: str | None = None, fsync: str = "interval:1000", log_level: str = "info",
-        max_batch_bytes: int = Limits.max_batch_bytes, curve_dir: str | None = None) -> None:
-    """Process main. Runs until SIGTERM/SIGINT, then drains and exits 0."""
+        max_batch_bytes: int = Limits.max_batch_bytes, curve_dir: str | None = None,
+        replica_lag_ms: int = 10_000, rack: str | None = None) -> None:
+    """Process main. Runs until SIGTERM/SIGINT, then drains and exits 0. ``rack`` names the
+    failure domain this actor is in: replicas of a partition are spread over racks first."""
     log = runtime.configure_logging(log_level, actor="partition-log", actor_id=actor_id)
     open_files = runtime.raise_open_file_limit()
     stop = runtime.StopFlag().install()
@@ -134,7 +138,8 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
 
     core = PartitionActorCore(actor_id, open_log=LockedLogOpener(data), fsync=FsyncPolicy.parse(fsync),
                               limits=Limits(max_batch_bytes=max_batch_bytes), background_sync=background_sync,
-                              max_open_partitions=None if open_files is None else partitions_for_open_files(open_files))
+                              max_open_partitions=None if open_files is None else partitions_for_open_files(open_files),
+                              replica_lag_ms=replica_lag_ms)
     ctx = zmq.Context()
     keys = security.KeyRing(curve_dir) if curve_dir is not None else None  # "" is refused, not plaintext
     auth = security.start_authenticator(ctx, keys, log) if keys else None
@@ -164,7 +169,8 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         # refused frames did through their errors' tracebacks, see core.handle): with
         # the young generation collected every 50,000 allocations, 100,000 fuzzed
         # frames held 100 MiB (tests/fuzz).
-        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl, sync_failures, coordinator)
+        _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl, sync_failures, coordinator,
+              rack)
         syncer.shutdown(wait=True)  # background fsyncs finish before the final one in close()
         for effect in core.close():
             _apply(effect, router, dealer, log)
@@ -192,10 +198,21 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
 
 def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
           storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
-          sync_failures: list, coordinator: str = "") -> None:
+          sync_failures: list, coordinator: str = "", rack: str | None = None) -> None:
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
+    global _links
+    _links = ReplicationLinks(router.context, poller, log)
+    try:
+        _turns(core, router, dealer, endpoint, storage_id, stop, log, acl, sync_failures, coordinator, poller, rack)
+    finally:
+        _links.close()
+
+
+def _turns(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
+           storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
+           sync_failures: list, coordinator: str, poller: zmq.Poller, rack: str | None = None) -> None:
     corr = 0
     pid = os.getpid()
     while not stop.stopping:
@@ -206,7 +223,8 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
             corr += 1
             # A registration the coordinator's queue refuses is dropped: the next one is a second away.
             runtime.send_reply(dealer, None, codec.encode_request(
-                core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid), corr), what="registration")
+                core.registration(endpoint=endpoint, storage_id=storage_id, pid=pid, rack=rack), corr),
+                what="registration")
             unanswered_ms = core.registration_sent(now)
             if unanswered_ms is not None:
                 log.warning("coordinator.registration_unanswered", unanswered_ms=unanswered_ms, coordinator=coordinator,
@@ -240,6 +258,9 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
                 if frames is None:
                     break
                 _handle_from_coordinator(core, frames, now, router, dealer, log, wall=wall)
+        if core.replicas:
+            for effect in _links.on_ready(ready, core, now) + _links.expire(core, now):
+                _apply(effect, router, dealer, log)
         for effect in core.tick(now, wall_ms=wall):
             _apply(effect, router, dealer, log)
         for effect in core.end_turn(now):
@@ -280,9 +301,13 @@ def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, r
     if is_reply:
         if env.op == "register":
             core.registration_answered()
+        if env.op == "alter_isr":
+            for effect in _links.alter_isr_reply(env, core, now):
+                _apply(effect, router, dealer, log)
+            return
         if env.op == "register" and env.msg is not None:
             try:
-                effects = core.on_assign(env.msg.assignment, now, wall_ms=wall)
+                effects = core.accept_assignment(env.msg, now, wall_ms=wall)
             except (ZBrokerError, ValueError, TypeError) as err:
                 log.error("coordinator.bad_assignment", reason=str(err))
                 return
@@ -316,6 +341,9 @@ def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int
 
 
 def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> None:
+    if isinstance(effect, (SendToLeader, SendToCoordinator)):
+        _links.send(effect, dealer, wall_ms())
+        return
     route, corr_id, op = effect.token
     if effect.nth:  # a followed fetch's later reply: the core checked the id is an int that stays in range
         corr_id += effect.nth
@@ -330,6 +358,8 @@ def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> Non
 
 # Replies wait here for the end of the loop turn (`runtime.Outbox`); one per process.
 _outbox = runtime.Outbox()
+# The sockets to leaders (a follower's fetches) and the alter_isr bookkeeping; set by _loop.
+_links: ReplicationLinks | None = None
 
 
 def _send(route: tuple, frames: list, must_arrive: bool = False) -> None:

@@ -37,6 +37,7 @@ from typing import Iterable
 import structlog
 
 from zbroker.protocol.errors import ErrorCode, ZBrokerError
+from zbroker.storage.offsets.metadata import LeaseState, Metadata, MetadataChanges
 
 log = structlog.get_logger("zbroker.offsets")
 
@@ -146,8 +147,36 @@ class OffsetStore(abc.ABC):
         """Apply pending migrations; return the versions applied now (empty when up to date)."""
 
     @abc.abstractmethod
-    async def upsert(self, rows: Iterable[OffsetRow]) -> int:
-        """Write `rows` through the monotonic guard in ONE statement; return rows changed."""
+    async def upsert(self, rows: Iterable[OffsetRow], coordinator_epoch: int | None = None) -> int:
+        """Write `rows` through the monotonic guard in ONE statement; return rows changed.
+
+        With a `coordinator_epoch`, the same statement first checks that it is still the
+        coordinator lease's current epoch and writes nothing otherwise, raising
+        `StaleEpoch` (data: ``epoch`` = the current one or None, ``got``). None writes
+        unfenced, as a single-node broker always has.
+        """
+
+    @abc.abstractmethod
+    async def load_metadata(self) -> Metadata:
+        """Every topic and partition state (storage.offsets.metadata), read in one snapshot."""
+
+    @abc.abstractmethod
+    async def write_metadata(self, changes: MetadataChanges, coordinator_epoch: int) -> bool:
+        """Apply `changes` in ONE transaction if every condition holds; else write nothing, return False.
+
+        Conditions: `coordinator_epoch` is the lease's current epoch; each created topic
+        is new; each updated or deleted topic exists with that incarnation; each
+        partition update finds its `expected_leader_epoch` stored (None: no row yet, and
+        its topic exists).
+        """
+
+    @abc.abstractmethod
+    async def acquire_or_renew_lease(self, node_id: str, endpoint: str, lease_ms: int) -> LeaseState:
+        """Take the coordinator lease if free or expired (the epoch grows by one), renew it if
+        `node_id` holds it and it has not expired (the epoch stays), else report who holds it.
+
+        Expiry is judged by the database's clock only.
+        """
 
     @abc.abstractmethod
     async def load_page(self, after: tuple[str, str, int] | None, limit: int) -> list[OffsetRow]:

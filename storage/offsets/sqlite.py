@@ -18,6 +18,12 @@ The batch travels as one JSON parameter unpacked by ``json_each`` into
 statement per flush" true on both backends. A ``schema`` is an attached
 database file ``<path>.<schema>`` so that SQL text names tables the same way
 as on PostgreSQL (``"schema".consumer_group_offsets``).
+
+Cluster metadata: SQLite is a cluster of one. The coordinator lease is always
+this node's, at epoch 1 (`SINGLE_NODE_EPOCH`), and is not stored; a fenced
+upsert or metadata write naming any other epoch is refused. Topics and
+partition states are stored as on PostgreSQL, each change set in one
+``BEGIN IMMEDIATE`` transaction.
 """
 
 from __future__ import annotations
@@ -29,23 +35,29 @@ import sqlite3
 import time
 from typing import Callable, Iterable, TypeVar
 
+from zbroker.protocol.errors import StaleEpoch
 from zbroker.storage.offsets.base import (
     MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations, stored_holes,
+)
+from zbroker.storage.offsets.metadata import (
+    PARTITIONS_TABLE, SINGLE_NODE_EPOCH, TOPICS_TABLE, LeaseState, Metadata, MetadataChanges,
+    check_lease_request, metadata_from_rows, metadata_steps,
 )
 
 T = TypeVar("T")
 
 _UPSERT = """
 INSERT INTO {s}.{table} AS cur
-    (group_id, topic, partition, committed_offset, holes, generation, reset_epoch, updated_at)
-SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, value ->> 5, value ->> 6, ?
+    (group_id, topic, partition, committed_offset, holes, generation, reset_epoch, updated_at, coordinator_epoch)
+SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, value ->> 5, value ->> 6, ?, ?
 FROM json_each(?) WHERE true
 ON CONFLICT (group_id, topic, partition) DO UPDATE SET
     committed_offset = excluded.committed_offset,
     holes = excluded.holes,
     generation = excluded.generation,
     reset_epoch = excluded.reset_epoch,
-    updated_at = excluded.updated_at
+    updated_at = excluded.updated_at,
+    coordinator_epoch = excluded.coordinator_epoch
 WHERE excluded.reset_epoch > cur.reset_epoch
    OR (excluded.reset_epoch = cur.reset_epoch AND excluded.committed_offset >= cur.committed_offset)
 """
@@ -60,6 +72,49 @@ _SELECT_AFTER = """
 SELECT group_id, topic, partition, committed_offset, holes, generation, reset_epoch
 FROM {s}.{table} WHERE (group_id, topic, partition) > (?, ?, ?)
 ORDER BY group_id, topic, partition LIMIT ?
+"""
+
+# Metadata statements, as on PostgreSQL (see postgres.py): JSON items through json_each,
+# each statement's row count checked against its number of items. :items, :epoch, :now.
+_META = {
+    "delete_topics": """
+DELETE FROM {s}.{topics} WHERE EXISTS (
+    SELECT 1 FROM json_each(:items) AS u WHERE u.value ->> 0 = name AND u.value ->> 1 = incarnation)
+""",
+    "delete_partitions": """
+DELETE FROM {s}.{partitions} WHERE topic IN (SELECT u.value ->> 0 FROM json_each(:items) AS u)
+""",
+    "create_topics": """
+INSERT INTO {s}.{topics} (name, partitions, config, replication_factor, min_insync, incarnation,
+                          coordinator_epoch, updated_at)
+SELECT value ->> 0, value ->> 1, value -> 2, value ->> 3, value ->> 4, value ->> 5, :epoch, :now
+FROM json_each(:items) WHERE true
+ON CONFLICT (name) DO NOTHING
+""",
+    "update_topics": """
+UPDATE {s}.{topics} AS t SET partitions = u.value ->> 1, config = u.value -> 2, replication_factor = u.value ->> 3,
+    min_insync = u.value ->> 4, coordinator_epoch = :epoch, updated_at = :now
+FROM json_each(:items) AS u
+WHERE t.name = u.value ->> 0 AND t.incarnation = u.value ->> 5
+""",
+    "insert_partitions": """
+INSERT INTO {s}.{partitions} (topic, partition, replicas, leader, leader_epoch, isr, coordinator_epoch, updated_at)
+SELECT value ->> 0, value ->> 1, value -> 2, value ->> 3, value ->> 4, value -> 5, :epoch, :now
+FROM json_each(:items) WHERE EXISTS (SELECT 1 FROM {s}.{topics} AS t WHERE t.name = value ->> 0)
+ON CONFLICT (topic, partition) DO NOTHING
+""",
+    "update_partitions": """
+UPDATE {s}.{partitions} AS p SET replicas = u.value -> 2, leader = u.value ->> 3, leader_epoch = u.value ->> 4,
+    isr = u.value -> 5, coordinator_epoch = :epoch, updated_at = :now
+FROM json_each(:items) AS u
+WHERE p.topic = u.value ->> 0 AND p.partition = u.value ->> 1 AND p.leader_epoch = u.value ->> 6
+""",
+}
+_SELECT_TOPICS = """
+SELECT name, partitions, config, replication_factor, min_insync, incarnation FROM {s}.{topics} ORDER BY name
+"""
+_SELECT_PARTITIONS = """
+SELECT topic, partition, replicas, leader, leader_epoch, isr FROM {s}.{partitions} ORDER BY topic, partition
 """
 
 
@@ -80,6 +135,10 @@ class SQLiteOffsetStore(OffsetStore):
         self._upsert_sql = _UPSERT.format(s=self._qualifier, table=TABLE)
         self._select_first_sql = _SELECT_FIRST.format(s=self._qualifier, table=TABLE)
         self._select_after_sql = _SELECT_AFTER.format(s=self._qualifier, table=TABLE)
+        names = dict(s=self._qualifier, topics=TOPICS_TABLE, partitions=PARTITIONS_TABLE)
+        self._meta = {name: sql.format(**names) for name, sql in _META.items()}
+        self._select_topics_sql = _SELECT_TOPICS.format(**names)
+        self._select_partitions_sql = _SELECT_PARTITIONS.format(**names)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -166,10 +225,14 @@ class SQLiteOffsetStore(OffsetStore):
 
         return await self._call("migrate", run)
 
-    async def upsert(self, rows: Iterable[OffsetRow]) -> int:
+    async def upsert(self, rows: Iterable[OffsetRow], coordinator_epoch: int | None = None) -> int:
         batch = fold(rows)
         if not batch:
             return 0
+        if coordinator_epoch is not None and coordinator_epoch != SINGLE_NODE_EPOCH:
+            raise StaleEpoch("SQLite is a cluster of one at coordinator epoch 1: nothing written",
+                             epoch=SINGLE_NODE_EPOCH, got=coordinator_epoch, operation="upsert")
+        epoch = coordinator_epoch or 0
         payload = json.dumps([[r.group_id, r.topic, r.partition, r.committed_offset,
                                [list(h) for h in r.holes], r.generation, r.reset_epoch] for r in batch],
                              separators=(",", ":"))
@@ -177,9 +240,49 @@ class SQLiteOffsetStore(OffsetStore):
 
         def run(conn: sqlite3.Connection) -> int:
             self._stats["statements"] += 1
-            return conn.execute(self._upsert_sql, (now_ms, payload)).rowcount
+            return conn.execute(self._upsert_sql, (now_ms, epoch, payload)).rowcount
 
         return await self._call("upsert", run)
+
+    async def load_metadata(self) -> Metadata:
+        def run(conn: sqlite3.Connection) -> Metadata:
+            conn.execute("BEGIN")  # one snapshot for both reads
+            try:
+                topics = conn.execute(self._select_topics_sql).fetchall()
+                parts = conn.execute(self._select_partitions_sql).fetchall()
+            finally:
+                conn.execute("COMMIT")
+            return metadata_from_rows(topics, parts)
+
+        return await self._call("load_metadata", run)
+
+    async def write_metadata(self, changes: MetadataChanges, coordinator_epoch: int) -> bool:
+        if coordinator_epoch != SINGLE_NODE_EPOCH:
+            return False
+        steps = [(name, json.dumps(items, separators=(",", ":"))) for name, items in metadata_steps(changes)]
+        counts = [len(items) for _name, items in metadata_steps(changes)]
+        now_ms = int(time.time() * 1000)
+
+        def run(conn: sqlite3.Connection) -> bool:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for (name, payload), expected in zip(steps, counts):
+                    changed = conn.execute(self._meta[name], {"items": payload, "epoch": coordinator_epoch,
+                                                               "now": now_ms}).rowcount
+                    if name != "delete_partitions" and changed != expected:
+                        conn.execute("ROLLBACK")
+                        return False
+                conn.execute("COMMIT")
+                return True
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+        return await self._call("write_metadata", run)
+
+    async def acquire_or_renew_lease(self, node_id: str, endpoint: str, lease_ms: int) -> LeaseState:
+        check_lease_request(node_id, endpoint, lease_ms)
+        return LeaseState(node_id, endpoint, SINGLE_NODE_EPOCH, True, lease_ms)
 
     async def load_page(self, after: tuple[str, str, int] | None, limit: int) -> list[OffsetRow]:
         def run(conn: sqlite3.Connection) -> list[OffsetRow]:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.support.waiting import wait_for
 from zbroker.client import Admin, Consumer, Producer
 
 pytestmark = pytest.mark.processes
@@ -21,16 +22,6 @@ pytestmark = pytest.mark.processes
 def _endpoints(admin: Admin, topic: str) -> dict[int, str]:
     [meta] = admin.metadata([topic])
     return {i: p.get("endpoint") for i, p in enumerate(meta["partitions"])}
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_a_consumer_keeps_consuming_after_its_partitions_move_to_another_actor(start):
@@ -65,11 +56,11 @@ def test_a_consumer_keeps_consuming_after_its_partitions_move_to_another_actor(s
         os.kill(pid, signal.SIGSTOP)
         try:
             with Admin(broker.url) as admin:
-                _wait_for(lambda: _endpoints(admin, "moving")[0] == before[1], 15, "partition 0 to move to p1")
+                wait_for(lambda: _endpoints(admin, "moving")[0] == before[1], 15, "partition 0 to move to p1")
         finally:
             os.kill(pid, signal.SIGCONT)
         with Admin(broker.url) as admin:
-            _wait_for(lambda: _endpoints(admin, "moving") == {0: before[1], 1: before[0]}, 15,
+            wait_for(lambda: _endpoints(admin, "moving") == {0: before[1], 1: before[0]}, 15,
                       "the partitions to swap actors")
 
         with Producer(broker.url, linger_ms=1) as producer:

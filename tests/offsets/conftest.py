@@ -18,12 +18,13 @@ from zbroker.storage.offsets import OffsetStore, open_offset_store
 from zbroker.storage.offsets.base import TABLE
 # pg_dsn, pg_schema and pg_schema_factory come from the root conftest, so that
 # every directory shares one session fixture (and at most one throwaway cluster).
-from tests.support.pg import PgFrontendCounter, dsn_host_port, dsn_via, pg_execute, with_schema
+from tests.support.pg import PgFrontendCounter, dsn_host_port, dsn_via, pg_execute, pg_fetch, with_schema
 from tests.support.tcp_proxy import TcpProxy
 
 
 class SqliteBackend:
     name = "sqlite"
+    single_node = True  # a cluster of one: the coordinator lease is always ours, at epoch 1
 
     def __init__(self, tmp_path) -> None:
         self.path = tmp_path / "offsets.db"
@@ -50,9 +51,15 @@ class SqliteBackend:
         with contextlib.closing(sqlite3.connect(self.path)) as conn, conn:
             conn.execute(f"UPDATE {TABLE} SET holes = ?", (holes_text,))
 
+    def fetch(self, sql: str) -> list[tuple]:
+        """Rows of `sql` (tables named ``{s}.table``) in the default schema, read outside the store."""
+        with contextlib.closing(sqlite3.connect(self.path)) as conn:
+            return [tuple(r) for r in conn.execute(sql.format(s="main"))]
+
 
 class PostgresBackend:
     name = "postgres"
+    single_node = False
 
     def __init__(self, dsn: str, schema_factory) -> None:
         self.dsn = dsn
@@ -81,6 +88,16 @@ class PostgresBackend:
         """Overwrites every row's holes column (jsonb: `holes_text` must be valid JSON)."""
         self.url()  # makes the default schema
         pg_execute(self.dsn, f'UPDATE "{self._default}".{TABLE} SET holes = $1::jsonb', holes_text)
+
+    def fetch(self, sql: str) -> list[tuple]:
+        self.url()
+        return [tuple(r) for r in pg_fetch(self.dsn, sql.format(s=f'"{self._default}"'))]
+
+    def expire_lease_by_hand(self) -> None:
+        """Ends the coordinator lease now, by the server's clock: what waiting out lease_ms would do."""
+        self.url()
+        pg_execute(self.dsn, f'UPDATE "{self._default}".zbroker_coordinator_lease '
+                             "SET expires_at = now() - interval '1 millisecond'")
 
 
 class StatementCount:

@@ -33,7 +33,7 @@ def test_a_flush_is_one_transaction(pg_dsn, pg_schema):
         xmins = s.fetchval(f'SELECT count(DISTINCT xmin::text) FROM "{pg_schema}".consumer_group_offsets')
         applied = s.fetch(f'SELECT version, name FROM "{pg_schema}".zbroker_schema_migrations')
     assert xmins == 1  # all 500 rows were written by one transaction
-    assert [tuple(r) for r in applied] == [(1, "consumer_group_offsets")]
+    assert [tuple(r) for r in applied] == [(1, "consumer_group_offsets"), (2, "cluster_metadata")]
 
 
 @pytest.mark.postgres
@@ -94,3 +94,38 @@ def test_dsn_helpers():
     assert dsn_via("postgresql://u:p@h:1/db?x=1", 99) == "postgresql://u:p@127.0.0.1:99/db?x=1"
     assert dsn_host_port("postgresql://u@db.example/x") == ("db.example", 5432)
     assert pg_support.redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
+
+
+@pytest.mark.postgres
+def test_a_flush_racing_a_takeover_waits_for_it_and_is_then_refused(pg_dsn, pg_schema):
+    """The FOR SHARE in the fenced upsert: a flush that meets an uncommitted takeover waits for
+    it, then re-reads the lease row, finds the new epoch and writes nothing."""
+    from zbroker.protocol.errors import StaleEpoch
+
+    app = f"zbt-fence-{pg_schema}"[:63]
+    url = with_schema(pg_dsn, pg_schema)
+
+    async def body(session: PgSession):
+        store = open_offset_store(url, application_name=app)
+        try:
+            await store.migrate()
+            assert (await store.acquire_or_renew_lease("a", "tcp://a:1", 5000)).epoch == 1
+            assert await store.upsert(rows(1, 1), coordinator_epoch=1) == 1
+            session.execute("BEGIN")
+            session.execute(f'UPDATE "{pg_schema}".zbroker_coordinator_lease '
+                            "SET holder = 'b', epoch = epoch + 1, expires_at = now() + interval '5 seconds'")
+            flush = asyncio.ensure_future(store.upsert(rows(1, 2), coordinator_epoch=1))
+            while not session.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+                                       "AND wait_event_type = 'Lock'", app):
+                assert not flush.done(), flush  # it must wait for the takeover, not pass it
+                await asyncio.sleep(0.02)
+            session.execute("COMMIT")
+            with pytest.raises(StaleEpoch) as refused:
+                await flush
+            assert refused.value.data == {"epoch": 2, "got": 1, "operation": "upsert"}
+            assert [r.committed_offset for r in await store.load_all()] == [1]
+        finally:
+            await store.close()
+
+    with PgSession(pg_dsn) as session:
+        asyncio.run(body(session))

@@ -9,7 +9,9 @@ import socket
 import asyncpg
 import pytest
 
+from zbroker.protocol.errors import ProtocolError, StaleEpoch
 from zbroker.storage.offsets import OffsetRow, OffsetStoreError, open_offset_store
+from zbroker.storage.offsets.metadata import Metadata, MetadataChanges, PartitionState, PartitionUpdate, TopicMeta
 
 MAX_INT64 = (1 << 63) - 1
 
@@ -30,7 +32,7 @@ def test_migrate_twice_is_idempotent(backend):
         first = open_offset_store(backend.url())
         second = open_offset_store(backend.url())
         try:
-            assert await first.migrate() == [1]
+            assert await first.migrate() == [1, 2]
             assert await first.migrate() == []
             assert await second.migrate() == []  # another process, same schema
             assert await first.upsert([row(committed=3)]) == 1
@@ -49,7 +51,7 @@ def test_concurrent_migrations_apply_once(backend):
         stores = [open_offset_store(url) for _ in range(3)]
         try:
             applied = await asyncio.gather(*(s.migrate() for s in stores))
-            assert sorted(applied) == [[], [], [1]]
+            assert sorted(applied) == [[], [], [1, 2]]
         finally:
             for s in stores:
                 await s.close()
@@ -306,3 +308,314 @@ def test_holes_that_touch_are_read_as_written(backend):
             await store.close()
 
     assert asyncio.run(body())[0].holes == [(2, 4), (4, 6), (9, 10)]
+
+
+# -- cluster metadata, the coordinator lease and fencing (issues 25, 26) ------------------
+
+def topic(name="orders", partitions=2, rf=3, min_insync=2, incarnation=7, **config) -> TopicMeta:
+    return TopicMeta(name, partitions, dict(config) or {"segment_bytes": 1 << 20}, rf, min_insync, incarnation)
+
+
+def pstate(topic_name="orders", partition=0, leader="a", epoch=0, isr=("a", "b", "c"),
+           replicas=("a", "b", "c")) -> PartitionState:
+    return PartitionState(topic_name, partition, tuple(replicas), leader, epoch, tuple(isr))
+
+
+def created(*topics: TopicMeta) -> MetadataChanges:
+    """The topics with every partition new, led by its first replica at leader epoch 0."""
+    return MetadataChanges(create_topics=topics, partitions=tuple(
+        PartitionUpdate(pstate(t.name, p), None) for t in topics for p in range(t.partitions)))
+
+
+async def _epoch(store, node="n1") -> int:
+    lease = await store.acquire_or_renew_lease(node, f"tcp://{node}:5555", 5000)
+    assert lease.held
+    return lease.epoch
+
+
+def test_metadata_round_trips_topics_and_partition_states(backend):
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            assert await store.load_metadata() == Metadata({}, {})
+            epoch = await _epoch(store)
+            orders = topic(config_with="ünïcode ✓", retention_ms=None, nested={"a": [1, 2]})
+            single = topic("logs", partitions=1, rf=1, min_insync=1, incarnation=MAX_INT64)
+            assert await store.write_metadata(created(orders, single), epoch)
+            meta = await store.load_metadata()
+        finally:
+            await store.close()
+        assert meta.topics == {"orders": orders, "logs": single}
+        assert meta.partitions == {("orders", 0): pstate("orders", 0), ("orders", 1): pstate("orders", 1),
+                                   ("logs", 0): pstate("logs", 0)}
+
+    asyncio.run(body())
+
+
+def test_partition_update_applies_only_over_the_leader_epoch_it_expects(backend):
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            epoch = await _epoch(store)
+            assert await store.write_metadata(created(topic()), epoch)
+            moved = pstate(leader="b", epoch=1, isr=("b", "c"))
+            assert await store.write_metadata(MetadataChanges(partitions=(PartitionUpdate(moved, 0),)), epoch)
+            # A second controller that read epoch 0 too loses: its change is not applied.
+            rival = pstate(leader="c", epoch=1, isr=("c",))
+            assert not await store.write_metadata(MetadataChanges(partitions=(PartitionUpdate(rival, 0),)), epoch)
+            # An ISR change keeps the leader epoch and names it.
+            shrunk = pstate(leader="b", epoch=1, isr=("b",))
+            assert await store.write_metadata(MetadataChanges(partitions=(PartitionUpdate(shrunk, 1),)), epoch)
+            # A partition that exists cannot be created again, nor one of a topic that does not exist.
+            assert not await store.write_metadata(
+                MetadataChanges(partitions=(PartitionUpdate(pstate(), None),)), epoch)
+            assert not await store.write_metadata(
+                MetadataChanges(partitions=(PartitionUpdate(pstate("nosuch"), None),)), epoch)
+            meta = await store.load_metadata()
+        finally:
+            await store.close()
+        assert meta.partitions[("orders", 0)] == shrunk
+        assert meta.partitions[("orders", 1)] == pstate("orders", 1)
+
+    asyncio.run(body())
+
+
+def test_a_change_set_with_one_failed_condition_writes_nothing(backend):
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            epoch = await _epoch(store)
+            assert await store.write_metadata(created(topic()), epoch)
+            before = await store.load_metadata()
+            failing = MetadataChanges(
+                create_topics=(topic("new", partitions=1),),
+                update_topics=(dataclasses.replace(topic(), partitions=4),),
+                partitions=(PartitionUpdate(pstate("new", 0), None),
+                            PartitionUpdate(pstate(partition=0, leader="b", epoch=1), 0),
+                            PartitionUpdate(pstate(partition=1, leader="b", epoch=6), 5)))  # stored: 0
+            assert not await store.write_metadata(failing, epoch)
+            assert await store.load_metadata() == before
+            rows = backend.fetch("SELECT count(*) FROM {s}.zbroker_topics WHERE name = 'new'")
+        finally:
+            await store.close()
+        assert rows == [(0,)]
+
+    asyncio.run(body())
+
+
+def test_topics_are_created_once_and_changed_or_deleted_by_incarnation(backend):
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            epoch = await _epoch(store)
+            assert await store.write_metadata(created(topic()), epoch)
+            assert not await store.write_metadata(created(topic(incarnation=8)), epoch)  # the name is taken
+            grown = dataclasses.replace(topic(), partitions=3, config={"segment_bytes": 1})
+            assert not await store.write_metadata(
+                MetadataChanges(update_topics=(dataclasses.replace(grown, incarnation=8),)), epoch)
+            assert await store.write_metadata(MetadataChanges(
+                update_topics=(grown,), partitions=(PartitionUpdate(pstate(partition=2), None),)), epoch)
+            assert (await store.load_metadata()).topics["orders"] == grown
+            # A deletion meant for an older incarnation of the name deletes nothing.
+            assert not await store.write_metadata(MetadataChanges(delete_topics=(("orders", 8),)), epoch)
+            assert await store.write_metadata(MetadataChanges(delete_topics=(("orders", 7),)), epoch)
+            assert await store.load_metadata() == Metadata({}, {})  # its partition states went with it
+            assert await store.write_metadata(created(topic(incarnation=9)), epoch)
+            assert (await store.load_metadata()).topics["orders"].incarnation == 9
+        finally:
+            await store.close()
+
+    asyncio.run(body())
+
+
+def test_concurrent_controllers_bumping_one_leader_epoch_only_one_wins(backend):
+    async def body():
+        url = backend.url()
+        setup = await _opened(url)
+        stores = [open_offset_store(url) for _ in range(4)]
+        try:
+            epoch = await _epoch(setup)
+            assert await setup.write_metadata(created(topic()), epoch)
+            for s in stores:
+                await s.connect()
+            changes = [MetadataChanges(partitions=(PartitionUpdate(pstate(leader=leader, epoch=1), 0),))
+                       for leader in ("a", "b", "c", "b")]
+            won = await asyncio.gather(*(s.write_metadata(c, epoch) for s, c in zip(stores, changes)))
+            meta = await setup.load_metadata()
+        finally:
+            await setup.close()
+            for s in stores:
+                await s.close()
+        assert sorted(won) == [False, False, False, True]
+        winner_leader = ("a", "b", "c", "b")[won.index(True)]
+        assert meta.partitions[("orders", 0)] == pstate(leader=winner_leader, epoch=1)
+
+    asyncio.run(body())
+
+
+def test_the_first_lease_is_held_at_epoch_one_and_renewing_keeps_it(backend):
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            first = await store.acquire_or_renew_lease("n1", "tcp://127.0.0.2:5555", 5000)
+            again = await store.acquire_or_renew_lease("n1", "tcp://127.0.0.2:5555", 5000)
+        finally:
+            await store.close()
+        assert (first.holder, first.holder_endpoint, first.epoch, first.held) == ("n1", "tcp://127.0.0.2:5555", 1, True)
+        assert again.epoch == 1 and again.held
+        assert 0 < first.remaining_ms <= 5000 and 0 < again.remaining_ms <= 5000
+
+    asyncio.run(body())
+
+
+def test_an_unexpired_lease_cannot_be_taken_and_an_expired_one_is_taken_at_the_next_epoch(backend):
+    if backend.single_node:  # no other node exists: whoever asks holds epoch 1
+        return _assert_a_cluster_of_one(backend)
+
+    async def body():
+        url = backend.url()
+        a, b = await _opened(url), await _opened(url)
+        try:
+            assert (await a.acquire_or_renew_lease("a", "tcp://a:1", 5000)).epoch == 1
+            refused = await b.acquire_or_renew_lease("b", "tcp://b:1", 5000)
+            assert (refused.held, refused.holder, refused.holder_endpoint, refused.epoch) == (False, "a", "tcp://a:1", 1)
+            assert 0 < refused.remaining_ms <= 5000  # a's lease, by the database clock
+            backend.expire_lease_by_hand()
+            taken = await b.acquire_or_renew_lease("b", "tcp://b:1", 5000)
+            assert (taken.held, taken.holder, taken.epoch) == (True, "b", 2)
+            late = await a.acquire_or_renew_lease("a", "tcp://a:1", 5000)  # a woke up: too late
+            assert (late.held, late.holder, late.epoch) == (False, "b", 2)
+            backend.expire_lease_by_hand()
+            # Even its own holder retakes an expired lease at a new epoch: it stood down meanwhile.
+            assert (await b.acquire_or_renew_lease("b", "tcp://b:1", 5000)).epoch == 3
+        finally:
+            await a.close()
+            await b.close()
+        history = backend.fetch("SELECT epoch, holder FROM {s}.zbroker_coordinator_epochs ORDER BY epoch")
+        assert history == [(1, "a"), (2, "b"), (3, "b")]
+
+    asyncio.run(body())
+
+
+def _assert_a_cluster_of_one(backend):
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            leases = [await store.acquire_or_renew_lease(n, f"tcp://{n}:1", 1000) for n in ("a", "b", "a")]
+            assert not await store.write_metadata(created(topic()), 2)
+            with pytest.raises(StaleEpoch):
+                await store.upsert([row(committed=1)], coordinator_epoch=2)
+        finally:
+            await store.close()
+        assert [(lease.held, lease.epoch, lease.remaining_ms) for lease in leases] == [(True, 1, 1000)] * 3
+
+    asyncio.run(body())
+
+
+def test_nodes_racing_for_a_free_lease_only_one_takes_it(backend):
+    async def body():
+        url = backend.url()
+        setup = await _opened(url)
+        stores = [open_offset_store(url) for _ in range(5)]
+        try:
+            for s in stores:
+                await s.connect()
+            answers = await asyncio.gather(*(s.acquire_or_renew_lease(f"n{i}", f"tcp://n{i}:1", 5000)
+                                             for i, s in enumerate(stores)))
+        finally:
+            await setup.close()
+            for s in stores:
+                await s.close()
+        if backend.single_node:
+            assert all(a.held and a.epoch == 1 for a in answers)  # a cluster of one: nobody to race
+            return
+        held = [a for a in answers if a.held]
+        assert len(held) == 1 and held[0].epoch == 1
+        assert all(a.holder == held[0].holder and a.epoch == 1 for a in answers)
+
+    asyncio.run(body())
+
+
+def test_a_lease_request_out_of_range_is_refused(backend):
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            for node, ms in (("", 5000), ("n", 0), ("n", 10**9)):
+                with pytest.raises(ProtocolError):
+                    await store.acquire_or_renew_lease(node, "tcp://n:1", ms)
+        finally:
+            await store.close()
+
+    asyncio.run(body())
+
+
+def test_metadata_and_offset_writes_of_an_older_coordinator_epoch_are_refused(backend):
+    """Proved by a query: the rows, read outside the store, are what the current epoch wrote."""
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            old = await _epoch(store, "a")
+            assert await store.write_metadata(created(topic()), old)
+            assert await store.upsert([row(committed=5)], coordinator_epoch=old) == 1
+            if backend.single_node:
+                stale, current = old + 1, old  # no other node can exist: any other epoch is foreign
+            else:
+                backend.expire_lease_by_hand()
+                current = await _epoch(store, "b")
+                stale = old
+                assert current == old + 1
+            assert not await store.write_metadata(
+                MetadataChanges(partitions=(PartitionUpdate(pstate(leader="b", epoch=1), 0),)), stale)
+            assert not await store.write_metadata(created(topic("other")), stale)
+            with pytest.raises(StaleEpoch) as refused:
+                await store.upsert([row(committed=9), row(partition=1, committed=9)], coordinator_epoch=stale)
+            assert refused.value.data["got"] == stale
+            assert refused.value.data["epoch"] == current
+            assert await store.upsert([row(committed=7)], coordinator_epoch=current) == 1
+        finally:
+            await store.close()
+        assert backend.fetch("SELECT partition, committed_offset, coordinator_epoch FROM {s}.consumer_group_offsets"
+                             " ORDER BY partition") == [(0, 7, current)]
+        assert backend.fetch("SELECT leader, leader_epoch, coordinator_epoch FROM {s}.zbroker_partition_states"
+                             " WHERE partition = 0") == [("a", 0, old)]
+        assert backend.fetch("SELECT name FROM {s}.zbroker_topics") == [("orders",)]
+
+    asyncio.run(body())
+
+
+def test_a_fenced_write_before_any_lease_is_refused(backend):
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            if backend.single_node:  # holds its lease from the start, at epoch 1 only
+                assert await store.upsert([row(committed=1)], coordinator_epoch=1) == 1
+                assert await store.write_metadata(created(topic()), 1)
+                return
+            with pytest.raises(StaleEpoch) as refused:
+                await store.upsert([row(committed=1)], coordinator_epoch=1)
+            assert not await store.write_metadata(created(topic()), 1)
+        finally:
+            await store.close()
+        assert refused.value.data["epoch"] is None
+        assert backend.fetch("SELECT count(*) FROM {s}.consumer_group_offsets") == [(0,)]
+
+    asyncio.run(body())
+
+
+def test_a_fenced_flush_is_still_one_statement(backend):
+    async def body():
+        with backend.counting_store() as (store, count):
+            try:
+                await store.migrate()
+                epoch = await _epoch(store)
+                count.reset()
+                assert await store.upsert([row(p, 3) for p in range(200)], coordinator_epoch=epoch) == 200
+                fenced_statements = count.statements
+                count.reset()
+                assert await store.upsert([row(p, 4) for p in range(200)]) == 200
+                plain_statements = count.statements
+            finally:
+                await store.close()
+        assert fenced_statements == plain_statements == 1
+
+    asyncio.run(body())

@@ -494,3 +494,57 @@ def test_every_flush_is_counted_into_its_latency_bucket(core):
     assert buckets[1] == 1 and buckets[10] == 2 and buckets[None] == 1
     assert sum(buckets.values()) == stats["flushes"] == 4
     assert stats["flush_ms_sum"] == 20_015.5
+
+
+# -- fencing by the coordinator epoch (issue 26) -------------------------------------------
+
+def _lease(epoch: int, held: bool = True):
+    from zbroker.storage.offsets.metadata import LeaseState
+
+    return LeaseState("n1" if held else "n2", "tcp://n:1", epoch, held, 5000)
+
+
+def test_flushes_are_unfenced_until_a_lease_is_held_then_carry_its_epoch(core):
+    core.on_advance("r1", [adv(0, 1)], 0)
+    assert one(core.on_tick(11), Flush).coordinator_epoch is None
+    core = CommitWriterCore(WriterConfig(flush_interval_ms=10))
+    ready(core)
+    assert core.on_lease(_lease(4, held=False), 0) == []
+    assert core.coordinator_epoch is None  # another node's lease is not ours to write with
+    assert core.on_lease(_lease(3), 0) == []
+    core.on_advance("r1", [adv(0, 1)], 1)
+    assert one(core.on_tick(12), Flush).coordinator_epoch == 3
+
+
+def test_a_fenced_flush_ends_the_term_what_waits_is_answered_stale_epoch(core):
+    from zbroker.protocol.errors import StaleEpoch
+
+    core.on_lease(_lease(3), 0)
+    core.on_advance("r1", [adv(0, 5)], 1)
+    flush = one(core.on_tick(12), Flush)
+    core.on_advance("r2", [adv(1, 7)], 13)  # pending behind the flush
+    core.on_load_offsets("load", 14)  # waits for those to be written
+    effects = core.on_flush_fenced(flush.flush_id, 20, StaleEpoch("over", epoch=4, got=3))
+    errors = of(effects, ReplyError)
+    assert [e.token for e in errors] == ["r1", "r2"]
+    assert all(e.error.code == ErrorCode.STALE_EPOCH for e in errors)
+    assert [e.token for e in of(effects, Load)] == ["load"]
+    assert core.drained  # nothing of the old term is kept to be written later
+    assert not of(core.on_tick(100), Flush)
+    stats = core.statistics(100)
+    assert stats["flushes_fenced"] == 1 and stats["advances_fenced"] == 2 and stats["waiting_requests"] == 0
+
+
+def test_the_lease_back_at_a_new_epoch_drops_the_old_terms_values(core):
+    core.on_lease(_lease(3), 0)
+    core.on_advance("r1", [adv(0, 5)], 1)
+    flush = one(core.on_tick(12), Flush)
+    core.on_advance("r2", [adv(1, 7)], 13)
+    effects = core.on_lease(_lease(5), 14)  # this node lost the lease and took it again
+    assert sorted(e.token for e in of(effects, ReplyError)) == ["r1", "r2"]
+    assert all(e.error.code == ErrorCode.STALE_EPOCH for e in of(effects, ReplyError))
+    # The old flush fails (the store refused it, or the network did): not merged back.
+    core.on_flush_failed(flush.flush_id, 15, "cut")
+    assert core.drained
+    core.on_advance("r3", [adv(2, 9)], 16)
+    assert [(r.partition, f.coordinator_epoch) for f in of(core.on_tick(200), Flush) for r in f.rows] == [(2, 5)]

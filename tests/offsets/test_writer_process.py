@@ -25,7 +25,7 @@ from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import ErrorCode
 from zbroker.storage.offsets import OffsetRow, open_offset_store
-from tests.support.pg import PgSession, dsn_host_port, dsn_via, with_schema
+from tests.support.pg import PgSession, dsn_host_port, dsn_via, pg_execute, pg_fetch, with_schema
 from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.processes
@@ -404,3 +404,73 @@ def load_pages(coordinator, limit: int) -> list:
         if not reply.msg.more:
             return rows
         after = rows[-1][:3]
+
+
+# -- the cluster ops: lease, metadata, fenced flushes (issues 25, 26) -----------------------
+
+TOPIC = ["orders", 1, {"segment_bytes": 1048576}, 3, 2, 42]
+PARTITION = ["orders", 0, ["a", "b", "c"], "a", 0, ["a", "b", "c"]]
+
+
+def test_the_writer_serves_the_lease_and_metadata_ops(coordinator, offsets_url, writers):
+    writers(coordinator.endpoint, offsets_url)
+    coordinator.wait_status(healthy=True)  # connected
+    lease = coordinator.wait_reply(coordinator.send(
+        m.CoordinatorLease(node_id="n1", endpoint="tcp://127.0.0.2:5555", lease_ms=5000))).msg
+    assert (lease.holder, lease.holder_endpoint, lease.epoch, lease.held) == ("n1", "tcp://127.0.0.2:5555", 1, True)
+    assert 0 < lease.remaining_ms <= 5000
+    write = m.WriteMetadata(coordinator_epoch=1, create_topics=[TOPIC], partitions=[[*PARTITION, None]])
+    assert coordinator.wait_reply(coordinator.send(write)).msg.applied is True
+    assert coordinator.wait_reply(coordinator.send(write)).msg.applied is False  # the topic exists now
+    loaded = coordinator.wait_reply(coordinator.send(m.LoadMetadata())).msg
+    assert (loaded.topics, loaded.partitions) == ([TOPIC], [PARTITION])
+    bad = m.WriteMetadata(coordinator_epoch=1, partitions=[["orders", 0, [], None, 0, [], None]])
+    assert coordinator.wait_reply(coordinator.send(bad)).error.code == ErrorCode.BAD_REQUEST
+    reply = coordinator.wait_reply(coordinator.send(m.Advance(advances=[advance(0, 3)])))
+    assert reply.msg.durable == [["g", "t", 0, 3, 0]]
+
+
+@pytest.mark.postgres
+def test_a_deposed_nodes_writer_changes_nothing_proved_by_a_query(pg_dsn, pg_schema, writers):
+    url = with_schema(pg_dsn, pg_schema)
+    old, new = FakeCoordinator(), FakeCoordinator()
+    try:
+        writers(old.endpoint, url)
+        writers(new.endpoint, url)
+        old.wait_status(healthy=True)
+        new.wait_status(healthy=True)
+
+        def ask(coord, node):
+            return coord.wait_reply(coord.send(m.CoordinatorLease(node_id=node, endpoint=f"tcp://{node}:1",
+                                                                  lease_ms=5000))).msg
+
+        assert ask(old, "old").held and not ask(new, "new").held
+        assert old.wait_reply(old.send(m.Advance(advances=[advance(0, 10)]))).msg.durable == [["g", "t", 0, 10, 0]]
+        assert old.wait_reply(old.send(m.WriteMetadata(coordinator_epoch=1, create_topics=[TOPIC]))).msg.applied
+        # The old leader is paused past its lease (by hand here: its lease ends now) and replaced.
+        pg_execute(pg_dsn, f'UPDATE "{pg_schema}".zbroker_coordinator_lease SET expires_at = now()')
+        taken = ask(new, "new")
+        assert (taken.held, taken.epoch) == (True, 2)
+        # It wakes up and carries on as if it still led: the store refuses all of it.
+        refused = old.wait_reply(old.send(m.Advance(advances=[advance(0, 99), advance(1, 99)]))).error
+        assert refused.code == ErrorCode.STALE_EPOCH and refused.data["epoch"] == 2 and refused.data["got"] == 1
+        stale = m.WriteMetadata(coordinator_epoch=1, delete_topics=[["orders", 42]])
+        assert old.wait_reply(old.send(stale)).msg.applied is False
+        assert new.wait_reply(new.send(m.Advance(advances=[advance(0, 20)]))).msg.durable == [["g", "t", 0, 20, 0]]
+        assert new.wait_reply(new.send(m.LoadMetadata())).msg.topics == [TOPIC]
+    finally:
+        old.close()
+        new.close()
+    rows = pg_fetch(pg_dsn, f'SELECT partition, committed_offset, coordinator_epoch FROM "{pg_schema}".'
+                            "consumer_group_offsets ORDER BY partition")
+    assert [tuple(r) for r in rows] == [(0, 20, 2)]
+    assert [tuple(r) for r in pg_fetch(pg_dsn, f'SELECT name FROM "{pg_schema}".zbroker_topics')] == [("orders",)]
+    # Nothing in the database was written by epoch 1 after epoch 2 was taken.
+    late_sql = (f'SELECT count(*) FROM "{pg_schema}".consumer_group_offsets AS o '
+                f'JOIN "{pg_schema}".zbroker_coordinator_epochs AS e ON e.epoch > o.coordinator_epoch '
+                "WHERE o.coordinator_epoch > 0 AND o.updated_at >= e.taken_at")
+    late = pg_fetch(pg_dsn, late_sql)
+    assert late[0][0] == 0
+    # The same query on a crafted bad history: an unfenced store let epoch 1 write after the takeover.
+    pg_execute(pg_dsn, f'UPDATE "{pg_schema}".consumer_group_offsets SET coordinator_epoch = 1, updated_at = now()')
+    assert pg_fetch(pg_dsn, late_sql)[0][0] == 1

@@ -131,3 +131,68 @@ def test_values_at_the_edges_of_their_ranges_are_taken():
     assert parse(["produce", "t", "--linger-ms", "0"]).linger_ms == 0
     assert parse(["up", "--partition-actors", "1", "--log-level", "WARNING"]).log_level == "warning"
     assert parse(["partition", "--log-level", "debug"]).log_level == "debug"
+
+
+def fake_admin(monkeypatch, **answers) -> SimpleNamespace:
+    """A stand-in for zbroker.client.Admin answering each call named in `answers` (a value,
+    or a list of values handed out in turn)."""
+    calls = SimpleNamespace(log=[])
+
+    class Admin:
+        def __init__(self, *_a, **_k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_exc):
+            return False
+
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                calls.log.append((name, args, kwargs))
+                answer = answers[name]
+                return answer.pop(0) if isinstance(answer, list) else answer
+            return call
+
+    monkeypatch.setattr(zbroker.client, "Admin", Admin)
+    return calls
+
+
+def _status(under):
+    return {"healthy": True, "under_replicated": under,
+            "actors": [{"kind": "group-coordinator", "actor_id": "coordinator", "healthy": True}]}
+
+
+def test_status_lists_under_replicated_partitions_and_is_unhealthy_below_min_insync(monkeypatch, capsys):
+    row = {"topic": "t", "partition": 0, "leader": "a", "leader_epoch": 3, "replicas": ["a", "b", "c"],
+           "isr": ["a", "b"], "min_insync": 2, "below_min_insync": False, "offline": False}
+    fake_admin(monkeypatch, status=_status([row]))
+    assert run(monkeypatch, "status") == 0  # degraded, still at min_insync
+    out = capsys.readouterr().out
+    assert "under-replicated" in out and "t/0" in out and "degraded" in out
+    offline = {**row, "leader": None, "isr": ["c"], "below_min_insync": True, "offline": True}
+    fake_admin(monkeypatch, status=_status([offline]))
+    assert run(monkeypatch, "status") == 1
+    out = capsys.readouterr().out
+    assert "UNHEALTHY" in out and "OFFLINE" in out
+
+
+def test_describe_shows_each_replicas_lag_behind_the_high_watermark(monkeypatch, capsys):
+    part = {"partition": 0, "log_start": 0, "log_end": 10, "bytes": 5, "actor_id": "a", "endpoint": "tcp://x:1",
+            "leader": "a", "leader_epoch": 2, "replicas": ["a", "b"], "isr": ["a"], "high_watermark": 10,
+            "replica_log_ends": {"a": 12, "b": 7}}
+    fake_admin(monkeypatch, describe_topic={"topic": "t", "config": {}, "partitions": [part]})
+    assert run(monkeypatch, "topics", "describe", "t") == 0
+    out = capsys.readouterr().out
+    assert "a:12(lag 0)" in out and "b:7(lag 3)" in out and "a,b" in out
+
+
+def test_reassign_follows_the_move_until_the_replica_set_is_the_target(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "REASSIGN_POLL_S", 0)
+    moving = {"topic": "t", "partition": 0, "replicas": ["c", "a", "b"], "target": ["c", "a"], "done": False}
+    described = [{"partitions": [{"replicas": r, "isr": r}]} for r in (["c", "a", "b"], ["c", "a"])]
+    calls = fake_admin(monkeypatch, reassign_partition=moving, describe_topic=described)
+    assert run(monkeypatch, "topics", "reassign", "t", "--partition", "0", "--replicas", "c,a") == 0
+    assert calls.log[0] == ("reassign_partition", ("t", 0, ["c", "a"]), {})
+    assert "moved: replicas c,a" in capsys.readouterr().out

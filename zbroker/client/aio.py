@@ -171,8 +171,15 @@ class AsyncAdmin:
     async def reset_group(self, group: str, topic: str, to: str | int) -> dict:
         return (await self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to=to))).to_fields()
 
-    async def create_topic(self, name: str, partitions: int = 1, config: dict | None = None) -> dict:
-        return (await self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config))).to_fields()
+    async def create_topic(self, name: str, partitions: int = 1, config: dict | None = None, *,
+                           replication_factor: int = 1, min_insync: int | None = None) -> dict:
+        return (await self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config,
+                                                          replication_factor=replication_factor,
+                                                          min_insync=min_insync))).to_fields()
+
+    async def reassign_partition(self, topic: str, partition: int, replicas: list[str]) -> dict:
+        return (await self.conn.coordinator(m.ReassignPartition(topic=topic, partition=partition,
+                                                                replicas=replicas))).to_fields()
 
     async def list_topics(self) -> list[str]:
         return (await self.conn.coordinator(m.ListTopics())).topics

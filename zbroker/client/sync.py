@@ -194,8 +194,15 @@ class Admin:
     def hello(self) -> dict:
         return self.conn.coordinator(m.Hello(versions=list(m.SUPPORTED_VERSIONS), client="zbroker-python")).to_fields()
 
-    def create_topic(self, name: str, partitions: int = 1, config: dict | None = None) -> dict:
-        return self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config)).to_fields()
+    def create_topic(self, name: str, partitions: int = 1, config: dict | None = None, *,
+                     replication_factor: int = 1, min_insync: int | None = None) -> dict:
+        return self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config,
+                                                   replication_factor=replication_factor,
+                                                   min_insync=min_insync)).to_fields()
+
+    def reassign_partition(self, topic: str, partition: int, replicas: list[str]) -> dict:
+        return self.conn.coordinator(m.ReassignPartition(topic=topic, partition=partition,
+                                                         replicas=replicas)).to_fields()
 
     def list_topics(self) -> list[str]:
         return self.conn.coordinator(m.ListTopics()).topics

@@ -1,0 +1,131 @@
+"""Replication wired into the partition-log actor core: two cores on real logs exchange
+replica_fetch through `handle`, as their shells would, with a hand-made assignment."""
+
+import pytest
+
+from zbroker.actors.partition_log.core import (FsyncPolicy, PartitionActorCore, Reply, ReplyError, SendToCoordinator,
+                                               SendToLeader)
+from zbroker.protocol import codec
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import decode_fetched
+from zbroker.protocol.errors import ErrorCode
+from tests.unit.test_partition_actor_core import Opener, env, payload
+
+ENDPOINTS = {"a": "tcp://127.0.0.1:1", "b": "tcp://127.0.0.1:2"}
+
+
+def state(epoch=0, leader="a", isr=("a", "b"), min_insync=2):
+    return {"leader_epoch": epoch, "leader": leader, "leader_endpoint": ENDPOINTS.get(leader),
+            "replicas": ["a", "b"], "isr": list(isr), "min_insync": min_insync, "replica_endpoints": ENDPOINTS}
+
+
+def assign(core, now=0, coordinator_epoch=1, **kw):
+    msg = m.Assign(assignment=[["t", 0, None], ["plain", 0, None]], coordinator_epoch=coordinator_epoch,
+                   replicas=[["t", 0, state(**kw)]])
+    return core.handle("coord", env(msg), now, from_coordinator=True)
+
+
+@pytest.fixture(params=["interval:1000", "always"])
+def pair(tmp_path, request):
+    fsync = FsyncPolicy.parse(request.param)
+    a = PartitionActorCore("a", open_log=Opener(tmp_path / "a"), fsync=fsync)
+    b = PartitionActorCore("b", open_log=Opener(tmp_path / "b"), fsync=fsync)
+    assign(a)
+    assign(b)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def produce(core, value, topic="t", now=1, pid=0, seq=-1):
+    effects = core.handle(("client", value), env(m.Produce(topic=topic, partition=0, producer_id=pid, sequence=seq),
+                                                 [payload(value)]), now)
+    return effects + core.end_turn(now)
+
+
+def pump(follower, leader, now=2, rounds=6):
+    """Carry the follower's fetches to the leader and back, as the shells do, until the
+    leader parks one (the follower is caught up)."""
+    released = []
+    queue = follower.replica_fetches(now)
+    for _ in range(rounds):
+        if not queue:
+            break
+        [send] = queue
+        assert isinstance(send, SendToLeader) and send.endpoint == ENDPOINTS["a"]
+        request = codec.decode_request(codec.encode_request(send.msg, 7))
+        effects = leader.handle("follower", request, now) + leader.end_turn(now)
+        answer = [e for e in effects if getattr(e, "token", None) == "follower"]
+        released += [e for e in effects if getattr(e, "token", None) != "follower"]
+        if not answer:
+            break  # parked at the log end
+        [reply] = answer
+        if isinstance(reply, ReplyError):
+            follower.on_replica_fetch_reply(("t", 0), None, [], reply.error, now)
+            break
+        wire = codec.decode_reply(codec.encode_reply(reply.msg, 7, reply.frames))
+        queue = follower.on_replica_fetch_reply(("t", 0), wire.msg, wire.frames, None, now)
+    return released
+
+
+def test_produce_is_acknowledged_once_the_follower_has_the_batch(pair):
+    a, b = pair
+    assert produce(a, b"one") == []  # held: only on the leader
+    [fetched] = a.handle("c", env(m.Fetch(topic="t", partition=0, offset=0)), 1)
+    assert fetched.msg.log_end == 0 and fetched.frames == (b"",)  # consumers see nothing yet
+    released = pump(b, a)
+    assert [e.msg.base_offset for e in released if isinstance(e, Reply)] == [0]
+    [fetched] = a.handle("c", env(m.Fetch(topic="t", partition=0, offset=0)), 3)
+    assert fetched.msg.log_end == 1
+    assert [r.value for r in decode_fetched(fetched.frames[0], "t", 0)] == [b"one"]
+    assert b.logs[("t", 0)].read(0, 1 << 20) == a.logs[("t", 0)].read(0, 1 << 20)
+    # The leader reports its HW; the follower leaves the partition out and says where it is.
+    assert [row[:4] for row in a.registration(endpoint="x", storage_id="s", pid=1).partitions] == [
+        ["plain", 0, 0, 0], ["t", 0, 0, 1]]
+    registration = b.registration(endpoint="x", storage_id="s", pid=1)
+    assert [row[0] for row in registration.partitions] == ["plain"]
+    assert registration.replica_states == [["t", 0, 0, 1, 1]]
+
+
+def test_a_follower_refuses_produce_and_fetch_with_the_leader(pair):
+    a, b = pair
+    [err] = produce(b, b"x")
+    assert err.error.code is ErrorCode.NOT_LEADER and err.error.data["leader"]["actor_id"] == "a"
+    [err] = b.handle("c", env(m.Fetch(topic="t", partition=0, offset=0)), 1)
+    assert err.error.code is ErrorCode.NOT_LEADER
+    [ok] = produce(b, b"x", topic="plain")  # unreplicated partitions beside it: today's path
+    assert isinstance(ok, Reply)
+
+
+def test_below_min_insync_nothing_is_appended_and_an_isr_shrink_is_proposed(pair):
+    a, b = pair
+    proposals = [e for e in a.tick(20_000) if isinstance(e, SendToCoordinator)]
+    assert [p.msg.isr for p in proposals] == [["a"]]
+    held = produce(a, b"before")
+    assert held == []
+    effects = a.on_alter_isr_reply(("t", 0), m.AlterIsrReply("t", 0, 0, ["a"]), None, 20_001)
+    assert [e.error.code for e in effects] == [ErrorCode.NOT_ENOUGH_REPLICAS]  # the held one fails
+    end = a.logs[("t", 0)].log_end
+    [err] = produce(a, b"after")
+    assert err.error.code is ErrorCode.NOT_ENOUGH_REPLICAS and a.logs[("t", 0)].log_end == end
+
+
+def test_an_older_coordinator_or_leader_epoch_is_refused(pair):
+    a, b = pair
+    assign(a, coordinator_epoch=3)
+    [*_, err] = assign(a, coordinator_epoch=2)
+    assert isinstance(err, ReplyError) and err.error.code is ErrorCode.STALE_EPOCH
+    stale = m.ReplicaFetch("t", 0, "b", 0, 0, -1)
+    assign(a, coordinator_epoch=3, epoch=1)
+    [err] = a.handle("f", env(stale), 1)
+    assert err.error.code is ErrorCode.STALE_EPOCH
+
+
+def test_a_leader_deposed_by_a_newer_epoch_fails_its_held_produces(pair):
+    a, b = pair
+    assert produce(a, b"x") == []
+    effects = a.handle("f", env(m.ReplicaFetch("t", 0, "b", 5, 0, -1)), 2)
+    codes = sorted(e.error.code.value for e in effects)
+    assert codes == ["NOT_LEADER", "NOT_LEADER"]  # the held produce, and the fetch itself
+    [err] = produce(a, b"y")
+    assert err.error.code is ErrorCode.NOT_LEADER
