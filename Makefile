@@ -48,7 +48,9 @@ up: $(STAMP)
 
 ## The whole suite, PostgreSQL and Node.js tests included, on $(TEST_WORKERS) workers.
 test: $(STAMP) $(NODE_STAMP) $(LOADGEN)
-	$(PY) -m pytest -q --durations=40 -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -q --durations=40 -n $(TEST_WORKERS) --dist worksteal -m "not serial"; \
+	parallel=$$?; $(PY) -m pytest -q -p no:cacheprovider -m serial; serial=$$?; \
+	test $$parallel -eq 0 && test $$serial -eq 0
 
 ## Every test that starts no process and needs no service, from the whole tests/ tree
 ## (the coordinator's stateful model with 30 examples rather than make test's 300).

@@ -21,7 +21,7 @@ import zmq
 
 from zbroker.actors import runtime
 from zbroker.actors.partition_log.core import PartitionActorCore, SendToCoordinator, SendToLeader
-from zbroker.actors.wire import recv_frames
+from zbroker.client.wire import recv_frames
 from zbroker.protocol import codec
 from zbroker.protocol.errors import ProtocolError
 
