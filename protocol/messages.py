@@ -783,7 +783,7 @@ def check_replicas(op: str, replicas: list) -> None:
     for i, item in enumerate(replicas):
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and _is_int(item[1])
                 and isinstance(item[2], dict)):
-            raise ProtocolError("replicas items must be [topic, partition, state]", op=op, index=i)
+            raise ProtocolError("replicas items must be [topic, partition, state]", op=op, index=i, field="replicas")
         state = item[2]
         for key, kind in REPLICA_STATE_KEYS.items():
             value = state.get(key)
@@ -793,7 +793,7 @@ def check_replicas(op: str, replicas: list) -> None:
         if state["leader_epoch"] < 0 or state["min_insync"] < 1 or not all(
                 isinstance(r, str) for r in state["replicas"] + state["isr"]):
             raise ProtocolError("replica state needs leader_epoch >= 0, min_insync >= 1 and actor ids",
-                                op=op, index=i)
+                                op=op, index=i, field="replicas")
 
 
 @request("report", tell=True)
@@ -813,7 +813,7 @@ def check_replica_states(op: str, states: list) -> None:
         if not (isinstance(item, list) and len(item) == 5 and isinstance(item[0], str)
                 and all(_is_int(x) for x in item[1:])):
             raise ProtocolError("replica_states items must be [topic, partition, leader_epoch, log_end, "
-                                "high_watermark]", op=op, index=i)
+                                "high_watermark]", op=op, index=i, field="replica_states")
 
 
 # ======================================================================================
@@ -858,7 +858,7 @@ class ReplicaFetchReply(Message):
     def check(self) -> None:
         for i, entry in enumerate(self.epochs):
             if not (isinstance(entry, list) and len(entry) == 2 and all(_is_int(x) and x >= 0 for x in entry)):
-                raise ProtocolError("epochs items must be [epoch, start_offset]", op=self.op, index=i)
+                raise ProtocolError("epochs items must be [epoch, start_offset]", op=self.op, index=i, field="epochs")
         if self.diverging is not None and not (_is_int(self.diverging.get("epoch"))
                                                and _is_int(self.diverging.get("end_offset"))):
             raise ProtocolError("diverging must be {epoch, end_offset}", op=self.op, field="diverging")
