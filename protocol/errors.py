@@ -40,6 +40,9 @@ class ErrorCode(str, enum.Enum):
     NOT_ENOUGH_REPLICAS = "NOT_ENOUGH_REPLICAS"
     STALE_EPOCH = "STALE_EPOCH"
     NOT_COORDINATOR = "NOT_COORDINATOR"
+    # Admin operations (PROTOCOL.md s.7).
+    GROUP_NOT_EMPTY = "GROUP_NOT_EMPTY"
+    INVALID_PARTITIONS = "INVALID_PARTITIONS"
 
 
 # Whether a client may retry the same request unchanged and expect it to work
@@ -75,6 +78,11 @@ RETRIABLE: dict[ErrorCode, bool] = {
     ErrorCode.STALE_EPOCH: False,
     # This node's coordinator stands by: follow data.leader, or try the next node.
     ErrorCode.NOT_COORDINATOR: True,
+    # delete_group of a group with live members: retrying is right only once they
+    # have left, which the operator decides; a loop would delete it under a restart.
+    ErrorCode.GROUP_NOT_EMPTY: False,
+    # alter_topic asked for fewer partitions than exist (partitions only grow).
+    ErrorCode.INVALID_PARTITIONS: False,
 }
 
 
@@ -217,12 +225,21 @@ class NotCoordinator(ZBrokerError):
     code = ErrorCode.NOT_COORDINATOR
 
 
+class GroupNotEmpty(ZBrokerError):
+    code = ErrorCode.GROUP_NOT_EMPTY
+
+
+class InvalidPartitions(ZBrokerError):
+    code = ErrorCode.INVALID_PARTITIONS
+
+
 _BY_CODE: dict[ErrorCode, type[ZBrokerError]] = {
     cls.code: cls
     for cls in (
         ProtocolError, UnsupportedVersion, UnknownOp, TooLarge, UnknownTopic, UnknownPartition,
         TopicExists, NotOwner, Fenced, UnknownMember, StaleLease, OffsetOutOfRange,
         DuplicateSequence, CorruptBatch, UnknownGroup, Unauthorized, Unavailable, ShuttingDown,
-        RequestTimeout, NotLeader, NotEnoughReplicas, StaleEpoch, NotCoordinator,
+        RequestTimeout, NotLeader, NotEnoughReplicas, StaleEpoch, NotCoordinator, GroupNotEmpty,
+        InvalidPartitions,
     )
 }

@@ -415,6 +415,25 @@ class Fetch(Message):
                                 got=self.follow, limit=MAX_FETCH_FOLLOW)
 
 
+@request("offset_for_time")
+class OffsetForTime(Message):
+    """The first offset of the first batch appended at or after `time_ms` (wall-clock ms)."""
+    topic: str
+    partition: int
+    time_ms: int
+
+    def check(self) -> None:
+        _nonneg("offset_for_time", partition=self.partition, time_ms=self.time_ms)
+
+
+@reply("offset_for_time")
+class OffsetForTimeReply(Message):
+    """offset: log_end when nothing was appended at or after the time."""
+    offset: int
+    log_start: int
+    log_end: int
+
+
 @reply("fetch")
 class FetchReply(Message):
     """Frame 1 holds zero or more stored batches back to back."""
@@ -697,12 +716,20 @@ class ReleaseKeyReply(Message):
 
 @request("reset_group")
 class ResetGroup(Message):
+    """`to`, or `to_time_ms` (each partition to the first offset appended at or after
+    that wall-clock time; an admin addition, PROTOCOL.md s.8.5): exactly one of them."""
     group: str
     topic: str
-    to: str | int
+    to: str | int | None = None
+    to_time_ms: int | None = None
 
     def check(self) -> None:
         validate_group_name(self.group, "reset_group")
+        if (self.to is None) == (self.to_time_ms is None):
+            raise ProtocolError("give exactly one of 'to' and 'to_time_ms'", op="reset_group", field="to")
+        if self.to_time_ms is not None and self.to_time_ms < 0:
+            raise ProtocolError("'to_time_ms' must be >= 0", op="reset_group", field="to_time_ms",
+                                got=self.to_time_ms)
         if isinstance(self.to, str) and self.to not in ("earliest", "latest"):
             raise ProtocolError("'to' must be 'earliest', 'latest' or an offset", op="reset_group", field="to",
                                 got=self.to[:64])
@@ -715,6 +742,53 @@ class ResetGroupReply(Message):
     """partitions: [[partition, new_committed_offset], ...]"""
     partitions: list
     reset_epoch: int
+
+
+# ======================================================================================
+# Admin operations (coordinator; PROTOCOL.md s.8.5). An older coordinator answers each
+# UNKNOWN_OP, so a client can tell "not supported" from a refusal.
+# ======================================================================================
+
+@request("alter_topic")
+class AlterTopic(Message):
+    """Grow a topic's partition count and/or change its retention; nil leaves a setting as is."""
+    topic: str
+    partitions: int | None = None
+    retention_ms: int | None = None
+    retention_bytes: int | None = None
+
+    def check(self) -> None:
+        validate_topic_name(self.topic)
+        if self.partitions is not None and not (1 <= self.partitions <= 10_000):
+            raise ProtocolError("'partitions' must be between 1 and 10000", op="alter_topic",
+                                field="partitions", got=self.partitions)
+        for name in ("retention_ms", "retention_bytes"):
+            v = getattr(self, name)
+            if v is not None and v < -1:
+                raise ProtocolError(f"{name!r} must be -1 (unlimited) or >= 0", op="alter_topic", field=name,
+                                    got=v)
+
+
+@reply("alter_topic")
+class AlterTopicReply(Message):
+    topic: str
+    partitions: int
+    config: dict
+
+
+@request("delete_group")
+class DeleteGroup(Message):
+    group: str
+
+    def check(self) -> None:
+        validate_group_name(self.group, "delete_group")
+
+
+@reply("delete_group")
+class DeleteGroupReply(Message):
+    """partitions: [[topic, partition], ...] whose stored offsets were removed."""
+    group: str
+    partitions: list
 
 
 # ======================================================================================

@@ -141,6 +141,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
                               "high_watermark", "bytes", "replica_log_ends", "endpoint"])
         elif args.topics_cmd == "reassign":
             return _reassign(admin, args)
+        else:
+            return _topics_admin(args, admin)
     return 0
 
 
@@ -176,6 +178,19 @@ def _reassign(admin: Any, args: argparse.Namespace) -> int:
     else:
         state = "moved" if result["done"] else "moving"
         print(f"{args.name}/{args.partition} {state}: replicas {','.join(result['replicas'])}")
+    return 0
+
+
+def _topics_admin(args: argparse.Namespace, admin: Any) -> int:
+    """`topics alter` (and the other admin operations on topics)."""
+    if args.topics_cmd == "alter":
+        changes = {k: v for k, v in (("partitions", args.partitions), ("retention_ms", args.retention_ms),
+                                     ("retention_bytes", args.retention_bytes)) if v is not None}
+        if not changes:
+            raise ValueError("topics alter: give --partitions, --retention-ms or --retention-bytes")
+        result = admin.alter_topic(args.name, **changes)
+        print(json.dumps(result) if args.json else
+              f"topic {args.name}: {result['partitions']} partition(s), config {json.dumps(result['config'])}")
     return 0
 
 
@@ -474,9 +489,16 @@ def cmd_groups(args: argparse.Namespace) -> int:
                     print(f"released {row['topic']}/{row['partition']} key_hash {row['key_hash']} {where}"
                           + (f" ({row['records']} records)" if args.to_dlq else ""))
         elif args.groups_cmd == "reset":
-            result = admin.reset_group(args.group, args.topic, args.to)  # checked by _reset_target
+            if args.to_datetime is not None:
+                result = admin.reset_group_to_time(args.group, args.topic, args.to_datetime)
+            else:
+                result = admin.reset_group(args.group, args.topic, args.to)  # checked by _reset_target
             print(json.dumps(result) if args.json else
                   f"reset {args.group} on {args.topic} (epoch {result['reset_epoch']}): {result['partitions']}")
+        elif args.groups_cmd == "delete":
+            result = admin.delete_group(args.group)
+            print(json.dumps(result) if args.json else
+                  f"deleted group {args.group} (offsets of {len(result['partitions'])} partition(s) removed)")
     return 0
 
 
@@ -569,6 +591,22 @@ def _reset_target(text: str) -> str | int:
         raise argparse.ArgumentTypeError(f"must be earliest, latest or an offset, not {text!r}") from None
 
 
+def _datetime_ms(text: str) -> int:
+    """An ISO 8601 time as wall-clock milliseconds; one without a zone is UTC."""
+    import datetime
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an ISO 8601 time such as 2026-12-01T21:00:00Z, "
+                                         f"not {text!r}") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    ms = int(when.timestamp() * 1000)
+    if ms < 0:
+        raise argparse.ArgumentTypeError(f"must not be before 1970, not {text!r}")
+    return ms
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zbroker", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -655,6 +693,11 @@ def build_parser() -> argparse.ArgumentParser:
     reassign.add_argument("--no-wait", action="store_true", help="start the move and return")
     reassign.add_argument("--timeout", type=_non_negative_number, default=300.0,
                           help="seconds to follow the move (default 300)")
+    alter = tsub.add_parser("alter", parents=[inner], help="grow partitions, change retention")
+    alter.add_argument("name")
+    alter.add_argument("--partitions", type=_positive, help="new partition count (grow only)")
+    alter.add_argument("--retention-ms", type=int, help="-1 = unlimited")
+    alter.add_argument("--retention-bytes", type=int, help="per partition; -1 = unlimited")
     topics.set_defaults(func=cmd_topics)
 
     produce = client_cmd("produce", "produce lines from stdin, or synthetic records")
@@ -712,7 +755,12 @@ def build_parser() -> argparse.ArgumentParser:
     reset = gsub.add_parser("reset", parents=[inner])
     reset.add_argument("group")
     reset.add_argument("--topic", required=True)
-    reset.add_argument("--to", required=True, type=_reset_target, help="earliest | latest | OFFSET")
+    target = reset.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", type=_reset_target, help="earliest | latest | OFFSET")
+    target.add_argument("--to-datetime", type=_datetime_ms, metavar="ISO8601",
+                        help="the first record appended at or after this time (UTC unless it says)")
+    gdelete = gsub.add_parser("delete", parents=[inner], help="delete a group without live members, and its offsets")
+    gdelete.add_argument("group")
     groups.set_defaults(func=cmd_groups)
 
     status = client_cmd("status", "list the actors with their pids, endpoints, partitions and health; "

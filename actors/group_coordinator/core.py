@@ -92,10 +92,10 @@ from zbroker.actors.group_coordinator.partition_state import (AHEAD, TIMEOUT, De
 from zbroker.actors.group_coordinator.ranges import RangeSet
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import key_hash
-from zbroker.protocol.errors import (ErrorCode, Fenced, ProtocolError, StaleLease, Unavailable, UnknownGroup,
-                             UnknownMember, UnknownTopic, ZBrokerError)
+from zbroker.protocol.errors import (ErrorCode, Fenced, GroupNotEmpty, ProtocolError, StaleLease, Unavailable,
+                             UnknownGroup, UnknownMember, UnknownTopic, ZBrokerError)
 
-__all__ = ["DEAD_LETTER_RETRY_MS", "GroupConfig", "GroupCoordinatorCore"]
+__all__ = ["DEAD_LETTER_RETRY_MS", "GroupConfig", "GroupCoordinatorCore", "TOMBSTONE_GENERATION"]
 
 DEAD_LETTER_RETRY_MS = 1000
 # `now` is the monotonic clock in whole milliseconds, read after the request arrived:
@@ -126,6 +126,11 @@ MAX_REASON_BYTES = 200
 # A failed key-hash fetch (key_shared) is tried again after this long.
 KEY_FETCH_RETRY_MS = 200
 
+# The generation of a stored row that says "these offsets were deleted" (delete_group,
+# delete_topic). The commit writer only ever overwrites rows (newest reset epoch wins), so a
+# deletion is a row written at a reset epoch above every earlier one; loading skips it.
+TOMBSTONE_GENERATION = -1
+
 # Timer kinds; heap entries are (when_ms, seq, kind, payload).
 _LEASE, _SESSION, _DELAYED, _PARKED, _DEAD_LETTER_RETRY, _KEYS = range(6)
 
@@ -154,6 +159,8 @@ class GroupCoordinatorCore:
         self._compact_above = TIMER_SLACK
         self._timer_seq = 0
         self._grown_topics: set[str] = set()  # set_topic grew them; rebalanced at the next call
+        # group -> the reset epoch its next incarnation starts at: above its tombstones' (delete_group).
+        self._epoch_floor: dict[str, int] = {}
         # Per-call scratch, emptied by _end().
         self._dirty: dict[tuple[str, Key], PartitionState] = {}
         self._wake: set[str] = set()
@@ -188,6 +195,9 @@ class GroupCoordinatorCore:
         """Stored progress, (group, topic, partition, committed, holes, generation, reset_epoch)
         rows; afterwards the core serves requests."""
         for group_name, topic, partition, committed, holes, generation, reset_epoch in rows:
+            if generation == TOMBSTONE_GENERATION:  # deleted offsets: only their epoch is kept
+                self._raise_epoch_floor(group_name, reset_epoch)
+                continue
             group = self._group(group_name)
             group.generation = max(group.generation, generation)
             group.reset_epoch = max(group.reset_epoch, reset_epoch)
@@ -289,8 +299,17 @@ class GroupCoordinatorCore:
     def configure_group(self, token, msg: m.ConfigureGroup, now_ms: int) -> list:
         return self._serve(self._configure_group, token, msg, now_ms)
 
-    def reset_group(self, token, msg: m.ResetGroup, now_ms: int) -> list:
-        return self._serve(self._reset_group, token, msg, now_ms)
+    def reset_group(self, token, msg: m.ResetGroup, now_ms: int, targets: dict[int, int] | None = None) -> list:
+        """`targets`: partition -> offset, for a reset by time (`to_time_ms`), which the shell
+        resolved with the partition actors; each is clamped to the log range like `to`."""
+        if msg.to_time_ms is not None and targets is None:
+            return [ReplyError(token, ProtocolError("a reset by time needs the partitions' offsets",
+                                                    op="reset_group", field="to_time_ms"))]
+        return self._serve(lambda out, tok, mm, now: self._reset_group(out, tok, mm, now, targets), token, msg,
+                           now_ms)
+
+    def delete_group(self, token, msg: m.DeleteGroup, now_ms: int) -> list:
+        return self._serve(self._delete_group, token, msg, now_ms)
 
     def list_quarantine(self, token, msg: m.ListQuarantine, now_ms: int) -> list:
         return self._serve(self._list_quarantine, token, msg, now_ms)
@@ -1076,7 +1095,8 @@ class GroupCoordinatorCore:
         self._wake.add(group.name)
         out.append(Reply(token, m.ReleaseKeyReply(released=released)))
 
-    def _reset_group(self, out: list, token, msg: m.ResetGroup, now: int) -> None:
+    def _reset_group(self, out: list, token, msg: m.ResetGroup, now: int,
+                     targets: dict[int, int] | None = None) -> None:
         group = self._known_group(out, token, msg.group)
         if group is None:
             return
@@ -1094,8 +1114,9 @@ class GroupCoordinatorCore:
         result = []
         for key in keys:
             log = self._logs[key]
-            target = {"earliest": log.start, "latest": log.end}.get(msg.to) if isinstance(msg.to, str) else \
-                min(max(msg.to, log.start), log.end)
+            to = msg.to if targets is None else targets.get(key[1], log.end)
+            target = {"earliest": log.start, "latest": log.end}.get(to) if isinstance(to, str) else \
+                min(max(to, log.start), log.end)
             state = self._add_state(group, key)
             self._end_ahead(group, state, now)
             for start, end, lease in state.reset_to(target):
@@ -1109,8 +1130,61 @@ class GroupCoordinatorCore:
             del self._leases[lease_id]
         self._wake.add(group.name)
         out.append(Log("group_reset", {"group": group.name, "topic": msg.topic, "to": msg.to,
+                                       "to_time_ms": msg.to_time_ms,
                                        "reset_epoch": group.reset_epoch, "partitions": result}))
         out.append(Reply(token, m.ResetGroupReply(partitions=result, reset_epoch=group.reset_epoch)))
+
+    # ==================================================================================
+    # Admin: delete (PROTOCOL.md s.8.5)
+    # ==================================================================================
+
+    def _delete_group(self, out: list, token, msg: m.DeleteGroup, now: int) -> None:
+        group = self._groups.get(msg.group)
+        if group is None:
+            out.append(ReplyError(token, UnknownGroup(f"unknown group {msg.group!r}", group=msg.group)))
+            return
+        if group.members:
+            # Its members hold leases and would recreate it at their next request: the
+            # operator stops them first (Kafka's GROUP_NOT_EMPTY rule).
+            out.append(ReplyError(token, GroupNotEmpty(
+                f"group {msg.group!r} has {len(group.members)} live member(s); stop them first",
+                group=msg.group, members=len(group.members))))
+            return
+        removed = self._forget_offsets(group, list(group.partitions), out)
+        del self._groups[group.name]
+        self._drop_timers(lambda kind, payload: _timer_group(kind, payload) == group.name)
+        out.append(PersistGroupConfig(group.name, None))
+        out.append(Log("group_deleted", {"group": group.name, "partitions": len(removed),
+                                         "reset_epoch": group.reset_epoch}))
+        out.append(Reply(token, m.DeleteGroupReply(group=group.name, partitions=[list(k) for k in removed])))
+
+    def _forget_offsets(self, group: Group, keys: list[Key], out: list) -> list[Key]:
+        """Drop `group`'s state for `keys` and write a tombstone row for each (one new
+        reset epoch for all), so neither a restart nor a later incarnation of the group
+        or topic sees those offsets again. Their leases end; unfinished records are not
+        dead-lettered (the operator asked for the progress to go)."""
+        group.reset_epoch += 1
+        self._raise_epoch_floor(group.name, group.reset_epoch)
+        gone = set(keys)
+        for key in keys:
+            group.partitions.pop(key, None)
+            group.owners.pop(key, None)
+            on = self._groups_on.get(key, [])
+            if group in on:
+                on.remove(group)
+            self._dirty.pop((group.name, key), None)
+            out.append(PersistOffsets(group.name, key[0], key[1], 0, [], TOMBSTONE_GENERATION, group.reset_epoch))
+        for lease_id in [i for i, r in self._leases.items() if r.group == group.name and r.key in gone]:
+            del self._leases[lease_id]
+        return sorted(gone)
+
+    def _raise_epoch_floor(self, group: str, reset_epoch: int) -> None:
+        self._epoch_floor[group] = max(self._epoch_floor.get(group, 0), reset_epoch)
+
+    def _drop_timers(self, doomed: Callable[[int, Any], bool]) -> None:
+        """Remove the heap entries `doomed(kind, payload)` names (their group or state is gone)."""
+        self._timers = [e for e in self._timers if not doomed(e[2], e[3])]
+        heapq.heapify(self._timers)
 
     # ==================================================================================
     # Helpers
@@ -1120,6 +1194,7 @@ class GroupCoordinatorCore:
         group = self._groups.get(name)
         if group is None:
             group = self._groups[name] = Group(name, self._default_config)
+            group.reset_epoch = self._epoch_floor.get(name, 0)
         return group
 
     def _add_state(self, group: Group, key: Key, *, fresh: bool = False, now: int | None = None,
@@ -1189,6 +1264,15 @@ class GroupCoordinatorCore:
             member_id = f"m-{self._lease_id_base}-{self._member_seq}"
             if member_id not in group.members:
                 return member_id
+
+
+def _timer_group(kind: int, payload: Any) -> str | None:
+    """The group a timer entry belongs to (None: a lease timer, found through its record)."""
+    if kind == _PARKED:
+        return payload.group
+    if kind in (_SESSION, _DELAYED, _DEAD_LETTER_RETRY):
+        return payload[0]
+    return None
 
 
 def _delivery_bytes(topic: str) -> int:

@@ -84,9 +84,10 @@ class FetchKeyHashes:
 
 @dataclass(frozen=True, slots=True)
 class PersistGroupConfig:
-    """Store a group's configuration; give it back through `core.restore_group_config`."""
+    """Store a group's configuration; give it back through `core.restore_group_config`.
+    `config` None: the group was deleted, forget its configuration."""
     group: str
-    config: dict = field(hash=False)
+    config: dict | None = field(hash=False)
 
 
 @dataclass(frozen=True, slots=True)

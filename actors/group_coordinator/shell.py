@@ -66,9 +66,12 @@ RESET_DURABLE_TIMEOUT_MS = 4_000
 # Bytes of stored batches one key-hash fetch reads (key_shared groups).
 KEY_FETCH_BYTES = 1 << 20
 GROUP_OPS = {"join", "heartbeat", "leave", "poll", "ack", "nack", "extend", "reject", "list_groups",
-             "describe_group", "configure_group", "reset_group", "list_quarantine", "release_key"}
+             "describe_group", "configure_group", "reset_group", "list_quarantine", "release_key",
+             "delete_group"}
 # What hello says this coordinator supports (PROTOCOL.md, hello).
 FEATURES = ["key_shared", "replication"]
+# Admin operations the shell serves itself, one method each (named like the op).
+ADMIN_SHELL_OPS = {"alter_topic"}
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -288,6 +291,8 @@ class CoordinatorShell:
                 self.reply(token, m.StatusReply(actors=self.status(now), under_replicated=under,
                                                 healthy=self.healthy(now)
                                                 and not any(u["below_min_insync"] for u in under)))
+            elif op in ADMIN_SHELL_OPS:
+                getattr(self, op)(token, msg, now)
             else:
                 raise UnknownOp(f"op {op!r} is not served by the coordinator", op=op)
         except ZBrokerError as err:
@@ -307,15 +312,53 @@ class CoordinatorShell:
             self.log.exception("request.internal_error", op=op)
             self.reply_error(token, ZBrokerError(f"internal error: {type(exc).__name__}", code=ErrorCode.INTERNAL))
 
-    def group_request(self, token: runtime.RouterToken, op: str, msg: m.Message, now: int) -> None:
+    def group_request(self, token: runtime.RouterToken, op: str, msg: m.Message, now: int,
+                      targets: dict[int, int] | None = None) -> None:
+        if op == "reset_group" and msg.to_time_ms is not None and targets is None:
+            self.reset_group_by_time(token, msg, now)
+            return
         key = id(token)
         self.tokens[key] = token
         if op == "poll":
             self.open_polls.add(key)
         elif op == "reset_group":
             self.reset_requests[key] = (msg.group, msg.topic)
+        if targets is not None:
+            self.apply(self.core.reset_group(key, msg, now, targets), now)
+            return
         handler = getattr(self.core, op)
         self.apply(handler(key, msg, now), now)
+
+    def reset_group_by_time(self, token: runtime.RouterToken, msg: m.ResetGroup, now: int) -> None:
+        """`reset_group` with `to_time_ms`: the partition actors hold the batches' append
+        times, so each is asked where the time falls (`offset_for_time`); the reset itself
+        then runs in the core like any other, with those offsets."""
+        count = self.topics.partition_count(msg.topic)
+        owners = {p: self.topics.partitions[(msg.topic, p)].owner for p in range(count)}
+        unplaced = [p for p, owner in owners.items() if self.topics.endpoint_of(msg.topic, p) is None]
+        if unplaced:
+            raise Unavailable(f"{msg.topic}/{unplaced[0]} has no live partition actor", topic=msg.topic,
+                              partition=unplaced[0])
+        targets: dict[int, int] = {}
+        outcome: list = []  # holds the first failure: the request is answered once
+
+        def on_reply(partition: int, env: codec.Envelope | None) -> None:
+            if outcome:
+                return
+            if env is None or env.error is not None or env.msg is None:
+                outcome.append(env)
+                self.reply_error(token, env.error if env is not None and env.error is not None else Unavailable(
+                    f"no answer from the actor of {msg.topic}/{partition}", topic=msg.topic, partition=partition))
+                return
+            targets[partition] = env.msg.offset
+            if len(targets) == count:
+                outcome.append(env)
+                self.group_request(token, "reset_group", msg, runtime.now_ms(), targets)
+
+        for p, owner in owners.items():
+            self.request(f"partition:{owner}".encode(), m.OffsetForTime(topic=msg.topic, partition=p,
+                                                                         time_ms=msg.to_time_ms),
+                         now, lambda env, p=p: on_reply(p, env))
 
     def hold(self, token: runtime.RouterToken) -> int:
         """A token the cores answer later through an `fx.Reply` effect."""
@@ -332,6 +375,17 @@ class CoordinatorShell:
         self.apply(effects, now)
         self.core.set_topic(name, partitions)
         self.log.info("topic.created", topic=name, partitions=partitions)
+
+    # -- admin operations (PROTOCOL.md s.8.5) --------------------------------------------
+
+    def alter_topic(self, token: runtime.RouterToken, msg: m.AlterTopic, now: int) -> None:
+        changes = {k: v for k, v in (("retention_ms", msg.retention_ms), ("retention_bytes", msg.retention_bytes))
+                   if v is not None}
+        self.apply(self.topics.alter_topic(msg.topic, msg.partitions, changes, now), now)
+        topic = self.topics.require_topic(msg.topic)
+        self.core.set_topic(msg.topic, topic["partitions"])
+        self.log.info("topic.altered", topic=msg.topic, partitions=topic["partitions"], **changes)
+        self.reply(token, m.AlterTopicReply(topic=msg.topic, partitions=topic["partitions"], config=topic["config"]))
 
     def feed_ranges(self, ranges: list, now: int) -> None:
         for topic, partition, start, end in ranges:
@@ -365,7 +419,10 @@ class CoordinatorShell:
             elif isinstance(effect, fx.FetchKeyHashes):
                 self.fetch_key_hashes(effect, now)
             elif isinstance(effect, fx.PersistGroupConfig):
-                self.group_configs[effect.group] = effect.config
+                if effect.config is None:  # delete_group
+                    self.group_configs.pop(effect.group, None)
+                else:
+                    self.group_configs[effect.group] = effect.config
                 self.meta.save(self.meta.groups_path, self.group_configs)
             elif isinstance(effect, fx.Log):
                 self.log.info(effect.event, **effect.fields)

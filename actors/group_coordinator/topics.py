@@ -42,7 +42,7 @@ from zbroker.actors.group_coordinator import controller as ctl
 from zbroker.actors.group_coordinator.controller import ReplicaSet
 from zbroker.actors.group_coordinator.effects import Reply as _Reply
 from zbroker.protocol import messages as m
-from zbroker.protocol.errors import NotEnoughReplicas, ProtocolError, TopicExists, Unavailable, UnknownTopic
+from zbroker.protocol.errors import InvalidPartitions, NotEnoughReplicas, ProtocolError, TopicExists, Unavailable, UnknownTopic
 from zbroker.protocol.messages import validate_topic_name
 from zbroker.storage.log.config import InvalidSetting
 from zbroker.storage.log.partition_log import LogConfig
@@ -448,6 +448,36 @@ class TopicRegistry:
 
     def partition_count(self, name: str) -> int:
         return self.require_topic(name)["partitions"]
+
+    def alter_topic(self, name: str, partitions: int | None, config_changes: dict, now_ms: int) -> list:
+        """Grow `name` to `partitions` and/or change its log config; returns effects.
+
+        Partitions only grow: shrinking would move keyed records to other partitions and
+        strand the offsets of the ones removed. A config change is sent to the actors
+        owning the topic (their assignment carries it), which apply it to the open logs.
+        """
+        topic = self.require_topic(name)
+        current = topic["partitions"]
+        if partitions is not None and partitions < current:
+            raise InvalidPartitions(f"topic {name!r} has {current} partitions; partitions can only grow",
+                                    topic=name, partitions=current, got=partitions)
+        try:
+            config = LogConfig.from_dict({**topic["config"], **config_changes}).to_dict()
+        except (ValueError, TypeError) as exc:
+            where = {"field": exc.field, "got": exc.got} if isinstance(exc, InvalidSetting) else {}
+            raise ProtocolError(f"invalid topic config: {exc}", topic=name, **where) from None
+        effects: list = []
+        if config != topic["config"]:
+            topic["config"] = config
+            owners = {part.owner for (t, _p), part in self.partitions.items() if t == name and part.owner}
+            effects += self._assign_effects({a for a in owners if a in self.actors})
+        if partitions is not None and partitions > current:
+            topic["partitions"] = partitions
+            for p in range(current, partitions):
+                self.partitions[(name, p)] = PartitionInfo()
+            placed = self._place_unplaced()
+            effects += [e for e in placed if e not in effects]
+        return [PersistTopics()] + effects
 
     # -- actors -----------------------------------------------------------------------------
 

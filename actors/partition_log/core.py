@@ -312,6 +312,7 @@ class PartitionActorCore:
         for key in list(self.logs):
             if key not in wanted:
                 effects += self._release(key, now_ms)
+        self._apply_config_changes(wanted)
         self._wanted = {k: c for k, c in wanted.items() if k not in self.logs}
         self._why_not_open = {k: why for k, why in self._why_not_open.items() if k in self._wanted}
         self._open_wanted(now_ms, now_ms if wall_ms is None else wall_ms)
@@ -367,6 +368,16 @@ class PartitionActorCore:
             out += self._wake_parked(key, now_ms)
             out += self._wake_replica_fetches(key, now_ms)  # followers learn the new HW
         return out
+    def _apply_config_changes(self, wanted: dict) -> None:
+        """An altered topic (alter_topic) reaches its open logs through the assignment: the
+        new settings apply from now on, and retention is checked at the next tick rather
+        than within RETENTION_CHECK_MS, so a shortened retention shows at once."""
+        for key, plog in self.logs.items():
+            config = wanted.get(key)
+            if config is not None and config != plog.config:
+                log.info("partition.config_changed", topic=key[0], partition=key[1], config=config.to_dict())
+                plog.config = config
+                self._next_retention_ms = 0
 
     def _open_wanted(self, now_ms: int, wall_ms: int) -> None:
         out_of_files = 0
@@ -458,6 +469,8 @@ class PartitionActorCore:
                 return self.produce(token, env.msg, env.frames, now_ms, wall_ms=wall_ms)
             if op == "fetch":
                 return self.fetch(token, env.msg, now_ms, env.corr_id)
+            if op == "offset_for_time":
+                return self.offset_for_time(token, env.msg)
             if op == "hello":
                 return [Reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
                                                    actor=f"partition-log:{self.actor_id}",
@@ -561,6 +574,12 @@ class PartitionActorCore:
         elif msg.offset == plog.log_end and msg.max_wait_ms > 0:
             return self._park(token, msg, now_ms, msg.offset, 0, budget)
         return self._answer(token, msg, plog, msg.offset, 0, budget, now_ms)
+
+    def offset_for_time(self, token: Any, msg: m.OffsetForTime) -> list:
+        """Where `reset_group --to-datetime` puts a group: batch append times are stored here."""
+        plog = self._owned_log((msg.topic, msg.partition))
+        return [Reply(token, m.OffsetForTimeReply(offset=plog.offset_for_time(msg.time_ms),
+                                                  log_start=plog.log_start, log_end=plog.log_end))]
 
     def _fetch_bytes(self, msg: m.Fetch) -> int:
         return min(max(msg.max_bytes, 1), self.limits.max_fetch_bytes)

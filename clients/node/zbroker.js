@@ -58,6 +58,7 @@ export const RETRIABLE = Object.freeze({
   DUPLICATE_SEQUENCE: false, CORRUPT_BATCH: false, UNKNOWN_GROUP: false, UNAUTHORIZED: false,
   UNAVAILABLE: true, SHUTTING_DOWN: true, TIMEOUT: true, INTERNAL: false,
   NOT_LEADER: true, NOT_ENOUGH_REPLICAS: true, STALE_EPOCH: false, NOT_COORDINATOR: true,
+  GROUP_NOT_EMPTY: false, INVALID_PARTITIONS: false,
 });
 
 /** Every error this module throws. `code` is a stable wire code; `data` carries the facts. */

@@ -53,7 +53,8 @@ from pathlib import Path
 
 import structlog
 
-from zbroker.protocol.batch import BATCH_HEADER_SIZE, batch_crc_ok, build_batch_header, parse_batch_header
+from zbroker.protocol.batch import (BATCH_HEADER_SIZE, batch_crc_ok, build_batch_header, iter_stored_batches,
+                                    parse_batch_header)
 from zbroker.protocol.errors import CorruptBatch, OffsetOutOfRange
 from zbroker.storage.log.config import LogConfig
 from zbroker.storage.log.epochs import LeaderEpochCache
@@ -445,6 +446,29 @@ class PartitionLog:
         if len(parts) == 1 and isinstance(parts[0], bytes):
             return parts[0]
         return b"".join(parts)
+
+    def offset_for_time(self, time_ms: int) -> int:
+        """The first offset of the first batch appended at or after `time_ms` (wall clock);
+        `log_end` when none was. Append times never decrease (`append` stamps a batch no
+        earlier than the one before), so segments whose newest batch is older are skipped
+        and the first batch found at or after `time_ms` is the answer."""
+        self._check_open()
+        log_end = self.log_end
+        for segment in self._segments:
+            newest = segment.newest_append_time_ms
+            if newest is not None and newest < time_ms:
+                continue
+            offset = max(segment.base_offset, self.log_start)
+            while offset < log_end:
+                blob = self.read(offset, 1 << 16)
+                if not blob:
+                    break
+                for header, _payload in iter_stored_batches(blob, verify_crc=False):
+                    if header.append_time_ms >= time_ms:
+                        return max(header.base_offset, self.log_start)
+                    offset = header.next_offset
+            return log_end
+        return log_end
 
     def _locate(self, offset: int) -> tuple[Segment, int]:
         cached = self._read_cache.get(offset)

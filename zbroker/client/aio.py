@@ -204,6 +204,17 @@ class AsyncAdmin:
         return (await self.conn.coordinator(m.ReleaseKey(group=group, key=key, key_hash=key_hash, topic=topic,
                                                          to_dlq=to_dlq))).released
 
+    # Admin operations (PROTOCOL.md s.8.5): thin pass-throughs, the coordinator decides.
+    async def alter_topic(self, name: str, **changes: Any) -> dict:
+        return (await self.conn.coordinator(m.AlterTopic(topic=name, **changes))).to_fields()
+
+    async def reset_group_to_time(self, group: str, topic: str, time_ms: int) -> dict:
+        """Each partition to its first offset appended at or after `time_ms` (wall-clock ms)."""
+        return (await self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to_time_ms=time_ms))).to_fields()
+
+    async def delete_group(self, group: str) -> dict:
+        return (await self.conn.coordinator(m.DeleteGroup(group=group))).to_fields()
+
     async def close(self) -> None:
         await self.conn.close()
 

@@ -238,6 +238,17 @@ class Admin:
     def reset_group(self, group: str, topic: str, to: str | int) -> dict:
         return self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to=to)).to_fields()
 
+    # Admin operations (PROTOCOL.md s.8.5): thin pass-throughs, the coordinator decides.
+    def alter_topic(self, name: str, **changes: Any) -> dict:
+        return self.conn.coordinator(m.AlterTopic(topic=name, **changes)).to_fields()
+
+    def reset_group_to_time(self, group: str, topic: str, time_ms: int) -> dict:
+        """Each partition to its first offset appended at or after `time_ms` (wall-clock ms)."""
+        return (self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to_time_ms=time_ms))).to_fields()
+
+    def delete_group(self, group: str) -> dict:
+        return self.conn.coordinator(m.DeleteGroup(group=group)).to_fields()
+
     def close(self) -> None:
         self.conn.close()
 
