@@ -14,6 +14,8 @@ import pytest
 
 from tests.support.waiting import wait_for
 from zbroker.client import Admin, Connection, Producer, fetch
+from zbroker.client.sync import ProduceError
+from zbroker.protocol.errors import ErrorCode
 
 pytestmark = pytest.mark.processes
 FAILOVER_S = 60  # a bound on waiting for what the broker reports, never a timing claim
@@ -97,7 +99,7 @@ def isr_is(admin: Admin, topic: str, size: int):
 
 
 def test_a_stopped_follower_leaves_the_isr_produce_goes_on_at_min_insync_then_is_refused_below(start):
-    broker = start_r3(start, lag_ms=300)
+    broker = start_r3(start, lag_ms=2000)
     handles: list = []
     stopped: list[int] = []
     with Admin(broker.url) as admin:
@@ -110,8 +112,10 @@ def test_a_stopped_follower_leaves_the_isr_produce_goes_on_at_min_insync_then_is
                 producer.flush()
                 stopped.append(actor_pid(admin, followers[0]))
                 os.kill(stopped[-1], signal.SIGSTOP)
-                shrunk = wait_for(lambda: isr_is(admin, "lag", 2), FAILOVER_S, "the ISR to shrink to 2")
-                assert followers[0] not in shrunk["isr"] and shrunk["leader"] == p["leader"]
+                # (the running one may lag out and back in on a loaded machine: wait for this state)
+                shrunk = wait_for(lambda: (lambda q: q if sorted(q["isr"]) == sorted([p["leader"], followers[1]])
+                                           else None)(partition(admin, "lag")), FAILOVER_S, "the ISR to shrink to 2")
+                assert shrunk["leader"] == p["leader"]
                 produce_until(producer, "lag", "two", 200, handles)  # ISR = M: still acknowledged
                 producer.flush()
             assert not [h.error for _v, h in handles if h.error is not None]
@@ -120,8 +124,9 @@ def test_a_stopped_follower_leaves_the_isr_produce_goes_on_at_min_insync_then_is
             wait_for(lambda: isr_is(admin, "lag", 1), FAILOVER_S, "the ISR to shrink to 1")
             with Producer(broker.url, linger_ms=0, retries=2) as refused:
                 handle = refused.send("lag", b"below-min-insync", partition=0)
-                refused.flush()
-            assert handle.error is not None and handle.error.code.value == "NOT_ENOUGH_REPLICAS", handle.error
+                with pytest.raises(ProduceError):
+                    refused.flush()
+            assert handle.error.code is ErrorCode.NOT_ENOUGH_REPLICAS, handle.error
             assert not admin.status()["healthy"]
         finally:
             for pid in stopped:
@@ -138,7 +143,7 @@ def test_a_stopped_follower_leaves_the_isr_produce_goes_on_at_min_insync_then_is
 def test_a_zombie_leader_resumed_after_its_replacement_acknowledges_nothing(start):
     from zbroker.protocol import messages as m
     from zbroker.protocol.batch import encode_records
-    broker = start_r3(start, lag_ms=300)
+    broker = start_r3(start, lag_ms=2000)
     handles: list = []
     with Admin(broker.url) as admin:
         admin.create_topic("zombie", partitions=1, replication_factor=3)
@@ -150,6 +155,7 @@ def test_a_zombie_leader_resumed_after_its_replacement_acknowledges_nothing(star
             with Producer(broker.url, linger_ms=1, batch_size=20, retries=1000) as producer:
                 produce_until(producer, "zombie", "before", 200, handles)
                 producer.flush()
+                conn.call(old_endpoint, m.Fetch(topic="zombie", partition=0, offset=0))  # connected now
                 os.kill(pid, signal.SIGSTOP)
                 try:
                     # Queued in the paused leader's socket: it reads them only once resumed.
@@ -183,14 +189,14 @@ def test_a_zombie_leader_resumed_after_its_replacement_acknowledges_nothing(star
 
 
 def test_a_follower_restarted_on_an_empty_disk_rebuilds_from_the_leader_and_rejoins(start, tmp_path):
-    broker = start_r3(start, lag_ms=300)
+    broker = start_r3(start, lag_ms=2000)
     handles: list = []
     with Admin(broker.url) as admin:
         admin.create_topic("disk", partitions=1, replication_factor=3)
         p = partition(admin, "disk")
         victim = next(r for r in p["replicas"] if r != p["leader"])
         victim_dir = tmp_path / "data" / ("partitions" if victim == "p0" else f"partitions-{victim}")
-        assert (victim_dir / "disk-0").exists() or any(victim_dir.iterdir())
+        assert (victim_dir / "logs" / "disk" / "0").is_dir()
         with Producer(broker.url, linger_ms=1, batch_size=20, retries=1000) as producer:
             produce_until(producer, "disk", "before", 300, handles)
             producer.flush()
@@ -209,7 +215,7 @@ def test_a_follower_restarted_on_an_empty_disk_rebuilds_from_the_leader_and_rejo
         wait_for(rebuilt, FAILOVER_S, f"{victim} to rebuild and rejoin the ISR")
         assert not [h.error for _v, h in handles if h.error is not None]
     leader_dir = tmp_path / "data" / ("partitions" if p["leader"] == "p0" else f"partitions-{p['leader']}")
-    copies = {d: {f.name: f.read_bytes() for f in sorted((d / "disk-0").glob("*.log"))}
+    copies = {d: {f.name: f.read_bytes() for f in sorted((d / "logs" / "disk" / "0").glob("*.log"))}
               for d in (leader_dir, victim_dir)}
     assert copies[leader_dir] and copies[leader_dir] == copies[victim_dir]  # byte for byte
     check_acknowledged(acknowledged(handles), read_log(broker.url, "disk"))
@@ -217,7 +223,7 @@ def test_a_follower_restarted_on_an_empty_disk_rebuilds_from_the_leader_and_rejo
 
 def test_a_replica_set_moved_online_under_load_keeps_every_acknowledged_record(start):
     import threading
-    broker = start(partition_actors=4, extra_args=("--actor-dirs", "--replica-lag-ms", "300"))
+    broker = start(partition_actors=4, extra_args=("--actor-dirs", "--replica-lag-ms", "2000"))
     handles: list = []
     with Admin(broker.url) as admin:
         admin.create_topic("move", partitions=1, replication_factor=3)
