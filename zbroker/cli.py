@@ -74,6 +74,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                               offsets_url=args.offsets, log_level=args.log_level, curve_dir=args.curve,
                               rack=args.rack, actor_dirs=args.actor_dirs,
                               unclean_leader_election=args.unclean_leader_election,
+                              replica_lag_ms=args.replica_lag_ms,
                               http=args.http, http_token=args.http_token or os.environ.get("ZBROKER_HTTP_TOKEN")))
 
 
@@ -648,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--unclean-leader-election", action="store_true",
                     help="let a replica outside the ISR lead when the whole ISR is gone: available again, "
                          "but LOSING acknowledged records")
+    up.add_argument("--replica-lag-ms", type=_positive, default=10_000, metavar="MS",
+                    help="a follower of a built-in actor this long behind its leader is proposed out of the ISR")
     up.set_defaults(func=cmd_up)
 
     part = sub.add_parser("partition", help="start an extra partition-log actor that joins a broker")

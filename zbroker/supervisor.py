@@ -79,6 +79,7 @@ class BrokerConfig:
     # <data>/partitions and split its partitions, as before replication.
     actor_dirs: bool = False
     unclean_leader_election: bool = False
+    replica_lag_ms: int = 10_000  # the built-in actors' --replica-lag-ms (ISR shrink)
 
     def http_address(self) -> tuple[str, int] | None:
         """Where the console listens, or None with `--http off`."""
@@ -213,7 +214,8 @@ class Supervisor:
                 f"partition-{i}", "zbroker.actors.partition_log.shell:run",
                 {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(config.partition_dir(data, i)),
                  "bind": config.partition_bind(i), "advertise_host": config.advertise_host, "fsync": config.fsync,
-                 "log_level": config.log_level, "curve_dir": config.curve_dir, "rack": config.rack}))
+                 "log_level": config.log_level, "curve_dir": config.curve_dir, "rack": config.rack,
+                 "replica_lag_ms": config.replica_lag_ms}))
 
         address = config.http_address() if config.http_error() is None else None
         if address is not None:

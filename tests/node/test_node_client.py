@@ -116,7 +116,8 @@ def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
     assert r["followReserved"]["nextOffset"] == r["followReserved"]["followFrom"]
     # s.8.4, 14: leases, STALE_LEASE data, redelivery, FENCED re-sync.
     assert ok("configure") == {"mode": "shared", "ack_timeout_ms": 300, "max_deliveries": 5,
-                               "max_in_flight": 1000, "dlq": None, "start": "earliest"}
+                               "max_in_flight": 1000, "dlq": None, "start": "earliest",
+                               "quarantine_after": 0, "max_keys": 10_000}  # key_shared's, defaults
     first = r["firstPoll"]
     assert first and first[0]["leaseId"] > 2**53 and first[0]["reason"] == "new"
     stale = error("lateAck")
@@ -133,7 +134,9 @@ def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
     assert ok("listGroups") == [{"group": "live-g", "mode": "shared", "members": 2,
                                  "generation": r["fence"]["generationAfter"]}]
     assert error("describeUnknownGroup")["code"] == "UNKNOWN_GROUP"
-    assert {"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint"} == set(
+    # s.8.2: every field the document lists, replication's included.
+    assert {"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint", "leader", "leader_epoch",
+            "replicas", "isr", "high_watermark", "replica_log_ends", "min_insync"} == set(
         ok("describeTopic")["partitions"][0])
     assert {"kind", "actor_id"} <= set(ok("status")["actors"][0])
 
