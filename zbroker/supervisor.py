@@ -145,6 +145,7 @@ class _Child:
     kwargs: dict
     process: Any = None
     started_at: float = 0.0
+    running_since: Any = None  # a shared double the child sets once it has imported and may run
     failures: int = 0
     restart_at: float | None = None
     ever_started: bool = False  # stayed up STARTED_AFTER_S at least once
@@ -166,7 +167,8 @@ def _stop_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _spawn_target(target: str, kwargs: dict, parent_pid: int | None = None, wait_for: str | None = None) -> None:
+def _spawn_target(target: str, kwargs: dict, parent_pid: int | None = None, wait_for: str | None = None,
+                  running_since: Any = None) -> None:
     if parent_pid is not None:
         os.setpgrp()  # the terminal's Ctrl-C goes to the supervisor, which stops actors in order
         _stop_with_parent(parent_pid)
@@ -178,6 +180,13 @@ def _spawn_target(target: str, kwargs: dict, parent_pid: int | None = None, wait
         # Event's condition counting it, and the next set() blocks for ever.
         while not os.path.exists(wait_for):
             time.sleep(BOUND_POLL_S)
+    if running_since is not None:
+        # The start-up rule below counts an actor's time up from here, not from its spawn:
+        # an interpreter that only imported (2.3 s on a loaded machine, more with the
+        # console's dependencies) has not started, and must not make a failing actor
+        # look like one that ran and may be restarted for ever. (CLOCK_MONOTONIC is
+        # one clock for every process of the host.)
+        running_since.value = time.monotonic()
     getattr(module, func_name)(**kwargs)
 
 
@@ -227,7 +236,10 @@ class Supervisor:
 
     def _start(self, child: _Child) -> None:
         wait_for = None if child.name == "coordinator" else self.coordinator_bound
-        process = self.ctx.Process(target=_spawn_target, args=(child.target, child.kwargs, os.getpid(), wait_for),
+        # A raw value (no lock): a child killed while holding a lock would leave it held.
+        child.running_since = self.ctx.RawValue("d", 0.0)
+        process = self.ctx.Process(target=_spawn_target, args=(child.target, child.kwargs, os.getpid(), wait_for,
+                                                               child.running_since),
                                    name=f"zbroker-{child.name}", daemon=False)
         try:
             process.start()
@@ -434,7 +446,9 @@ class Supervisor:
                 uptime = now - child.started_at
                 if uptime > STABLE_AFTER_S:
                     child.failures = 0
-                child.ever_started = child.ever_started or uptime >= STARTED_AFTER_S
+                running = child.running_since.value if child.running_since is not None else 0.0
+                ran_for = now - running if running else 0.0  # 0: it never got past its imports
+                child.ever_started = child.ever_started or ran_for >= STARTED_AFTER_S
                 delay = min(BACKOFF_MAX_S, BACKOFF_START_S * (2 ** child.failures))
                 child.failures += 1
                 child.restart_at = now + delay
