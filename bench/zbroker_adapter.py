@@ -289,12 +289,13 @@ class ZBroker(Adapter):
 
     def latency(self, rate: float, seconds: float, size: int, phase: Phase,
                 linger_ms: float = LATENCY_LINGER_MS) -> dict[str, Any]:
-        topic = self.broker.create_topic(f"{self.main_topic}-latency-{linger_ms:g}")
+        # One topic per (rate, linger): latency runs at 5,000/s and at 50,000/s against one broker.
+        topic = self.broker.create_topic(f"{self.main_topic}-latency-{rate:g}-{linger_ms:g}")
         recorder = LatencyRecorder()
         publisher = PublisherProcess(paced_publisher, {"url": self.broker.url, "topic": topic, "rate": rate,
                                                        "seconds": seconds, "size": size, "linger_ms": linger_ms})
         expected = Pacer(rate, seconds, 0.0).total
-        _consume(self.broker.url, topic, f"bench-{self.run_id}-latency", expected, phase, recorder,
+        _consume(self.broker.url, topic, f"bench-{self.run_id}-latency-{rate:g}", expected, phase, recorder,
                  on_joined=publisher.start)
         return {**recorder.summary(), "publisher": {**publisher.finish(), "linger_ms": linger_ms}}
 
