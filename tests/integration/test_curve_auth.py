@@ -193,7 +193,7 @@ def test_an_empty_curve_directory_is_refused_not_taken_as_plaintext(tmp_path, co
     from zbroker.supervisor import free_port_block
 
     port = free_port_block(4)
-    args = (["--data", str(tmp_path / "data"), "--port", str(port)] if command == "up" else
+    args = (["--data", str(tmp_path / "data"), "--port", str(port), "--http", "off"] if command == "up" else
             ["--data", str(tmp_path / "parts"), "--broker", f"tcp://127.0.0.1:{port}"])
     proc = subprocess.Popen([sys.executable, "-m", "zbroker", command, *args, "--curve", ""],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -254,7 +254,7 @@ def test_a_malformed_key_is_refused_before_anything_starts_and_no_secret_is_quot
         _swap_key_line(server, "public-key", zmq.curve_keypair()[0])
     else:
         _swap_key_line(keys / "clients" / "app.key", "public-key", b"not-a-key")
-    proc = subprocess.Popen([sys.executable, "-m", "zbroker", "up", "--data", str(tmp_path / "data"),
+    proc = subprocess.Popen([sys.executable, "-m", "zbroker", "up", "--data", str(tmp_path / "data"), "--http", "off",
                              "--port", str(free_port_block(4)), "--curve", str(keys)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -56,7 +56,7 @@ def test_a_stop_with_nobody_left_reading_the_log_still_stops_every_actor(tmp_pat
     # gone; the supervisor's stop raised at its first line and it then waited for ever,
     # in multiprocessing's exit, for that writer.
     data, port = tmp_path / "data", free_port_block(3)
-    up = subprocess.Popen([sys.executable, "-m", "zbroker", "up", "--data", str(data), "--port", str(port)],
+    up = subprocess.Popen([sys.executable, "-m", "zbroker", "up", "--http", "off", "--data", str(data), "--port", str(port)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     pids: dict = {}
     try:
