@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("pika").setLevel(logging.WARNING)  # pika logs every connection step at INFO
+    # procrastinate logs two INFO lines per job: 400,000 lines a run, written while it is timed.
+    logging.getLogger("procrastinate").setLevel(logging.WARNING)
     install_signal_handlers()
     command = shlex.join(["python", "-m", "bench", *argv])
     config = harness.Config(
