@@ -28,15 +28,22 @@ from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumu
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
                                  checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
+from zbroker.client.admin_calls import async_method, with_admin_calls
 from zbroker.client.keys import ClientKeys
-from zbroker.client.consumer_core import ConsumerCore, core_field, fetch_bytes, max_wait_ms
-from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry
-from zbroker.client.transport import DEFAULT_URL, client_dealer, curve_from_env
+from zbroker.client.consumer_core import (FOLLOW, REJOIN, ConsumerCore, GroupCallRetry, RetryBackoff, core_field,
+                                          failure_reason, max_wait_ms, membership_lost)
+from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry, window_has_room
+from zbroker.client.sockets import client_dealer, curve_from_env
+from zbroker.client.transport import DEFAULT_URL, Coordinators
 
 log = structlog.get_logger("zbroker.client")
 
 
 class AsyncConnection:
+    """Sockets to the coordinator and the partition actors; a reader task per socket resolves
+    each request's future by correlation id. ``url`` may list several coordinators,
+    comma-separated: coordinator requests follow NOT_COORDINATOR as the sync `Connection`'s do."""
+
     def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
                  curve: ClientKeys | None = None) -> None:
         self.url = url
@@ -49,6 +56,15 @@ class AsyncConnection:
         self._ids = itertools.count(1)
         self.metadata = MetadataCache()
         self.closed = False
+
+    @property
+    def url(self) -> str:
+        """The coordinator this connection talks to now."""
+        return self.coordinators.current
+
+    @url.setter
+    def url(self, url: str) -> None:
+        self.coordinators = Coordinators(url)
 
     def socket(self, endpoint: str) -> zmq.asyncio.Socket:
         if self.closed:
@@ -118,7 +134,21 @@ class AsyncConnection:
         return env
 
     async def coordinator(self, msg: m.Message, timeout: float | None = None) -> m.Message:
-        return (await self.call(self.url, msg, timeout=timeout)).msg
+        """A request to the coordinator, following NOT_COORDINATOR (and, with several URLs,
+        timeouts) to the next one after a capped backoff (`transport.Coordinators`)."""
+        coordinators = self.coordinators
+        for attempt in range(coordinators.attempts()):
+            try:
+                reply = (await self.call(self.url, msg, timeout=timeout)).msg
+            except ZBrokerError as err:
+                if attempt == coordinators.attempts() - 1 or not coordinators.redirected(err):
+                    raise
+                log.info("coordinator.redirected", code=err.code.value, to=self.url)
+                await asyncio.sleep(coordinators.backoff())
+                continue
+            coordinators.answered()
+            return reply
+        raise AssertionError("unreachable")
 
     async def refresh(self, topics: list[str] | None = None) -> None:
         self.metadata.update((await self.coordinator(m.Metadata(topics=topics))).topics)
@@ -153,67 +183,13 @@ class AsyncConnection:
         self.ctx.term()
 
 
+@with_admin_calls(async_method)
 class AsyncAdmin:
+    """The sync `Admin`'s calls (`admin_calls`), each a coroutine method here."""
+
     def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
                  curve: ClientKeys | None = None) -> None:
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
-
-    async def hello(self) -> dict:
-        return (await self.conn.coordinator(m.Hello(versions=list(m.SUPPORTED_VERSIONS),
-                                                    client="zbroker-python"))).to_fields()
-
-    async def metadata(self, topics: list[str] | None = None) -> list[dict]:
-        return (await self.conn.coordinator(m.Metadata(topics=topics))).topics
-
-    async def list_groups(self) -> list[dict]:
-        return (await self.conn.coordinator(m.ListGroups())).groups
-
-    async def reset_group(self, group: str, topic: str, to: str | int) -> dict:
-        return (await self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to=to))).to_fields()
-
-    async def create_topic(self, name: str, partitions: int = 1, config: dict | None = None, *,
-                           replication_factor: int = 1, min_insync: int | None = None) -> dict:
-        return (await self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config,
-                                                          replication_factor=replication_factor,
-                                                          min_insync=min_insync))).to_fields()
-
-    async def reassign_partition(self, topic: str, partition: int, replicas: list[str]) -> dict:
-        return (await self.conn.coordinator(m.ReassignPartition(topic=topic, partition=partition,
-                                                                replicas=replicas))).to_fields()
-
-    async def list_topics(self) -> list[str]:
-        return (await self.conn.coordinator(m.ListTopics())).topics
-
-    async def describe_topic(self, name: str) -> dict:
-        return (await self.conn.coordinator(m.DescribeTopic(topic=name))).to_fields()
-
-    async def status(self) -> dict:
-        return (await self.conn.coordinator(m.Status())).to_fields()
-
-    async def describe_group(self, group: str) -> dict:
-        return (await self.conn.coordinator(m.DescribeGroup(group=group))).group
-
-    async def configure_group(self, group: str, **config: Any) -> dict:
-        return (await self.conn.coordinator(m.ConfigureGroup(group=group, **config))).config
-
-    async def list_quarantine(self, group: str) -> list[dict]:
-        return (await self.conn.coordinator(m.ListQuarantine(group=group))).keys
-
-    async def release_key(self, group: str, *, key: str | bytes | None = None, key_hash: int | None = None,
-                          topic: str | None = None, to_dlq: bool = False) -> list[dict]:
-        return (await self.conn.coordinator(m.ReleaseKey(group=group, key=key, key_hash=key_hash, topic=topic,
-                                                         to_dlq=to_dlq))).released
-
-    # Admin operations (PROTOCOL.md s.8.5): thin pass-throughs, the coordinator decides.
-    async def alter_topic(self, name: str, **changes: Any) -> dict:
-        return (await self.conn.coordinator(m.AlterTopic(topic=name, **changes))).to_fields()
-
-    async def reset_group_to_time(self, group: str, topic: str, time_ms: int) -> dict:
-        """Each partition to its first offset appended at or after `time_ms` (wall-clock ms)."""
-        return (await self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to_time_ms=time_ms))).to_fields()
-
-    async def delete_group(self, group: str) -> dict:
-        return (await self.conn.coordinator(m.DeleteGroup(group=group))).to_fields()
 
     async def close(self) -> None:
         await self.conn.close()
@@ -283,7 +259,8 @@ class AsyncProducer:
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
-                 batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000, request_timeout: float = 5.0,
+                 batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000,
+                 max_in_flight_bytes: int = 32 << 20, request_timeout: float = 5.0,
                  retries: int = 20, curve: ClientKeys | None = None) -> None:
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
         self.linger_s = linger_ms / 1000.0
@@ -291,6 +268,10 @@ class AsyncProducer:
         self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes)
         self.window = RecordWindow(max_in_flight_records)
         self.max_in_flight_records = max_in_flight_records
+        # The window in bytes too, as the sync Producer's (`producer_core.window_has_room`): large
+        # records would otherwise put max_in_flight_records x their size in memory here and in the actor.
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.in_flight_bytes = 0
         self.waiting_for_window: collections.deque[PendingBatch] = collections.deque()
         self.tasks: set[asyncio.Task] = set()  # deliveries in flight
         self.errors: list[ZBrokerError] = []
@@ -366,7 +347,12 @@ class AsyncProducer:
         while True:
             await self._wait_until(lambda: bool(self.waiting_for_window))
             permits = await self.window.acquire(self.waiting_for_window[0].count)
+            size = len(self.waiting_for_window[0].payload)
+            # The records' permits are the RecordWindow's; the bytes' rule is `window_has_room`'s.
+            await self._wait_until(lambda: window_has_room(0, size, 0, self.in_flight_bytes, 0,
+                                                           self.max_in_flight_bytes))
             batch = self.waiting_for_window.popleft()
+            self.in_flight_bytes += size
             task = asyncio.get_running_loop().create_task(self._deliver(batch, permits))
             self.tasks.add(task)
             task.add_done_callback(self._delivery_ended)
@@ -411,6 +397,7 @@ class AsyncProducer:
         except Exception as exc:  # a bug or a broken socket: flush() must report it, not succeed
             self._failed(batch, ProduceError(f"delivery failed: {exc!r}"))
         finally:
+            self.in_flight_bytes -= len(batch.payload)
             self.window.release(permits)
 
     def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
@@ -512,8 +499,12 @@ class AsyncConsumer:
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
                  ack_batch: int = 1000, ack_interval_ms: float = 5.0, request_timeout: float = 5.0,
                  on_assign: Callable[[list], Any] | None = None, on_revoke: Callable[[list], Any] | None = None,
-                 curve: ClientKeys | None = None) -> None:
+                 curve: ClientKeys | None = None, poll_ahead: bool = False) -> None:
         self.topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
+        # As the sync Consumer's: when poll() returns, the next Poll is already on its way (it is
+        # the Poll in flight the next poll() takes), so the coordinator leases the next batch
+        # while the caller handles this one.
+        self.poll_ahead = poll_ahead
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
         # Membership and the rejoin rule are the core's, shared with the sync Consumer.
         self.core = ConsumerCore(group=group, topics=self.topics, ack_batch=ack_batch,
@@ -581,8 +572,14 @@ class AsyncConsumer:
         self.core.held = []
         self._to_fetch = self.core.standing_deliveries(self._to_fetch, previous_member, was_lost)
         in_flight = self._poll_in_flight
-        if in_flight is not None and in_flight.generation != self.generation and not in_flight.reply.done():
-            self._abandon_poll_in_flight()  # it will be answered FENCED, leasing nothing
+        if in_flight is not None and in_flight.generation != self.generation:
+            if not in_flight.reply.done():
+                self._abandon_poll_in_flight()  # it will be answered FENCED, leasing nothing
+            elif in_flight.reply.result().error is None:
+                # Answered before the rebalance (sent ahead, or by a cancelled poll()): of its
+                # deliveries, only those whose leases still stand are handed out (the core's rule).
+                answered = in_flight.reply.result().msg
+                answered.deliveries = self.core.standing_deliveries(answered.deliveries, previous_member, was_lost)
         await self._connect_to_assigned()
         for callback, partitions in ((self.on_revoke, revoked), (self.on_assign, assigned)):
             if callback is not None and partitions:
@@ -615,8 +612,9 @@ class AsyncConsumer:
         async with self._join_lock:
             if (self.member_id, self.generation) != (member_id, generation):
                 return  # re-joined already: the caller just sends again
-            if err.code is ErrorCode.UNKNOWN_MEMBER or not err.data.get("member_known", True):
-                self.core.lost(forget_id=err.code is ErrorCode.UNKNOWN_MEMBER)  # its leases are gone
+            lost, forget_id = membership_lost(err)
+            if lost:
+                self.core.lost(forget_id=forget_id)  # its leases are gone
             await self._join()
 
     async def _heartbeat(self) -> None:
@@ -636,16 +634,24 @@ class AsyncConsumer:
                 pass
 
     async def _group_call(self, make: Any, timeout: float | None = None) -> codec.Envelope:
-        for attempt in range(3):
+        """A group request, sent again after a re-join or a move as `GroupCallRetry` decides."""
+        retry = GroupCallRetry(self.conn.coordinators)
+        while True:
             await self._join_settled()
             member_id, generation = self.member_id, self.generation  # what make() puts in the request
             try:
                 return await self.conn.call(self.conn.url, make(), timeout=timeout)
-            except (Fenced, UnknownMember) as err:
-                if attempt == 2:
+            except ZBrokerError as err:
+                decision = retry.after(err)
+                if decision == REJOIN:
+                    await self._rejoin_unless_done(err, member_id, generation)
+                elif decision == FOLLOW:
+                    log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
+                    await asyncio.sleep(self.conn.coordinators.backoff())
+                    async with self._join_lock:  # the new coordinator learns of this member by its join
+                        await self._join()
+                else:
                     raise
-                await self._rejoin_unless_done(err, member_id, generation)
-        raise AssertionError("unreachable")
 
     async def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
         """Lease up to ``max_records`` and return their records (possibly none).
@@ -671,7 +677,11 @@ class AsyncConsumer:
                 self._to_fetch = [list(delivery) for delivery in reply.deliveries]
             if self._to_fetch:
                 await self._fetch()
-            return self._hand_out(max_records)
+            records = self._hand_out(max_records)
+            if self.poll_ahead and not self._leased and self._poll_in_flight is None:
+                with contextlib.suppress(ZBrokerError):  # not sent: the next poll() asks the usual way
+                    await self._send_poll(max_records, timeout)
+            return records
         finally:
             self._poll_lock.release()
 
@@ -777,10 +787,12 @@ class AsyncConsumer:
             try:
                 env = await self.conn.call(await self.conn.endpoint(topic, partition),
                                            m.Fetch(topic=topic, partition=partition, offset=offset,
-                                                   max_bytes=fetch_bytes(offset, end)))
+                                                   max_bytes=self.core.fetch_sizer.max_bytes(offset, end)))
                 # A damaged batch fails this delivery only, as a failed fetch does: raised,
                 # it would stay first in `_to_fetch` and every later poll would raise it.
-                got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,
+                frame = env.frames[0] if env.frames else b""
+                self.core.fetched(frame)
+                got = decode_fetched(frame, topic, partition, from_offset=offset,
                                      until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
             except ZBrokerError as err:
                 log.warning("fetch.failed", topic=topic, partition=partition, code=err.code.value,
@@ -899,6 +911,36 @@ class AsyncConsumer:
 
     async def reject(self, records: Iterable[ConsumedRecord], *, reason: str = "") -> int:
         return await self._lease_call(m.Reject, records, reason=reason)
+
+    async def run(self, handler: Callable[[ConsumedRecord], Any], *, max_records: int = 1000,
+                  stop: Callable[[], bool] = lambda: False) -> None:
+        """Call ``handler`` per record (a coroutine function or a plain one): ack when it returns,
+        nack (with the error) when it raises; until ``stop()`` says so, asked before each poll.
+        Retriable errors are logged and retried with a backoff, any other is raised: the sync
+        `Consumer.run`'s rules (`consumer_core.RetryBackoff`)."""
+        backoff = RetryBackoff()
+        while not stop():
+            try:
+                records = await self.poll(max_records)
+            except ZBrokerError as err:
+                await asyncio.sleep(backoff.next_delay(err, "poll", group=self.group))
+                continue
+            backoff.reset()
+            for record in records:
+                try:
+                    outcome = handler(record)
+                    if asyncio.iscoroutine(outcome):
+                        await outcome
+                except Exception as exc:  # the handler's failure is the record's nack reason
+                    try:
+                        await self.nack([record], reason=failure_reason(exc))
+                    except ZBrokerError as err:  # not settled: its lease expires and it comes back
+                        backoff.log_or_raise(err, "nack", group=self.group)
+                else:
+                    try:
+                        await self.ack(record)
+                    except ZBrokerError as err:  # the acks are held and go with the next request
+                        backoff.log_or_raise(err, "ack", group=self.group)
 
     async def __aiter__(self) -> AsyncIterator[ConsumedRecord]:
         while True:
