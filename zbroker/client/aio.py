@@ -22,7 +22,6 @@ import zmq.asyncio
 
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
-from zbroker.protocol.batch import decode_fetched
 from zbroker.protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
 from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord,
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
@@ -30,7 +29,7 @@ from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumu
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client.admin_calls import async_method, with_admin_calls
 from zbroker.client.keys import ClientKeys
-from zbroker.client.consumer_core import (FOLLOW, REJOIN, ConsumerCore, GroupCallRetry, RetryBackoff, core_field,
+from zbroker.client.consumer_core import (FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry, RetryBackoff, core_field,
                                           failure_reason, max_wait_ms, membership_lost)
 from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry, window_has_room
 from zbroker.client.sockets import client_dealer, curve_from_env
@@ -88,23 +87,29 @@ class AsyncConnection:
                 fut.set_result(env)
 
     async def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> asyncio.Future:
+        """Send a request; returns the future of its reply. A fetch with `follow` gets its later
+        replies under id + 1 .. id + follow (PROTOCOL.md s.4): each has a future of its own, in
+        the returned one's ``later`` list, so they match no other request and none is dropped."""
         corr = next(self._ids)
-        # A fetch with `follow` gets its later replies under id + 1 .. id + follow (PROTOCOL.md s.4):
-        # reserve them, so that they match no other request (the reader drops them).
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future()]
         for _ in range(getattr(msg, "follow", 0) or 0):
+            futures.append(loop.create_future())
             next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        fut.corr_id = corr  # type: ignore[attr-defined]
-        self.waiting[corr] = fut
+        for i, future in enumerate(futures):
+            future.corr_id = corr + i  # type: ignore[attr-defined]
+            self.waiting[corr + i] = future
+        fut = futures[0]
+        fut.later = futures[1:]  # type: ignore[attr-defined]
         try:
             await self.socket(endpoint).send_multipart(codec.encode_request(msg, corr, frames))
         except zmq.Again:
-            self.waiting.pop(corr, None)
+            self.abandon(fut)
             raise Unavailable(f"no connection to {endpoint}", endpoint=endpoint) from None
         except BaseException:
             # Cancelled while the send waited for a connection (it is then dropped unsent), or
             # refused: nobody will wait for this id, and nothing else would ever remove it.
-            self.waiting.pop(corr, None)
+            self.abandon(fut)
             raise
         return fut
 
@@ -122,9 +127,10 @@ class AsyncConnection:
             raise
 
     def abandon(self, fut: asyncio.Future) -> None:
-        """Stop waiting for the reply of ``fut``'s request: if it comes, the reader drops it."""
-        self.waiting.pop(getattr(fut, "corr_id", None), None)
-        fut.cancel()
+        """Stop waiting for the reply (replies) of ``fut``'s request: if it comes, the reader drops it."""
+        for future in [fut, *getattr(fut, "later", ())]:
+            self.waiting.pop(getattr(future, "corr_id", None), None)
+            future.cancel()
 
     async def call(self, endpoint: str, msg: m.Message, frames: tuple = (), timeout: float | None = None
                    ) -> codec.Envelope:
@@ -499,16 +505,22 @@ class AsyncConsumer:
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
                  ack_batch: int = 1000, ack_interval_ms: float = 5.0, request_timeout: float = 5.0,
                  on_assign: Callable[[list], Any] | None = None, on_revoke: Callable[[list], Any] | None = None,
-                 curve: ClientKeys | None = None, poll_ahead: bool = False) -> None:
+                 curve: ClientKeys | None = None, read_ahead: bool = True, read_ahead_bytes: int = 32 << 20,
+                 poll_ahead: bool = False, lease_ahead: bool = False) -> None:
         self.topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
-        # As the sync Consumer's: when poll() returns, the next Poll is already on its way (it is
-        # the Poll in flight the next poll() takes), so the coordinator leases the next batch
-        # while the caller handles this one.
-        self.poll_ahead = poll_ahead
+        # The sync Consumer's ahead modes, with its decisions (`ConsumerCore`): read_ahead fetches
+        # where the next lease will start (exclusive groups); poll_ahead sends the next Poll as
+        # poll() returns (it is the Poll in flight the next poll() takes); lease_ahead asks for
+        # ahead leases, served as the parked read-ahead fetches bring their records.
+        self.poll_ahead = poll_ahead or lease_ahead
+        # The read-ahead fetch out per partition: the futures of its replies (a followed fetch has many).
+        self._ahead_fetches: dict[tuple[str, int], list[asyncio.Future]] = {}
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
         # Membership and the rejoin rule are the core's, shared with the sync Consumer.
         self.core = ConsumerCore(group=group, topics=self.topics, ack_batch=ack_batch,
-                                 ack_interval_s=ack_interval_ms / 1000.0, read_ahead=False)
+                                 ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
+                                 read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead,
+                                 metadata=self.conn.metadata)
         self.on_assign = on_assign
         self.on_revoke = on_revoke
         self.group = group
@@ -539,6 +551,17 @@ class AsyncConsumer:
     generation = core_field("generation")
     assignment = core_field("assignment")
     mode = core_field("mode")
+    stats = core_field("stats")
+
+    @property
+    def conn(self) -> AsyncConnection:
+        return self._conn
+
+    @conn.setter
+    def conn(self, conn: AsyncConnection) -> None:
+        self._conn = conn
+        if hasattr(self, "core") and getattr(conn, "metadata", None) is not None:
+            self.core.metadata = conn.metadata  # the core forgets a moved partition's owner there
 
     async def start(self) -> "AsyncConsumer":
         try:
@@ -567,7 +590,8 @@ class AsyncConsumer:
             else:
                 parts.append([r])
         was_lost, self.core.held = self.core.member_lost, parts
-        revoked, assigned, _ = self.core.joined(reply, previous_member)
+        revoked, assigned, _given_up = self.core.joined(reply, previous_member)
+        self._prune_ahead_fetches()  # the read-ahead of partitions not kept
         self._leased = [r for part in self.core.held for r in part]
         self.core.held = []
         self._to_fetch = self.core.standing_deliveries(self._to_fetch, previous_member, was_lost)
@@ -670,17 +694,23 @@ class AsyncConsumer:
         if not await self._wait_for_turn(timeout):
             return []
         try:
+            if not self._leased and not self._to_fetch and self.core.ahead_leases:
+                await self._records_ahead(max_records, deadline)
             if not self._leased and not self._to_fetch:
                 reply = await self._poll_reply(max_records, max(0.0, deadline - loop.time()))
                 if reply is None:
                     return []
-                self._to_fetch = [list(delivery) for delivery in reply.deliveries]
+                self._to_fetch = [list(delivery) for delivery in self.core.take_ahead_leases(reply.deliveries)]
             if self._to_fetch:
                 await self._fetch()
+            if not self._leased and self.core.ahead_leases:
+                await self._records_ahead(max_records, deadline)
             records = self._hand_out(max_records)
             if self.poll_ahead and not self._leased and self._poll_in_flight is None:
                 with contextlib.suppress(ZBrokerError):  # not sent: the next poll() asks the usual way
                     await self._send_poll(max_records, timeout)
+            if self.core.reading_ahead:
+                await self._send_read_ahead(timeout)
             return records
         finally:
             self._poll_lock.release()
@@ -751,7 +781,8 @@ class AsyncConsumer:
             member_id, generation = self.member_id, self.generation
             reply = await self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=member_id,
                                                                generation=generation, max_records=max_records,
-                                                               max_wait_ms=wait_ms, acks=acks))
+                                                               max_wait_ms=wait_ms, acks=acks,
+                                                               ahead=self.core.ahead_wanted(max_records)))
         except BaseException:
             self._hold_again(acks)  # not known to be sent: they go again (a repeated ack is harmless)
             raise
@@ -780,31 +811,118 @@ class AsyncConsumer:
 
     async def _fetch(self) -> None:
         """Fetch the records of `_to_fetch` into `_leased`, keeping both true at every await:
-        cancelled, what was fetched is handed out and the rest fetched by the next poll()."""
+        cancelled, what was fetched is handed out and the rest fetched by the next poll().
+        The plan is the core's (read-ahead first, a fetch sized from the lease, the rest if
+        max_bytes cut it short); a partition that cannot be fetched costs only its deliveries."""
+        loop = asyncio.get_running_loop()
         while self._to_fetch:
             delivery = self._to_fetch[0]
-            topic, partition, lease, offset, end, attempt, reason = delivery
+            if self.core.reading_ahead:
+                await self._serve_from_read_ahead(delivery)
+            if not self._to_fetch or self._to_fetch[0] is not delivery:
+                continue  # dropped by a re-join meanwhile
+            topic, partition, _lease, offset, end = delivery[:5]
+            if offset >= end:  # all of it was read ahead
+                self._to_fetch.pop(0)
+                continue
+            env, err = None, None
             try:
-                env = await self.conn.call(await self.conn.endpoint(topic, partition),
-                                           m.Fetch(topic=topic, partition=partition, offset=offset,
-                                                   max_bytes=self.core.fetch_sizer.max_bytes(offset, end)))
-                # A damaged batch fails this delivery only, as a failed fetch does: raised,
-                # it would stay first in `_to_fetch` and every later poll would raise it.
-                frame = env.frames[0] if env.frames else b""
-                self.core.fetched(frame)
-                got = decode_fetched(frame, topic, partition, from_offset=offset,
-                                     until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
-            except ZBrokerError as err:
-                log.warning("fetch.failed", topic=topic, partition=partition, code=err.code.value,
-                            reason=err.message)
-                if err.retriable:
-                    self.conn.metadata.forget(topic)  # moved: ask where it lives next time
-                got = []  # the lease expires and the records come back
+                env = await self.conn.wait(await self.conn.send(await self.conn.endpoint(topic, partition),
+                                                                self.core.lease_fetch(delivery, offset)))
+            except ZBrokerError as failed:
+                err = failed
+            got, rest, _given_up = self.core.lease_fetch_replied(delivery, offset, env, err, loop.time())
             if self._to_fetch and self._to_fetch[0] is delivery:  # not dropped by a re-join meanwhile
                 self._leased.extend(got)
-                delivery[3] = got[-1].offset + 1 if got else end
+                delivery[3] = end if rest is None else rest
                 if delivery[3] >= end:
                     self._to_fetch.pop(0)
+
+    # -- read-ahead and lease-ahead: the core decides, this sends and waits ----------------------
+
+    async def _serve_from_read_ahead(self, delivery: list) -> None:
+        """Hand what the read-ahead holds of ``delivery`` to `_leased`, waiting a little for the
+        fetch out that may bring it (the lease proves the records exist)."""
+        loop = asyncio.get_running_loop()
+        deadline, key = loop.time() + READ_AHEAD_WAIT_S, (delivery[0], delivery[1])
+        while True:
+            out: list[ConsumedRecord] = []
+            pos, awaited, _given_up = self.core.serve_lease_from_read_ahead(delivery, delivery[3], out, loop.time())
+            self._leased.extend(out)
+            delivery[3] = pos
+            if awaited is None:
+                break
+            fut = next((f for f in self._ahead_fetches.get(key, ()) if f.corr_id == awaited), None)
+            if fut is not None:
+                await asyncio.wait([fut], timeout=max(0.005, deadline - loop.time()))
+            if not self._to_fetch or self._to_fetch[0] is not delivery:
+                return  # dropped by a re-join meanwhile
+            if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.core.read_ahead_replied(key, awaited, fut.result(), loop.time())
+            else:  # its actor died with the fetch parked, or hangs: fetch the rest the usual way
+                self.core.give_up_read_ahead(key, loop.time())
+                self._prune_ahead_fetches()
+        self.core.lease_served(delivery)
+
+    def _collect_read_ahead(self) -> None:
+        arrived = {f.corr_id: f.result() for futures in self._ahead_fetches.values() for f in futures
+                   if f.done() and not f.cancelled() and f.exception() is None}
+        self.core.collect_read_ahead(arrived, asyncio.get_running_loop().time())
+        self._prune_ahead_fetches()
+
+    def _prune_ahead_fetches(self) -> None:
+        """Forget the futures of replies the core no longer awaits (filed, or their fetch given up:
+        their replies are dropped when they come)."""
+        in_flight = dict(self.core.ahead.in_flight())
+        for key, futures in list(self._ahead_fetches.items()):
+            corr = in_flight.get(key)
+            if corr is None or all(f.corr_id != corr for f in futures):
+                for fut in futures:
+                    self.conn.abandon(fut)
+                del self._ahead_fetches[key]
+            else:
+                self._ahead_fetches[key] = [f for f in futures if f.corr_id >= corr]
+
+    async def _send_read_ahead(self, timeout: float, collected: bool = False) -> None:
+        """Send the read-ahead fetches the core wants (``collected``: the replies were just filed)."""
+        if not collected:
+            self._collect_read_ahead()
+        loop = asyncio.get_running_loop()
+        for key, fetch in self.core.read_ahead_fetches(max_wait_ms(timeout), loop.time()):
+            fut = None
+            with contextlib.suppress(ZBrokerError):  # not reachable now: the next lease is fetched the usual way
+                fut = await self.conn.send(await self.conn.endpoint(*key), fetch)
+            self.core.read_ahead_sent(key, None if fut is None else fut.corr_id, fetch, loop.time(),
+                                      self.conn.request_timeout)
+            if fut is not None:
+                self._ahead_fetches[key] = [fut, *fut.later]
+
+    async def _records_ahead(self, max_records: int, deadline: float) -> None:
+        """Put what the parked fetches brought under the ahead leases in `_leased`, waiting until
+        ``deadline`` for some; returns early when the Poll in flight is answered (the caller takes it)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._collect_read_ahead()
+            parts, damaged = self.core.serve_ahead(max_records)
+            for key, err in damaged:
+                self.core.damaged_read_ahead(key, err, loop.time())
+            if parts:
+                self._leased.extend(r for part in parts for r in part)
+                return
+            if not self.core.ahead_leases or (self._poll_in_flight is not None and self._poll_in_flight.reply.done()):
+                return  # all used up, or the coordinator answered
+            if self._poll_in_flight is None:
+                # Redeliveries, and the next ahead lease once this one is used up, come from a poll.
+                with contextlib.suppress(ZBrokerError):  # not sent: the caller's poll asks the usual way
+                    await self._send_poll(max_records, max(0.0, deadline - loop.time()))
+            await self._send_read_ahead(max(0.0, deadline - loop.time()), collected=True)
+            remaining = deadline - loop.time()
+            waits = [f for futures in self._ahead_fetches.values() for f in futures]
+            if self._poll_in_flight is not None:
+                waits.append(self._poll_in_flight.reply)
+            if remaining <= 0 or not waits:
+                return
+            await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
 
     async def ack(self, record: ConsumedRecord) -> None:
         self.acks.add(record.topic, record.partition, record.lease_id, record.offset)
@@ -955,6 +1073,9 @@ class AsyncConsumer:
             return
         try:
             await self._stop_ack_timers()
+            for key in list(self._ahead_fetches):
+                self.core.give_up_read_ahead(key, asyncio.get_running_loop().time())
+            self._prune_ahead_fetches()
             self._abandon_poll_in_flight()  # applied or not, its acks go again now (a repeat is harmless)
             await self.flush_acks()
             try:

@@ -591,7 +591,7 @@ class Consumer:
     @conn.setter
     def conn(self, conn: Connection) -> None:
         self._conn = conn
-        if hasattr(self, "core"):
+        if hasattr(self, "core") and getattr(conn, "metadata", None) is not None:
             self.core.metadata = conn.metadata  # the core forgets a moved partition's owner there
 
     member_id = core_field("member_id")
