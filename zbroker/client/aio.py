@@ -29,8 +29,9 @@ from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumu
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client.admin_calls import async_method, with_admin_calls
 from zbroker.client.keys import ClientKeys
-from zbroker.client.consumer_core import (FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry, RetryBackoff, core_field,
-                                          failure_reason, max_wait_ms, membership_lost)
+from zbroker.client.consumer_core import (FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
+                                          RetryBackoff, connection_field, core_field, failure_reason, max_wait_ms,
+                                          membership_lost)
 from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry, window_has_room
 from zbroker.client.sockets import client_dealer, curve_from_env
 from zbroker.client.transport import DEFAULT_URL, Coordinators
@@ -553,15 +554,7 @@ class AsyncConsumer:
     mode = core_field("mode")
     stats = core_field("stats")
 
-    @property
-    def conn(self) -> AsyncConnection:
-        return self._conn
-
-    @conn.setter
-    def conn(self, conn: AsyncConnection) -> None:
-        self._conn = conn
-        if hasattr(self, "core") and getattr(conn, "metadata", None) is not None:
-            self.core.metadata = conn.metadata  # the core forgets a moved partition's owner there
+    conn = connection_field()
 
     async def start(self) -> "AsyncConsumer":
         try:

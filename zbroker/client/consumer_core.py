@@ -175,6 +175,16 @@ def core_field(name: str) -> property:
     return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value))
 
 
+def connection_field() -> property:
+    """A driver's ``conn``: set (at start, or by a test's stand-in), its metadata cache becomes the
+    core's, where a fetch refused as NOT_OWNER forgets the moved partition's owner."""
+    def set_conn(self: Any, conn: Any) -> None:
+        self._conn = conn
+        if hasattr(self, "core") and getattr(conn, "metadata", None) is not None:
+            self.core.metadata = conn.metadata
+    return property(lambda self: self._conn, set_conn)
+
+
 class ConsumerCore:
     """One group member's state, and the decisions the drivers share."""
 

@@ -32,8 +32,9 @@ from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedReco
                                  group_by_lease, checked_partition, checked_record, checked_timestamp,
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client import consumer_core
-from zbroker.client.consumer_core import (AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry, core_field,
-                                          failure_reason, max_wait_ms, membership_lost)
+from zbroker.client.consumer_core import (AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore,
+                                          GroupCallRetry, connection_field, core_field, failure_reason, max_wait_ms,
+                                          membership_lost)
 from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
 from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
@@ -584,15 +585,7 @@ class Consumer:
                                                       daemon=True)
             self._heartbeat_thread.start()
 
-    @property
-    def conn(self) -> Connection:
-        return self._conn
-
-    @conn.setter
-    def conn(self, conn: Connection) -> None:
-        self._conn = conn
-        if hasattr(self, "core") and getattr(conn, "metadata", None) is not None:
-            self.core.metadata = conn.metadata  # the core forgets a moved partition's owner there
+    conn = connection_field()
 
     member_id = core_field("member_id")
     generation = core_field("generation")
