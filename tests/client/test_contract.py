@@ -350,8 +350,8 @@ def test_client_contract_over_curve(driver_class, start, tmp_path):
     (tmp_path / "rogue").mkdir()
     _public, rogue_secret = zmq.auth.create_certificates(str(tmp_path / "rogue"), "rogue")
     stranger = ClientKeys.load(keys / "server.key", rogue_secret)  # well-formed, never heard of
-    d = driver_class()
-    try:
+
+    def check(d, broker):
         d.admin(broker.url, "create_topic", "secret", partitions=1, curve=app)
         d.produce(broker.url, "secret", [b"s0", b"s1"], curve=app)
         consumer = d.consumer(broker.url, group="g-curve", topics=["secret"], heartbeat=False, curve=app)
@@ -359,6 +359,14 @@ def test_client_contract_over_curve(driver_class, start, tmp_path):
         consumer.flush_acks()
         with pytest.raises(ZBrokerError):
             d.admin(broker.url, "list_topics", curve=stranger, request_timeout=1.0)
+
+    check_with_a_fresh_driver(driver_class, check, broker)
+
+
+def check_with_a_fresh_driver(driver_class, check, broker) -> None:
+    d = driver_class()
+    try:
+        check(d, broker)
     finally:
         for close in reversed(d.closers):
             close()
@@ -373,14 +381,8 @@ def test_the_contract_fails_a_driver_that_does_not_follow_not_coordinator(broker
         return (await self.call(self.coordinators.urls[0], msg, timeout=timeout)).msg
 
     monkeypatch.setattr(AsyncConnection, "coordinator", first_url_only)
-    d = AsyncDriver()
-    try:
-        with pytest.raises(NotCoordinator):
-            check_a_url_list_follows_not_coordinator_to_the_leader_it_names(d, broker)
-    finally:
-        for close in reversed(d.closers):
-            close()
-        d.shutdown()
+    with pytest.raises(NotCoordinator):
+        check_with_a_fresh_driver(AsyncDriver, check_a_url_list_follows_not_coordinator_to_the_leader_it_names, broker)
 
 
 def test_the_contract_fails_a_driver_that_skips_the_rebalance_callbacks(broker, monkeypatch):
@@ -393,11 +395,6 @@ def test_the_contract_fails_a_driver_that_skips_the_rebalance_callbacks(broker, 
         await original(self)
 
     monkeypatch.setattr(AsyncConsumer, "_join", join_without_revoke)
-    d = AsyncDriver()
-    try:
-        with pytest.raises(AssertionError):
-            check_a_rebalance_calls_back_and_hands_out_only_what_it_still_owns(d, broker)
-    finally:
-        for close in reversed(d.closers):
-            close()
-        d.shutdown()
+    with pytest.raises(AssertionError):
+        check_with_a_fresh_driver(AsyncDriver, check_a_rebalance_calls_back_and_hands_out_only_what_it_still_owns,
+                                  broker)

@@ -637,18 +637,22 @@ class AsyncConsumer:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.session_timeout_ms / 3000.0)
-            await self._join_settled()
-            member_id, generation = self.member_id, self.generation
+            await self.beat()
+
+    async def beat(self) -> None:
+        """One heartbeat (the heartbeat task sends one every ``session_timeout_ms / 3``); refused,
+        it re-joins, unless another task did since it was sent."""
+        await self._join_settled()
+        member_id, generation = self.member_id, self.generation
+        try:
+            await self.conn.coordinator(m.Heartbeat(group=self.group, member_id=member_id, generation=generation))
+        except (Fenced, UnknownMember) as err:
             try:
-                await self.conn.coordinator(m.Heartbeat(group=self.group, member_id=member_id,
-                                                        generation=generation))
-            except (Fenced, UnknownMember) as err:
-                try:
-                    await self._rejoin_unless_done(err, member_id, generation)
-                except ZBrokerError:
-                    pass  # the coordinator is away: the next beat (or poll) joins again
+                await self._rejoin_unless_done(err, member_id, generation)
             except ZBrokerError:
-                pass
+                pass  # the coordinator is away: the next beat (or poll) joins again
+        except ZBrokerError:
+            pass
 
     async def _group_call(self, make: Any, timeout: float | None = None) -> codec.Envelope:
         """A group request, sent again after a re-join or a move as `GroupCallRetry` decides."""
