@@ -8,19 +8,24 @@ import pathlib
 
 import pytest
 
-from zbroker.client.consumer_core import ConsumerCore, fetch_bytes, max_wait_ms
+from zbroker.client.consumer_core import (FOLLOW, RAISE, READ_AHEAD_FOLLOW, REJOIN, ConsumerCore, FetchSizer,
+                                          GroupCallRetry, RetryBackoff, failure_reason, fetch_bytes, max_wait_ms,
+                                          membership_lost)
+from zbroker.protocol.batch import build_batch_header, encode_values
+from zbroker.protocol.codec import Envelope
 from zbroker.client.core import ConsumedRecord, MetadataCache
 from zbroker.client.producer_core import ProduceError, ProducerCore, leader_hint, retry_delay
 from zbroker.client.transport import Coordinators, Correlation, bootstrap_urls
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import (ProtocolError as BadRequest, NotCoordinator, NotLeader, NotOwner, RequestTimeout,
-                                     ErrorCode)
+                                     ErrorCode, Fenced, StaleLease, UnknownMember)
 
 CLIENT = pathlib.Path(__file__).resolve().parents[2] / "zbroker" / "client"
 FORBIDDEN = {"zmq", "asyncio", "time", "socket"}
 
 
-@pytest.mark.parametrize("module", ["consumer_core.py", "producer_core.py", "core.py"])
+@pytest.mark.parametrize("module", ["consumer_core.py", "producer_core.py", "core.py", "transport.py",
+                                    "admin_calls.py"])
 def test_the_cores_import_neither_zmq_asyncio_time_nor_socket(module):
     imported = set()
     for node in ast.walk(ast.parse((CLIENT / module).read_text())):
@@ -158,6 +163,102 @@ def test_held_acks_go_again_and_restart_their_interval():
 def test_fetch_planning():
     assert fetch_bytes(0, 10) == 4096 and fetch_bytes(0, 100) == 25_600
     assert max_wait_ms(0.0123) == 12 and max_wait_ms(-1) == 0 and max_wait_ms(10 ** 9) == m.MAX_WAIT_MS
+
+
+def test_a_lease_fetch_is_sized_from_the_lease_and_what_earlier_fetches_brought():
+    sizer = FetchSizer()
+    assert sizer.max_bytes(0, 100) == fetch_bytes(0, 100) == 25_600  # before any fetch: 256 bytes a record
+    sizer.learn(frame_bytes=400_000, records=100)  # 4 KB records: the estimate follows at once
+    assert sizer.max_bytes(0, 100) == 100 * (400_000 * 5 // 400 + 1)
+    for _ in range(20):  # then small ones: it comes down, halving the gap each fetch
+        sizer.learn(frame_bytes=3_000, records=100)
+    assert sizer.per_record == 3_000 * 5 // 400 + 1
+    assert sizer.max_bytes(0, 1) == 4096  # bounded below (one batch header and more) ...
+    assert FetchSizer(per_record=1 << 20).max_bytes(0, 1000) == 8 << 20  # ... and above
+    sizer.learn(frame_bytes=0, records=0)  # an empty reply teaches nothing
+    assert sizer.per_record == 3_000 * 5 // 400 + 1
+
+
+def frame(first: int, count: int) -> bytes:
+    payload = encode_values([b"v%d" % o for o in range(first, first + count)], 0)
+    return build_batch_header(payload, base_offset=first, record_count=count, append_time_ms=0) + payload
+
+
+def fetch_reply(first: int, count: int, more: bool = False) -> Envelope:
+    return Envelope(op="fetch", corr_id=0, msg=m.FetchReply(log_start=0, log_end=first + count, more=more),
+                    frames=[frame(first, count)])
+
+
+def test_the_core_plans_a_lease_fetch_learns_its_size_and_asks_for_the_rest():
+    core = joined_core()
+    delivery = ["t", 0, 7, 0, 10, 1, "new"]
+    fetch = core.lease_fetch(delivery, 0)
+    assert (fetch.topic, fetch.partition, fetch.offset, fetch.max_bytes) == ("t", 0, 0, 4096)
+    got, rest, given_up = core.lease_fetch_replied(delivery, 0, fetch_reply(0, 4), None, now=1.0)
+    assert [r.offset for r in got] == [0, 1, 2, 3] and rest == 4 and given_up == []  # cut short: the rest next
+    assert core.fetch_sizer.per_record < 256  # and the next fetch is sized from what these took
+    got, rest, _ = core.lease_fetch_replied(delivery, 4, fetch_reply(4, 10), None, now=1.0)
+    assert [r.offset for r in got] == list(range(4, 10)) and rest is None  # records past the lease end dropped
+
+
+def test_a_lease_fetch_refused_as_not_owner_forgets_the_owner_and_costs_only_its_delivery():
+    core = joined_core()
+    core.metadata.update([{"name": "t", "partitions": [{"endpoint": "a0"}, {"endpoint": "a1"}]}])
+    got, rest, _ = core.lease_fetch_replied(["t", 0, 7, 0, 10, 1, "new"], 0, None,
+                                            NotOwner("moved", topic="t", partition=0), now=1.0)
+    assert (got, rest) == ([], None) and "t" not in core.metadata.topics  # asked for again next time
+
+
+def test_read_ahead_follows_the_log_end_and_a_fetch_without_a_reply_is_given_up_on_the_hand_driven_clock():
+    core = joined_core()  # exclusive: it reads ahead
+    core.lease_served(["t", 0, 7, 0, 5, 1, "new"])  # the next lease of partition 0 starts at 5
+    [(key, fetch)] = core.read_ahead_fetches(wait_ms=1000, now=100.0)
+    assert (key, fetch.offset, fetch.max_wait_ms, fetch.follow) == (("t", 0), 5, 1000, READ_AHEAD_FOLLOW)
+    core.read_ahead_sent(key, 40, fetch, now=100.0, request_timeout=5.0)
+    assert core.read_ahead_fetches(wait_ms=1000, now=100.0) == []  # one out per partition
+    # Its first reply brings offsets 5..7 and says more will come, under id 41.
+    assert core.collect_read_ahead({40: fetch_reply(5, 3, more=True)}, now=100.5) == []
+    out: list = []
+    pos, awaited, _ = core.serve_lease_from_read_ahead(["t", 0, 8, 5, 10, 1, "new"], 5, out, now=100.5)
+    assert [r.offset for r in out] == [5, 6, 7] and (pos, awaited) == (8, 41)  # the driver waits for 41
+    # 41 never comes: 1 s wait + 5 s request timeout after the last reply, the core gives up on 41..104.
+    assert core.collect_read_ahead({}, now=106.4) == []
+    assert core.collect_read_ahead({}, now=106.6) == [(41, 40 + READ_AHEAD_FOLLOW)]
+    core.restart_ahead_reads(now=106.6)
+    assert core.ahead.awaited(key, 8) is None
+
+
+def test_a_later_reply_of_a_followed_fetch_arriving_first_gives_the_fetch_up():
+    core = joined_core()
+    core.lease_served(["t", 1, 7, 0, 5, 1, "new"])
+    [(key, fetch)] = core.read_ahead_fetches(wait_ms=1000, now=0.0)
+    core.read_ahead_sent(key, 10, fetch, now=0.0, request_timeout=5.0)
+    # Reply 11 came and 10 did not: the actor's full queue dropped 10.
+    assert core.collect_read_ahead({11: fetch_reply(5, 1)}, now=0.1) == [(10, 10 + READ_AHEAD_FOLLOW)]
+
+
+def test_group_calls_rejoin_when_fenced_follow_a_moved_coordinator_and_raise_the_rest():
+    retry = GroupCallRetry(Coordinators("tcp://a:1,tcp://b:1"))
+    assert retry.after(Fenced("fenced", generation=2)) == REJOIN
+    assert retry.after(NotCoordinator("moved", leader={"endpoint": "tcp://b:1"})) == FOLLOW
+    assert retry.coordinators.current == "tcp://b:1"
+    assert retry.after(Fenced("fenced", generation=3)) == REJOIN
+    assert retry.after(Fenced("fenced", generation=4)) == RAISE  # the third time in one call
+    assert GroupCallRetry(Coordinators("tcp://a:1")).after(StaleLease("stale")) == RAISE
+    assert membership_lost(UnknownMember("gone")) == (True, True)
+    assert membership_lost(Fenced("fenced", member_known=False)) == (True, False)
+    assert membership_lost(Fenced("fenced")) == (False, False)
+
+
+def test_run_backs_off_retriable_errors_and_raises_the_rest():
+    backoff = RetryBackoff()
+    assert [backoff.next_delay(RequestTimeout("slow"), "poll") for _ in range(8)] == [
+        0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
+    backoff.reset()
+    assert backoff.next_delay(RequestTimeout("slow"), "poll") == 0.1
+    with pytest.raises(BadRequest):
+        backoff.next_delay(BadRequest("no"), "poll")
+    assert failure_reason(ValueError("x" * 500)) == ("ValueError: " + "x" * 500)[:200]
 
 
 # -- producer core ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ answer of None parks the request: the test resolves it with `reply_to_parked`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 from zbroker.protocol import messages as m
 from zbroker.protocol.codec import Envelope
@@ -28,6 +29,7 @@ class ScriptedCoordinator(AsyncConnection):
         self.sent: list[m.Message] = []
         self.parked: list[asyncio.Future] = []
         self.closed = False
+        self._ids = itertools.count(1)
 
     def answer(self, msg: m.Message) -> m.Message | ZBrokerError | None:
         raise NotImplementedError
@@ -36,6 +38,7 @@ class ScriptedCoordinator(AsyncConnection):
         self.sent.append(msg)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        fut.corr_id, fut.later = next(self._ids), []  # as AsyncConnection.send's: one reply, then no more
         outcome = self.answer(msg)
         if outcome is None:
             self.parked.append(fut)

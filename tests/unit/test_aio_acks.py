@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from zbroker.client.transport import Coordinators
 from zbroker.protocol.codec import Envelope
 from zbroker.protocol.errors import StaleLease, Unavailable
 from zbroker.protocol.messages import Ack, AckReply, NackReply, Poll, PollReply
@@ -64,6 +65,7 @@ def test_acks_the_coordinator_calls_stale_are_not_sent_again():
 class _AwayConn:
     """A coordinator that cannot be reached."""
     url = "coord"
+    coordinators = Coordinators(url)
     request_timeout = 5.0
 
     def __init__(self):
@@ -114,6 +116,7 @@ def test_the_heartbeat_goes_on_when_a_re_join_fails():
 
     class Coordinator:
         url = "coord"
+        coordinators = Coordinators(url)
         request_timeout = 5.0
 
         async def coordinator(self, msg, timeout=None):

@@ -42,20 +42,21 @@ class RestartedCoordinator(ScriptedCoordinator):
 
 def test_the_heartbeat_and_a_poll_refused_together_re_join_as_one_member():
     coordinator = RestartedCoordinator()
-    consumer = offline_consumer(coordinator, session_timeout_ms=45)  # a beat every 15 ms
+    consumer = offline_consumer(coordinator)
     consumer.member_id, consumer.generation = "old-member", 5
 
     async def main():
-        heartbeat = asyncio.create_task(consumer._heartbeat())
-        try:
-            for _ in range(5):
-                await consumer.poll(timeout=0.0)
-                await asyncio.sleep(0.01)
-        finally:
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
+        # A beat and a poll both on their way when the coordinator refuses the old member: each
+        # learns it, and they must re-join once between them, not once each. No timers: both are
+        # sent before either reply comes (the scripted round trip), whatever the machine's load.
+        await asyncio.gather(consumer.beat(), consumer.poll(timeout=0.05))
+        for _ in range(3):  # and afterwards the member polls and beats as itself
+            await asyncio.gather(consumer.beat(), consumer.poll(timeout=0.05))
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), 30))
+    refused = [type(msg).__name__ for msg in coordinator.sent
+               if not isinstance(msg, m.Join) and msg.member_id == "old-member"]
+    assert sorted(refused) == ["Heartbeat", "Poll"]  # both were on their way as the old member
     assert coordinator.members == ["member-1"]
     assert (consumer.member_id, consumer.generation) == ("member-1", 6)
 
@@ -110,7 +111,7 @@ def test_the_lease_of_a_cancelled_poll_goes_to_the_next_poll():
 
 
 def test_a_cancelled_poll_is_given_up_at_its_own_deadline_and_its_acks_go_again():
-    coordinator = ParksPolls(1, request_timeout=0.05)  # the parked poll's deadline: 50 + 50 ms after it left
+    coordinator = ParksPolls(1, request_timeout=1.0)  # the parked poll's deadline: 50 ms + 1 s after it left
     consumer = offline_consumer(coordinator)
     consumer.acks.add_range(["t", 0, 7, 0, 5])
 
@@ -118,7 +119,8 @@ def test_a_cancelled_poll_is_given_up_at_its_own_deadline_and_its_acks_go_again(
         await cancelled_poll(consumer, timeout=0.05)
         assert await consumer.poll(timeout=0.0) == []
         assert len(coordinator.polls()) == 1  # kept: its deadline has not passed
-        return await consumer.poll(timeout=1.0)
+        # Waits past that deadline (a bound, not a sleep: it returns once the new Poll is answered).
+        return await consumer.poll(timeout=10.0)
 
     assert asyncio.run(main()) == []
     assert [poll.acks for poll in coordinator.polls()] == [[["t", 0, 7, 0, 5]]] * 2

@@ -17,7 +17,7 @@ from zbroker.protocol import messages as m
 from zbroker.client.consumer_core import ConsumerCore
 from zbroker.client.core import ConsumedRecord, MetadataCache
 from zbroker.client.sync import Consumer
-from zbroker.client.transport import Correlation
+from zbroker.client.transport import Coordinators, Correlation
 
 
 class SentAcks:
@@ -30,6 +30,7 @@ class SentAcks:
         self._ids = itertools.count(1)
         self.request_timeout = 5.0
         self.url = "inproc://coordinator"
+        self.coordinators = Coordinators(self.url)
         self.metadata = MetadataCache()
 
     def coordinator(self, msg, timeout=None):

@@ -16,7 +16,7 @@ from zbroker.protocol.errors import Fenced, NotOwner, RequestTimeout, Unavailabl
 from tests.unit.test_consumer_acks import acked_set, bare_consumer, records_of
 from tests.unit.test_read_ahead import stored
 from zbroker.client.core import MetadataCache
-from zbroker.client.transport import Correlation
+from zbroker.client.transport import Coordinators, Correlation
 from zbroker.client.sync import AHEAD_RETRY_S, Consumer
 
 
@@ -28,6 +28,7 @@ class FakeConn:
 
     def __init__(self, log, dead=(), polls=(), acks_answer=None):
         self.url = "coord"
+        self.coordinators = Coordinators(self.url)
         self.request_timeout = 0.05
         self.correlation = Correlation()
         self._early, self._ids = self.correlation.early, itertools.count(1)
@@ -137,6 +138,8 @@ class LossyConn:
 
     def __init__(self, lost, answer):
         self.url = "inproc://coordinator"
+        self.coordinators = Coordinators(self.url)
+        self.metadata = MetadataCache()
         self.request_timeout = 5.0
         self.correlation = Correlation()
         self._early, self._ids = self.correlation.early, itertools.count(1)

@@ -22,21 +22,28 @@ import zmq.asyncio
 
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
-from zbroker.protocol.batch import decode_fetched
 from zbroker.protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
 from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord,
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
                                  checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
+from zbroker.client.admin_calls import async_method, with_admin_calls
 from zbroker.client.keys import ClientKeys
-from zbroker.client.consumer_core import ConsumerCore, core_field, fetch_bytes, max_wait_ms
-from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry
-from zbroker.client.transport import DEFAULT_URL, client_dealer, curve_from_env
+from zbroker.client.consumer_core import (FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
+                                          RetryBackoff, connection_field, core_field, failure_reason, max_wait_ms,
+                                          membership_lost)
+from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry, window_has_room
+from zbroker.client.sockets import client_dealer, curve_from_env
+from zbroker.client.transport import DEFAULT_URL, Coordinators
 
 log = structlog.get_logger("zbroker.client")
 
 
 class AsyncConnection:
+    """Sockets to the coordinator and the partition actors; a reader task per socket resolves
+    each request's future by correlation id. ``url`` may list several coordinators,
+    comma-separated: coordinator requests follow NOT_COORDINATOR as the sync `Connection`'s do."""
+
     def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
                  curve: ClientKeys | None = None) -> None:
         self.url = url
@@ -49,6 +56,15 @@ class AsyncConnection:
         self._ids = itertools.count(1)
         self.metadata = MetadataCache()
         self.closed = False
+
+    @property
+    def url(self) -> str:
+        """The coordinator this connection talks to now."""
+        return self.coordinators.current
+
+    @url.setter
+    def url(self, url: str) -> None:
+        self.coordinators = Coordinators(url)
 
     def socket(self, endpoint: str) -> zmq.asyncio.Socket:
         if self.closed:
@@ -72,23 +88,29 @@ class AsyncConnection:
                 fut.set_result(env)
 
     async def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> asyncio.Future:
+        """Send a request; returns the future of its reply. A fetch with `follow` gets its later
+        replies under id + 1 .. id + follow (PROTOCOL.md s.4): each has a future of its own, in
+        the returned one's ``later`` list, so they match no other request and none is dropped."""
         corr = next(self._ids)
-        # A fetch with `follow` gets its later replies under id + 1 .. id + follow (PROTOCOL.md s.4):
-        # reserve them, so that they match no other request (the reader drops them).
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future()]
         for _ in range(getattr(msg, "follow", 0) or 0):
+            futures.append(loop.create_future())
             next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        fut.corr_id = corr  # type: ignore[attr-defined]
-        self.waiting[corr] = fut
+        for i, future in enumerate(futures):
+            future.corr_id = corr + i  # type: ignore[attr-defined]
+            self.waiting[corr + i] = future
+        fut = futures[0]
+        fut.later = futures[1:]  # type: ignore[attr-defined]
         try:
             await self.socket(endpoint).send_multipart(codec.encode_request(msg, corr, frames))
         except zmq.Again:
-            self.waiting.pop(corr, None)
+            self.abandon(fut)
             raise Unavailable(f"no connection to {endpoint}", endpoint=endpoint) from None
         except BaseException:
             # Cancelled while the send waited for a connection (it is then dropped unsent), or
             # refused: nobody will wait for this id, and nothing else would ever remove it.
-            self.waiting.pop(corr, None)
+            self.abandon(fut)
             raise
         return fut
 
@@ -106,9 +128,10 @@ class AsyncConnection:
             raise
 
     def abandon(self, fut: asyncio.Future) -> None:
-        """Stop waiting for the reply of ``fut``'s request: if it comes, the reader drops it."""
-        self.waiting.pop(getattr(fut, "corr_id", None), None)
-        fut.cancel()
+        """Stop waiting for the reply (replies) of ``fut``'s request: if it comes, the reader drops it."""
+        for future in [fut, *getattr(fut, "later", ())]:
+            self.waiting.pop(getattr(future, "corr_id", None), None)
+            future.cancel()
 
     async def call(self, endpoint: str, msg: m.Message, frames: tuple = (), timeout: float | None = None
                    ) -> codec.Envelope:
@@ -118,7 +141,21 @@ class AsyncConnection:
         return env
 
     async def coordinator(self, msg: m.Message, timeout: float | None = None) -> m.Message:
-        return (await self.call(self.url, msg, timeout=timeout)).msg
+        """A request to the coordinator, following NOT_COORDINATOR (and, with several URLs,
+        timeouts) to the next one after a capped backoff (`transport.Coordinators`)."""
+        coordinators = self.coordinators
+        for attempt in range(coordinators.attempts()):
+            try:
+                reply = (await self.call(self.url, msg, timeout=timeout)).msg
+            except ZBrokerError as err:
+                if attempt == coordinators.attempts() - 1 or not coordinators.redirected(err):
+                    raise
+                log.info("coordinator.redirected", code=err.code.value, to=self.url)
+                await asyncio.sleep(coordinators.backoff())
+                continue
+            coordinators.answered()
+            return reply
+        raise AssertionError("unreachable")
 
     async def refresh(self, topics: list[str] | None = None) -> None:
         self.metadata.update((await self.coordinator(m.Metadata(topics=topics))).topics)
@@ -153,67 +190,13 @@ class AsyncConnection:
         self.ctx.term()
 
 
+@with_admin_calls(async_method)
 class AsyncAdmin:
+    """The sync `Admin`'s calls (`admin_calls`), each a coroutine method here."""
+
     def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
                  curve: ClientKeys | None = None) -> None:
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
-
-    async def hello(self) -> dict:
-        return (await self.conn.coordinator(m.Hello(versions=list(m.SUPPORTED_VERSIONS),
-                                                    client="zbroker-python"))).to_fields()
-
-    async def metadata(self, topics: list[str] | None = None) -> list[dict]:
-        return (await self.conn.coordinator(m.Metadata(topics=topics))).topics
-
-    async def list_groups(self) -> list[dict]:
-        return (await self.conn.coordinator(m.ListGroups())).groups
-
-    async def reset_group(self, group: str, topic: str, to: str | int) -> dict:
-        return (await self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to=to))).to_fields()
-
-    async def create_topic(self, name: str, partitions: int = 1, config: dict | None = None, *,
-                           replication_factor: int = 1, min_insync: int | None = None) -> dict:
-        return (await self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config,
-                                                          replication_factor=replication_factor,
-                                                          min_insync=min_insync))).to_fields()
-
-    async def reassign_partition(self, topic: str, partition: int, replicas: list[str]) -> dict:
-        return (await self.conn.coordinator(m.ReassignPartition(topic=topic, partition=partition,
-                                                                replicas=replicas))).to_fields()
-
-    async def list_topics(self) -> list[str]:
-        return (await self.conn.coordinator(m.ListTopics())).topics
-
-    async def describe_topic(self, name: str) -> dict:
-        return (await self.conn.coordinator(m.DescribeTopic(topic=name))).to_fields()
-
-    async def status(self) -> dict:
-        return (await self.conn.coordinator(m.Status())).to_fields()
-
-    async def describe_group(self, group: str) -> dict:
-        return (await self.conn.coordinator(m.DescribeGroup(group=group))).group
-
-    async def configure_group(self, group: str, **config: Any) -> dict:
-        return (await self.conn.coordinator(m.ConfigureGroup(group=group, **config))).config
-
-    async def list_quarantine(self, group: str) -> list[dict]:
-        return (await self.conn.coordinator(m.ListQuarantine(group=group))).keys
-
-    async def release_key(self, group: str, *, key: str | bytes | None = None, key_hash: int | None = None,
-                          topic: str | None = None, to_dlq: bool = False) -> list[dict]:
-        return (await self.conn.coordinator(m.ReleaseKey(group=group, key=key, key_hash=key_hash, topic=topic,
-                                                         to_dlq=to_dlq))).released
-
-    # Admin operations (PROTOCOL.md s.8.5): thin pass-throughs, the coordinator decides.
-    async def alter_topic(self, name: str, **changes: Any) -> dict:
-        return (await self.conn.coordinator(m.AlterTopic(topic=name, **changes))).to_fields()
-
-    async def reset_group_to_time(self, group: str, topic: str, time_ms: int) -> dict:
-        """Each partition to its first offset appended at or after `time_ms` (wall-clock ms)."""
-        return (await self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to_time_ms=time_ms))).to_fields()
-
-    async def delete_group(self, group: str) -> dict:
-        return (await self.conn.coordinator(m.DeleteGroup(group=group))).to_fields()
 
     async def close(self) -> None:
         await self.conn.close()
@@ -283,7 +266,8 @@ class AsyncProducer:
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
-                 batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000, request_timeout: float = 5.0,
+                 batch_bytes: int = 1 << 20, max_in_flight_records: int = 10_000,
+                 max_in_flight_bytes: int = 32 << 20, request_timeout: float = 5.0,
                  retries: int = 20, curve: ClientKeys | None = None) -> None:
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
         self.linger_s = linger_ms / 1000.0
@@ -291,6 +275,10 @@ class AsyncProducer:
         self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes)
         self.window = RecordWindow(max_in_flight_records)
         self.max_in_flight_records = max_in_flight_records
+        # The window in bytes too, as the sync Producer's (`producer_core.window_has_room`): large
+        # records would otherwise put max_in_flight_records x their size in memory here and in the actor.
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.in_flight_bytes = 0
         self.waiting_for_window: collections.deque[PendingBatch] = collections.deque()
         self.tasks: set[asyncio.Task] = set()  # deliveries in flight
         self.errors: list[ZBrokerError] = []
@@ -366,7 +354,12 @@ class AsyncProducer:
         while True:
             await self._wait_until(lambda: bool(self.waiting_for_window))
             permits = await self.window.acquire(self.waiting_for_window[0].count)
+            size = len(self.waiting_for_window[0].payload)
+            # The records' permits are the RecordWindow's; the bytes' rule is `window_has_room`'s.
+            await self._wait_until(lambda: window_has_room(0, size, 0, self.in_flight_bytes, 0,
+                                                           self.max_in_flight_bytes))
             batch = self.waiting_for_window.popleft()
+            self.in_flight_bytes += size
             task = asyncio.get_running_loop().create_task(self._deliver(batch, permits))
             self.tasks.add(task)
             task.add_done_callback(self._delivery_ended)
@@ -411,6 +404,7 @@ class AsyncProducer:
         except Exception as exc:  # a bug or a broken socket: flush() must report it, not succeed
             self._failed(batch, ProduceError(f"delivery failed: {exc!r}"))
         finally:
+            self.in_flight_bytes -= len(batch.payload)
             self.window.release(permits)
 
     def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
@@ -512,12 +506,22 @@ class AsyncConsumer:
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
                  ack_batch: int = 1000, ack_interval_ms: float = 5.0, request_timeout: float = 5.0,
                  on_assign: Callable[[list], Any] | None = None, on_revoke: Callable[[list], Any] | None = None,
-                 curve: ClientKeys | None = None) -> None:
+                 curve: ClientKeys | None = None, read_ahead: bool = True, read_ahead_bytes: int = 32 << 20,
+                 poll_ahead: bool = False, lease_ahead: bool = False) -> None:
         self.topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
+        # The sync Consumer's ahead modes, with its decisions (`ConsumerCore`): read_ahead fetches
+        # where the next lease will start (exclusive groups); poll_ahead sends the next Poll as
+        # poll() returns (it is the Poll in flight the next poll() takes); lease_ahead asks for
+        # ahead leases, served as the parked read-ahead fetches bring their records.
+        self.poll_ahead = poll_ahead or lease_ahead
+        # The read-ahead fetch out per partition: the futures of its replies (a followed fetch has many).
+        self._ahead_fetches: dict[tuple[str, int], list[asyncio.Future]] = {}
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
         # Membership and the rejoin rule are the core's, shared with the sync Consumer.
         self.core = ConsumerCore(group=group, topics=self.topics, ack_batch=ack_batch,
-                                 ack_interval_s=ack_interval_ms / 1000.0, read_ahead=False)
+                                 ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
+                                 read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead,
+                                 metadata=self.conn.metadata)
         self.on_assign = on_assign
         self.on_revoke = on_revoke
         self.group = group
@@ -548,6 +552,9 @@ class AsyncConsumer:
     generation = core_field("generation")
     assignment = core_field("assignment")
     mode = core_field("mode")
+    stats = core_field("stats")
+
+    conn = connection_field()
 
     async def start(self) -> "AsyncConsumer":
         try:
@@ -576,13 +583,20 @@ class AsyncConsumer:
             else:
                 parts.append([r])
         was_lost, self.core.held = self.core.member_lost, parts
-        revoked, assigned, _ = self.core.joined(reply, previous_member)
+        revoked, assigned, _given_up = self.core.joined(reply, previous_member)
+        self._prune_ahead_fetches()  # the read-ahead of partitions not kept
         self._leased = [r for part in self.core.held for r in part]
         self.core.held = []
         self._to_fetch = self.core.standing_deliveries(self._to_fetch, previous_member, was_lost)
         in_flight = self._poll_in_flight
-        if in_flight is not None and in_flight.generation != self.generation and not in_flight.reply.done():
-            self._abandon_poll_in_flight()  # it will be answered FENCED, leasing nothing
+        if in_flight is not None and in_flight.generation != self.generation:
+            if not in_flight.reply.done():
+                self._abandon_poll_in_flight()  # it will be answered FENCED, leasing nothing
+            elif in_flight.reply.result().error is None:
+                # Answered before the rebalance (sent ahead, or by a cancelled poll()): of its
+                # deliveries, only those whose leases still stand are handed out (the core's rule).
+                answered = in_flight.reply.result().msg
+                answered.deliveries = self.core.standing_deliveries(answered.deliveries, previous_member, was_lost)
         await self._connect_to_assigned()
         for callback, partitions in ((self.on_revoke, revoked), (self.on_assign, assigned)):
             if callback is not None and partitions:
@@ -615,37 +629,50 @@ class AsyncConsumer:
         async with self._join_lock:
             if (self.member_id, self.generation) != (member_id, generation):
                 return  # re-joined already: the caller just sends again
-            if err.code is ErrorCode.UNKNOWN_MEMBER or not err.data.get("member_known", True):
-                self.core.lost(forget_id=err.code is ErrorCode.UNKNOWN_MEMBER)  # its leases are gone
+            lost, forget_id = membership_lost(err)
+            if lost:
+                self.core.lost(forget_id=forget_id)  # its leases are gone
             await self._join()
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.session_timeout_ms / 3000.0)
-            await self._join_settled()
-            member_id, generation = self.member_id, self.generation
+            await self.beat()
+
+    async def beat(self) -> None:
+        """One heartbeat (the heartbeat task sends one every ``session_timeout_ms / 3``); refused,
+        it re-joins, unless another task did since it was sent."""
+        await self._join_settled()
+        member_id, generation = self.member_id, self.generation
+        try:
+            await self.conn.coordinator(m.Heartbeat(group=self.group, member_id=member_id, generation=generation))
+        except (Fenced, UnknownMember) as err:
             try:
-                await self.conn.coordinator(m.Heartbeat(group=self.group, member_id=member_id,
-                                                        generation=generation))
-            except (Fenced, UnknownMember) as err:
-                try:
-                    await self._rejoin_unless_done(err, member_id, generation)
-                except ZBrokerError:
-                    pass  # the coordinator is away: the next beat (or poll) joins again
+                await self._rejoin_unless_done(err, member_id, generation)
             except ZBrokerError:
-                pass
+                pass  # the coordinator is away: the next beat (or poll) joins again
+        except ZBrokerError:
+            pass
 
     async def _group_call(self, make: Any, timeout: float | None = None) -> codec.Envelope:
-        for attempt in range(3):
+        """A group request, sent again after a re-join or a move as `GroupCallRetry` decides."""
+        retry = GroupCallRetry(self.conn.coordinators)
+        while True:
             await self._join_settled()
             member_id, generation = self.member_id, self.generation  # what make() puts in the request
             try:
                 return await self.conn.call(self.conn.url, make(), timeout=timeout)
-            except (Fenced, UnknownMember) as err:
-                if attempt == 2:
+            except ZBrokerError as err:
+                decision = retry.after(err)
+                if decision == REJOIN:
+                    await self._rejoin_unless_done(err, member_id, generation)
+                elif decision == FOLLOW:
+                    log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
+                    await asyncio.sleep(self.conn.coordinators.backoff())
+                    async with self._join_lock:  # the new coordinator learns of this member by its join
+                        await self._join()
+                else:
                     raise
-                await self._rejoin_unless_done(err, member_id, generation)
-        raise AssertionError("unreachable")
 
     async def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
         """Lease up to ``max_records`` and return their records (possibly none).
@@ -664,14 +691,24 @@ class AsyncConsumer:
         if not await self._wait_for_turn(timeout):
             return []
         try:
+            if not self._leased and not self._to_fetch and self.core.ahead_leases:
+                await self._records_ahead(max_records, deadline)
             if not self._leased and not self._to_fetch:
                 reply = await self._poll_reply(max_records, max(0.0, deadline - loop.time()))
                 if reply is None:
                     return []
-                self._to_fetch = [list(delivery) for delivery in reply.deliveries]
+                self._to_fetch = [list(delivery) for delivery in self.core.take_ahead_leases(reply.deliveries)]
             if self._to_fetch:
                 await self._fetch()
-            return self._hand_out(max_records)
+            if not self._leased and self.core.ahead_leases:
+                await self._records_ahead(max_records, deadline)
+            records = self._hand_out(max_records)
+            if self.poll_ahead and not self._leased and self._poll_in_flight is None:
+                with contextlib.suppress(ZBrokerError):  # not sent: the next poll() asks the usual way
+                    await self._send_poll(max_records, timeout)
+            if self.core.reading_ahead:
+                await self._send_read_ahead(timeout)
+            return records
         finally:
             self._poll_lock.release()
 
@@ -741,7 +778,8 @@ class AsyncConsumer:
             member_id, generation = self.member_id, self.generation
             reply = await self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=member_id,
                                                                generation=generation, max_records=max_records,
-                                                               max_wait_ms=wait_ms, acks=acks))
+                                                               max_wait_ms=wait_ms, acks=acks,
+                                                               ahead=self.core.ahead_wanted(max_records)))
         except BaseException:
             self._hold_again(acks)  # not known to be sent: they go again (a repeated ack is harmless)
             raise
@@ -770,29 +808,118 @@ class AsyncConsumer:
 
     async def _fetch(self) -> None:
         """Fetch the records of `_to_fetch` into `_leased`, keeping both true at every await:
-        cancelled, what was fetched is handed out and the rest fetched by the next poll()."""
+        cancelled, what was fetched is handed out and the rest fetched by the next poll().
+        The plan is the core's (read-ahead first, a fetch sized from the lease, the rest if
+        max_bytes cut it short); a partition that cannot be fetched costs only its deliveries."""
+        loop = asyncio.get_running_loop()
         while self._to_fetch:
             delivery = self._to_fetch[0]
-            topic, partition, lease, offset, end, attempt, reason = delivery
+            if self.core.reading_ahead:
+                await self._serve_from_read_ahead(delivery)
+            if not self._to_fetch or self._to_fetch[0] is not delivery:
+                continue  # dropped by a re-join meanwhile
+            topic, partition, _lease, offset, end = delivery[:5]
+            if offset >= end:  # all of it was read ahead
+                self._to_fetch.pop(0)
+                continue
+            env, err = None, None
             try:
-                env = await self.conn.call(await self.conn.endpoint(topic, partition),
-                                           m.Fetch(topic=topic, partition=partition, offset=offset,
-                                                   max_bytes=fetch_bytes(offset, end)))
-                # A damaged batch fails this delivery only, as a failed fetch does: raised,
-                # it would stay first in `_to_fetch` and every later poll would raise it.
-                got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=offset,
-                                     until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
-            except ZBrokerError as err:
-                log.warning("fetch.failed", topic=topic, partition=partition, code=err.code.value,
-                            reason=err.message)
-                if err.retriable:
-                    self.conn.metadata.forget(topic)  # moved: ask where it lives next time
-                got = []  # the lease expires and the records come back
+                env = await self.conn.wait(await self.conn.send(await self.conn.endpoint(topic, partition),
+                                                                self.core.lease_fetch(delivery, offset)))
+            except ZBrokerError as failed:
+                err = failed
+            got, rest, _given_up = self.core.lease_fetch_replied(delivery, offset, env, err, loop.time())
             if self._to_fetch and self._to_fetch[0] is delivery:  # not dropped by a re-join meanwhile
                 self._leased.extend(got)
-                delivery[3] = got[-1].offset + 1 if got else end
+                delivery[3] = end if rest is None else rest
                 if delivery[3] >= end:
                     self._to_fetch.pop(0)
+
+    # -- read-ahead and lease-ahead: the core decides, this sends and waits ----------------------
+
+    async def _serve_from_read_ahead(self, delivery: list) -> None:
+        """Hand what the read-ahead holds of ``delivery`` to `_leased`, waiting a little for the
+        fetch out that may bring it (the lease proves the records exist)."""
+        loop = asyncio.get_running_loop()
+        deadline, key = loop.time() + READ_AHEAD_WAIT_S, (delivery[0], delivery[1])
+        while True:
+            out: list[ConsumedRecord] = []
+            pos, awaited, _given_up = self.core.serve_lease_from_read_ahead(delivery, delivery[3], out, loop.time())
+            self._leased.extend(out)
+            delivery[3] = pos
+            if awaited is None:
+                break
+            fut = next((f for f in self._ahead_fetches.get(key, ()) if f.corr_id == awaited), None)
+            if fut is not None:
+                await asyncio.wait([fut], timeout=max(0.005, deadline - loop.time()))
+            if not self._to_fetch or self._to_fetch[0] is not delivery:
+                return  # dropped by a re-join meanwhile
+            if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.core.read_ahead_replied(key, awaited, fut.result(), loop.time())
+            else:  # its actor died with the fetch parked, or hangs: fetch the rest the usual way
+                self.core.give_up_read_ahead(key, loop.time())
+                self._prune_ahead_fetches()
+        self.core.lease_served(delivery)
+
+    def _collect_read_ahead(self) -> None:
+        arrived = {f.corr_id: f.result() for futures in self._ahead_fetches.values() for f in futures
+                   if f.done() and not f.cancelled() and f.exception() is None}
+        self.core.collect_read_ahead(arrived, asyncio.get_running_loop().time())
+        self._prune_ahead_fetches()
+
+    def _prune_ahead_fetches(self) -> None:
+        """Forget the futures of replies the core no longer awaits (filed, or their fetch given up:
+        their replies are dropped when they come)."""
+        in_flight = dict(self.core.ahead.in_flight())
+        for key, futures in list(self._ahead_fetches.items()):
+            corr = in_flight.get(key)
+            if corr is None or all(f.corr_id != corr for f in futures):
+                for fut in futures:
+                    self.conn.abandon(fut)
+                del self._ahead_fetches[key]
+            else:
+                self._ahead_fetches[key] = [f for f in futures if f.corr_id >= corr]
+
+    async def _send_read_ahead(self, timeout: float, collected: bool = False) -> None:
+        """Send the read-ahead fetches the core wants (``collected``: the replies were just filed)."""
+        if not collected:
+            self._collect_read_ahead()
+        loop = asyncio.get_running_loop()
+        for key, fetch in self.core.read_ahead_fetches(max_wait_ms(timeout), loop.time()):
+            fut = None
+            with contextlib.suppress(ZBrokerError):  # not reachable now: the next lease is fetched the usual way
+                fut = await self.conn.send(await self.conn.endpoint(*key), fetch)
+            self.core.read_ahead_sent(key, None if fut is None else fut.corr_id, fetch, loop.time(),
+                                      self.conn.request_timeout)
+            if fut is not None:
+                self._ahead_fetches[key] = [fut, *fut.later]
+
+    async def _records_ahead(self, max_records: int, deadline: float) -> None:
+        """Put what the parked fetches brought under the ahead leases in `_leased`, waiting until
+        ``deadline`` for some; returns early when the Poll in flight is answered (the caller takes it)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._collect_read_ahead()
+            parts, damaged = self.core.serve_ahead(max_records)
+            for key, err in damaged:
+                self.core.damaged_read_ahead(key, err, loop.time())
+            if parts:
+                self._leased.extend(r for part in parts for r in part)
+                return
+            if not self.core.ahead_leases or (self._poll_in_flight is not None and self._poll_in_flight.reply.done()):
+                return  # all used up, or the coordinator answered
+            if self._poll_in_flight is None:
+                # Redeliveries, and the next ahead lease once this one is used up, come from a poll.
+                with contextlib.suppress(ZBrokerError):  # not sent: the caller's poll asks the usual way
+                    await self._send_poll(max_records, max(0.0, deadline - loop.time()))
+            await self._send_read_ahead(max(0.0, deadline - loop.time()), collected=True)
+            remaining = deadline - loop.time()
+            waits = [f for futures in self._ahead_fetches.values() for f in futures]
+            if self._poll_in_flight is not None:
+                waits.append(self._poll_in_flight.reply)
+            if remaining <= 0 or not waits:
+                return
+            await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
 
     async def ack(self, record: ConsumedRecord) -> None:
         self.acks.add(record.topic, record.partition, record.lease_id, record.offset)
@@ -900,6 +1027,36 @@ class AsyncConsumer:
     async def reject(self, records: Iterable[ConsumedRecord], *, reason: str = "") -> int:
         return await self._lease_call(m.Reject, records, reason=reason)
 
+    async def run(self, handler: Callable[[ConsumedRecord], Any], *, max_records: int = 1000,
+                  stop: Callable[[], bool] = lambda: False) -> None:
+        """Call ``handler`` per record (a coroutine function or a plain one): ack when it returns,
+        nack (with the error) when it raises; until ``stop()`` says so, asked before each poll.
+        Retriable errors are logged and retried with a backoff, any other is raised: the sync
+        `Consumer.run`'s rules (`consumer_core.RetryBackoff`)."""
+        backoff = RetryBackoff()
+        while not stop():
+            try:
+                records = await self.poll(max_records)
+            except ZBrokerError as err:
+                await asyncio.sleep(backoff.next_delay(err, "poll", group=self.group))
+                continue
+            backoff.reset()
+            for record in records:
+                try:
+                    outcome = handler(record)
+                    if asyncio.iscoroutine(outcome):
+                        await outcome
+                except Exception as exc:  # the handler's failure is the record's nack reason
+                    try:
+                        await self.nack([record], reason=failure_reason(exc))
+                    except ZBrokerError as err:  # not settled: its lease expires and it comes back
+                        backoff.log_or_raise(err, "nack", group=self.group)
+                else:
+                    try:
+                        await self.ack(record)
+                    except ZBrokerError as err:  # the acks are held and go with the next request
+                        backoff.log_or_raise(err, "ack", group=self.group)
+
     async def __aiter__(self) -> AsyncIterator[ConsumedRecord]:
         while True:
             for record in await self.poll():
@@ -913,6 +1070,9 @@ class AsyncConsumer:
             return
         try:
             await self._stop_ack_timers()
+            for key in list(self._ahead_fetches):
+                self.core.give_up_read_ahead(key, asyncio.get_running_loop().time())
+            self._prune_ahead_fetches()
             self._abandon_poll_in_flight()  # applied or not, its acks go again now (a repeat is harmless)
             await self.flush_acks()
             try:

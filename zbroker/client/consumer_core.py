@@ -19,9 +19,21 @@ and decides, with ``now`` passed in where time matters.
   first in-order ack and every 64th, so the clock is not read per record.
 * Ahead leases (lease-ahead): filed per partition (`take_ahead_leases`), and
   served from the read-ahead's frames as they arrive (`serve_ahead`).
+* Fetching (both drivers send what these say and report what came back): a
+  lease's fetch (`lease_fetch`, `lease_fetch_replied`, which asks for the rest
+  when max_bytes cut the lease short), the read-ahead's fetches
+  (`read_ahead_fetches`, `read_ahead_sent`), their replies (`collect_read_ahead`:
+  filed, overtaken, overdue), and a lease served from what the read-ahead holds
+  (`serve_lease_from_read_ahead`). Each returns the correlation id ranges it gave
+  up on, for the driver to drop (sync: `Correlation`; asyncio: the futures).
 * Planning: the poll's wait clamp (`max_wait_ms`), the fetch size of a lease
-  (`fetch_bytes`: sized from the lease, not the 1 MiB default that returned
-  thousands of records past its end).
+  (`FetchSizer`: the records in the lease times the bytes a record took in the
+  fetches before, bounded; the 1 MiB default returned thousands of records past
+  the lease end, PROTOCOL.md item 1).
+* Group calls (`GroupCallRetry`): FENCED or UNKNOWN_MEMBER re-joins and sends
+  again (twice at most), NOT_COORDINATOR (or a timeout, with several URLs)
+  follows the coordinator and re-joins there, anything else is the caller's.
+* Loops (`RetryBackoff`): what `run()` does with an error, in both drivers.
 """
 
 from __future__ import annotations
@@ -29,11 +41,20 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from zbroker.client.core import AckAccumulator, ConsumedRecord, ReadAhead
-from zbroker.protocol import messages as m
-from zbroker.protocol.batch import decode_fetched
-from zbroker.protocol.errors import ZBrokerError
+import structlog
 
+from zbroker.client.core import AckAccumulator, ConsumedRecord, MetadataCache, ReadAhead
+from zbroker.protocol import messages as m
+from zbroker.protocol.batch import decode_fetched, stored_range
+from zbroker.protocol.errors import ErrorCode, ZBrokerError
+from zbroker.protocol.codec import Envelope
+
+log = structlog.get_logger("zbroker.client")
+READ_AHEAD_WAIT_S = 1.0  # how long a poll waits for a read-ahead fetch that may bring its lease's records
+# Replies a read-ahead fetch may get after its first, one per append while it waits at
+# the log end. Its bytes stay within the one fetch's max_bytes, so the read-ahead's
+# memory bound is what it was; this bounds the ids reserved for them.
+READ_AHEAD_FOLLOW = 64
 MAX_STALE_KEPT = 1000  # stale ack ranges kept in `stale` (the latest)
 # After a failed read-ahead fetch under an ahead lease, the pause before the next one
 # (an actor that is restarting answers NOT_OWNER at once until its logs are open).
@@ -46,9 +67,107 @@ def max_wait_ms(timeout_s: float) -> int:
     return max(0, min(int(timeout_s * 1000), m.MAX_WAIT_MS))
 
 
-def fetch_bytes(start: int, end: int) -> int:
+def fetch_bytes(start: int, end: int, per_record: int = FETCH_BYTES_PER_RECORD) -> int:
     """max_bytes for fetching the leased offsets [start, end): about what they take, no more."""
-    return max(MIN_FETCH_BYTES, (end - start) * FETCH_BYTES_PER_RECORD)
+    return min(MAX_FETCH_BYTES, max(MIN_FETCH_BYTES, (end - start) * per_record))
+
+
+MAX_FETCH_BYTES = 8 << 20  # a lease of many large records is fetched in several replies, not one huge one
+
+
+class FetchSizer:
+    """The max_bytes of a lease fetch: its records times a per-record size learnt from earlier fetches.
+
+    A fetch returns whole stored batches from ``offset`` up to max_bytes, so a guess
+    too small costs one more fetch for the rest of the lease, and one too large
+    brings records past the lease end that are thrown away (with the 1 MiB default,
+    thousands: consume+ack five times slower). The estimate starts at
+    `FETCH_BYTES_PER_RECORD` and follows what fetches brought back (bytes over
+    records, a moving average with a 25% margin), so 4 KiB records are fetched in
+    one reply and 100-byte records do not drag in 1 MiB.
+    """
+
+    def __init__(self, per_record: int = FETCH_BYTES_PER_RECORD) -> None:
+        self.per_record = per_record
+
+    def max_bytes(self, start: int, end: int) -> int:
+        return fetch_bytes(start, end, self.per_record)
+
+    def learn(self, frame_bytes: int, records: int) -> None:
+        """A fetch brought ``records`` records (at or after its offset) in ``frame_bytes``."""
+        if records <= 0 or frame_bytes <= 0:
+            return
+        seen = frame_bytes * 5 // (records * 4) + 1  # the 25% margin: batch headers, uneven sizes
+        self.per_record = max(16, (self.per_record + seen) // 2 if seen < self.per_record else seen)
+
+
+RAISE, REJOIN, FOLLOW = "raise", "rejoin", "follow"
+
+
+def membership_lost(err: ZBrokerError) -> tuple[bool, bool]:
+    """(this member's leases are gone, join as a new member) after a FENCED or UNKNOWN_MEMBER ``err``."""
+    unknown = err.code is ErrorCode.UNKNOWN_MEMBER
+    return unknown or not err.data.get("member_known", True), unknown
+
+
+class GroupCallRetry:
+    """What one group request (ack, poll, nack, ...) does after each error it gets.
+
+    `REJOIN`: fenced, join again (the driver applies `membership_lost` first) and send
+    again, at most twice. `FOLLOW`: the coordinator moved (`Coordinators.redirected`):
+    wait `coordinators.backoff()`, then re-join at the new one (it learns of this member
+    by its join, and its redeliveries follow) and send again. `RAISE`: the caller's.
+    """
+
+    MAX_FENCED = 3
+
+    def __init__(self, coordinators: Any) -> None:
+        self.coordinators = coordinators
+        self.fenced = self.moved = 0
+
+    def after(self, err: ZBrokerError) -> str:
+        if err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
+            self.fenced += 1
+            return RAISE if self.fenced >= self.MAX_FENCED else REJOIN
+        self.moved += 1
+        if self.moved >= self.coordinators.attempts() or not self.coordinators.redirected(err):
+            return RAISE
+        return FOLLOW
+
+
+class RetryBackoff:
+    """What a consumer loop (`run()`) does with an error: a retriable one is logged and waited
+    out (0.1 s, doubling up to 5 s, back to 0.1 after a success), any other is raised.
+    The waiting is the driver's: `next_delay` says how long."""
+
+    START_S, MAX_S = 0.1, 5.0
+
+    def __init__(self, sleep: Any = None) -> None:
+        self.delay = self.START_S
+        self._sleep = sleep  # the sync driver's time.sleep, for `wait_or_raise`
+
+    def reset(self) -> None:
+        self.delay = self.START_S
+
+    def log_or_raise(self, err: ZBrokerError, what: str, **context: Any) -> None:
+        if not err.retriable:
+            raise err
+        log.warning(f"{what}.retrying", error=str(getattr(err.code, "value", err.code)), reason=err.message,
+                    retry_in_s=self.delay, **context)
+
+    def next_delay(self, err: ZBrokerError, what: str, **context: Any) -> float:
+        """Raise ``err`` unless it is retriable; else how long to wait before trying again."""
+        self.log_or_raise(err, what, **context)
+        delay, self.delay = self.delay, min(self.MAX_S, self.delay * 2)
+        return delay
+
+    def wait_or_raise(self, err: ZBrokerError, what: str, **context: Any) -> None:
+        self._sleep(self.next_delay(err, what, **context))
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The nack reason `run()` gives when its handler raised ``exc`` (the protocol's 200 characters)."""
+    return f"{type(exc).__name__}: {exc}"[:200]
 
 
 def core_field(name: str) -> property:
@@ -56,13 +175,25 @@ def core_field(name: str) -> property:
     return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value))
 
 
+def connection_field() -> property:
+    """A driver's ``conn``: set (at start, or by a test's stand-in), its metadata cache becomes the
+    core's, where a fetch refused as NOT_OWNER forgets the moved partition's owner."""
+    def set_conn(self: Any, conn: Any) -> None:
+        self._conn = conn
+        if hasattr(self, "core") and getattr(conn, "metadata", None) is not None:
+            self.core.metadata = conn.metadata
+    return property(lambda self: self._conn, set_conn)
+
+
 class ConsumerCore:
     """One group member's state, and the decisions the drivers share."""
 
     def __init__(self, *, group: str, topics: list[str], member_id: str = "", ack_batch: int = 1000,
                  ack_interval_s: float = 0.005, read_ahead: bool = True, read_ahead_bytes: int = 32 << 20,
-                 lease_ahead: bool = False) -> None:
+                 lease_ahead: bool = False, metadata: MetadataCache | None = None) -> None:
         self.group = group
+        # The driver's connection's cache: a fetch refused as NOT_OWNER forgets the topic's owners.
+        self.metadata = metadata if metadata is not None else MetadataCache()
         self.topics = topics
         self.member_id = member_id
         self.generation = -1
@@ -75,6 +206,7 @@ class ConsumerCore:
         self.read_ahead = read_ahead
         self.lease_ahead = lease_ahead
         self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
+        self.fetch_sizer = FetchSizer()
         # Ahead leases held, oldest first: partition key -> [[lease id, next offset to hand out, end], ...].
         # The coordinator grants the next one once the log reached the end of the last, which
         # can be before this consumer handed all of the last one out.
@@ -245,6 +377,12 @@ class ConsumerCore:
                 del self.ahead_leases[key]
         self.stale.extend(stale)
 
+    def fetched(self, frame: Any) -> None:
+        """A lease fetch came back with ``frame``: what its records took teaches the next fetch's size."""
+        span = stored_range(frame) if frame else None
+        if span is not None:
+            self.fetch_sizer.learn(len(frame), span[1] - span[0])
+
     # -- handing out ----------------------------------------------------------------------------
 
     def hand_out(self, max_records: int) -> list[ConsumedRecord]:
@@ -350,3 +488,133 @@ class ConsumerCore:
                 held = self.ahead_leases.get(key)
                 if held:
                     self.ahead.leased(key, held[0][1], held[0][1])  # from the next record to hand out
+
+    # -- fetching -------------------------------------------------------------------------------
+
+    def lease_fetch(self, delivery: list, start: int) -> m.Fetch:
+        """The fetch of a delivery's records from ``start`` on, sized from the lease (`FetchSizer`)."""
+        topic, partition, _lease, _start, end = delivery[:5]
+        return m.Fetch(topic=topic, partition=partition, offset=start, max_bytes=self.fetch_sizer.max_bytes(start, end))
+
+    def lease_fetch_replied(self, delivery: list, start: int, env: Envelope | None, err: ZBrokerError | None,
+                            now: float) -> tuple[list[ConsumedRecord], int | None, list[tuple[int, int]]]:
+        """A lease fetch from ``start`` was answered (``env``) or failed (``err``): (its records,
+        the offset to fetch the rest from if max_bytes cut the lease short, id ranges given up).
+        A partition that cannot be fetched costs only its own deliveries: their leases expire
+        and come back, and the other partitions' records are handed out."""
+        topic, partition, lease, _start, end, attempt, reason = delivery
+        if err is None and env is not None:
+            err = env.error
+        if err is not None:
+            return [], None, self.fetch_failed((topic, partition), err, now)
+        frame = env.frames[0] if env.frames else b""
+        try:
+            self.fetched(frame)
+            got = decode_fetched(frame, topic, partition, from_offset=start, until_offset=end, make=ConsumedRecord,
+                                 extra=(lease, attempt, reason))
+        except ZBrokerError as damaged:  # a damaged batch: its lease expires, the other deliveries go on
+            return [], None, self.fetch_failed((topic, partition), damaged, now)
+        rest = got[-1].offset + 1 if got and got[-1].offset + 1 < end else None
+        return got, rest, []
+
+    def fetch_failed(self, key: tuple[str, int], err: ZBrokerError, now: float) -> list[tuple[int, int]]:
+        log.warning("fetch.failed", topic=key[0], partition=key[1], code=err.code.value, reason=err.message)
+        if not err.retriable:
+            return []
+        # The partition moved or its actor restarted: the next fetch asks the coordinator
+        # where it lives now. These leases expire and come back.
+        self.metadata.forget(key[0])
+        return self.give_up_read_ahead(key, now)
+
+    def give_up_read_ahead(self, key: tuple[str, int], now: float) -> list[tuple[int, int]]:
+        """Forget what the read-ahead holds or awaits for ``key``; returns the id ranges its fetch
+        may still get replies under (dropped when they come)."""
+        ranges = self.ahead.drop(key)
+        self.read_ahead_failed(key, now)
+        return ranges
+
+    def read_ahead_fetches(self, wait_ms: int, now: float) -> list[tuple[tuple[str, int], m.Fetch]]:
+        """Fetches to send where the next leases will start; one parks at its actor until records come.
+        It follows the log end: each append reaches this consumer in a reply of its own, without a
+        fetch sent again after each (bench/PROFILE.md, fifteenth pass)."""
+        if self.ahead_retry:
+            self.restart_ahead_reads(now)
+        follow = READ_AHEAD_FOLLOW if wait_ms else 0
+        return [(key, m.Fetch(topic=key[0], partition=key[1], offset=offset, max_bytes=max_bytes,
+                              max_wait_ms=wait_ms, follow=follow))
+                for key, offset, max_bytes in self.ahead.wanted()]
+
+    def read_ahead_sent(self, key: tuple[str, int], corr: int | None, fetch: m.Fetch, now: float,
+                        request_timeout: float) -> None:
+        """The driver sent ``fetch`` as ``corr`` (None: it could not reach the actor; the next lease
+        is fetched the usual way). A live actor answers within the wait (a followed fetch: of its
+        last reply); one killed with the fetch parked never does, and under an ahead lease nothing
+        else would fetch those records: they would wait for the ack timeout."""
+        if corr is None:
+            self.give_up_read_ahead(key, now)
+            return
+        self.ahead.sent(key, corr, fetch.offset, fetch.follow,
+                        patience=fetch.max_wait_ms / 1000.0 + request_timeout, now=now)
+
+    def read_ahead_replied(self, key: tuple[str, int], corr: int, env: Envelope, now: float) -> int | None:
+        """File one read-ahead reply; returns the id of the fetch's next reply, if it stays out."""
+        ok = env.error is None
+        if not ok and env.error.retriable:
+            self.metadata.forget(key[0])
+        following = self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None,
+                                       more=ok and env.msg.more, now=now)
+        if not ok:
+            self.read_ahead_failed(key, now)
+        return following
+
+    def collect_read_ahead(self, arrived: dict, now: float) -> list[tuple[int, int]]:
+        """File the read-ahead replies in ``arrived`` (corr id -> envelope; those filed are taken
+        out), so that a partition whose parked fetch ended empty gets a new one. Returns the id
+        ranges given up on: fetches overtaken (a later reply of the same fetch came and the one
+        awaited did not: a full queue at the actor dropped it) or overdue (no reply within the
+        wait and the request timeout: the actor died with the fetch parked, or hangs)."""
+        given_up: list[tuple[int, int]] = []
+        for key, corr in self.ahead.in_flight():
+            while corr is not None:
+                env = arrived.pop(corr, None)
+                if env is None:
+                    if self.ahead.overtaken(key, arrived):
+                        given_up += self.give_up_read_ahead(key, now)
+                    break
+                corr = self.read_ahead_replied(key, corr, env, now)
+        for key in self.ahead.overdue(now):
+            log.info("read_ahead.overdue", topic=key[0], partition=key[1])
+            given_up += self.give_up_read_ahead(key, now)
+        return given_up
+
+    def serve_lease_from_read_ahead(self, delivery: list, pos: int, out: list, now: float
+                                    ) -> tuple[int, int | None, list[tuple[int, int]]]:
+        """Append what the read-ahead holds of ``delivery`` from ``pos`` to ``out``: (the first
+        offset it lacks, the id of the fetch out that may bring it (the driver waits for that
+        reply, files it, and asks again) or None, id ranges given up on). With None the driver
+        calls `lease_served` and fetches the rest itself."""
+        topic, partition, lease, _start, end, attempt, reason = delivery
+        key = (topic, partition)
+        while pos < end:
+            frame = self.ahead.covering(key, pos)
+            if frame is None:
+                return pos, self.ahead.awaited(key, pos), []
+            try:
+                got = decode_fetched(frame, topic, partition, from_offset=pos, until_offset=end,
+                                     make=ConsumedRecord, extra=(lease, attempt, reason))
+            except ZBrokerError as err:  # dropped, or every poll would raise it again: the caller skips it
+                return pos, None, self.damaged_read_ahead(key, err, now)
+            if not got:
+                break
+            out.extend(got)
+            pos = got[-1].offset + 1
+        return pos, None, []
+
+    def lease_served(self, delivery: list) -> None:
+        """A delivery was served (from the read-ahead, and fetched for the rest): the next lease starts after it."""
+        self.ahead.leased((delivery[0], delivery[1]), delivery[3], delivery[4])
+
+    def damaged_read_ahead(self, key: tuple[str, int], err: ZBrokerError, now: float) -> list[tuple[int, int]]:
+        """A damaged batch in what the read-ahead holds: dropped, or every poll would raise it
+        again and no other partition would be served. Its lease expires and comes back."""
+        return self.fetch_failed(key, err, now) + self.give_up_read_ahead(key, now)

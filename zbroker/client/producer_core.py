@@ -53,6 +53,15 @@ def leader_hint(err: ZBrokerError) -> str | None:
     return endpoint if isinstance(endpoint, str) and endpoint else None
 
 
+def window_has_room(records: int, size: int, in_flight_records: int, in_flight_bytes: int,
+                    max_records: int, max_bytes: int) -> bool:
+    """Whether a batch of ``records`` records and ``size`` bytes fits in a window holding the
+    others: an empty window takes any batch (one larger than the window would never go)."""
+    if not in_flight_records and not in_flight_bytes:
+        return True
+    return in_flight_records + records <= max_records and in_flight_bytes + size <= max_bytes
+
+
 def failure_report(errors: list[ZBrokerError], **extra: Any) -> ProduceError:
     first = errors[0]
     return ProduceError(f"{len(errors)} batch(es) failed; first: {first.message}", code=first.code,
@@ -89,8 +98,8 @@ class ProducerCore:
         """Whether ``batch`` fits in the window now (an empty window takes any batch)."""
         if not (self.in_flight or self.retrying):
             return True
-        return (self.in_flight_records + batch.count <= self.max_in_flight_records
-                and self.in_flight_bytes + len(batch.payload) <= self.max_in_flight_bytes)
+        return window_has_room(batch.count, len(batch.payload), self.in_flight_records, self.in_flight_bytes,
+                               self.max_in_flight_records, self.max_in_flight_bytes)
 
     def admit(self, batch: PendingBatch) -> None:
         self.in_flight_records += batch.count

@@ -20,30 +20,29 @@ from typing import Any, Callable, Iterable, Iterator
 import structlog
 import zmq
 
+from zbroker.client.admin_calls import sync_method, with_admin_calls
 from zbroker.client.keys import ClientKeys
 from zbroker.client.wire import recv_frames, send_frames
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched
-from zbroker.protocol.errors import (ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable,
+from zbroker.protocol.errors import (ErrorCode, RequestTimeout, StaleLease, Unavailable,
                                      UnknownMember, ZBrokerError)
 from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedRecord, checked_topics, DeliveryHandle, MetadataCache, PendingBatch,
                                  group_by_lease, checked_partition, checked_record, checked_timestamp,
                                  in_request_sized_chunks, record_size_estimate)
-from zbroker.client.consumer_core import AHEAD_RETRY_S, ConsumerCore, core_field, fetch_bytes, max_wait_ms
+from zbroker.client import consumer_core
+from zbroker.client.consumer_core import (AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore,
+                                          GroupCallRetry, connection_field, core_field, failure_reason, max_wait_ms,
+                                          membership_lost)
 from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
-from zbroker.client.transport import (DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation,
-                                      client_dealer, curve_from_env, poll_timeout_ms)
+from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
+from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
 
 __all__ = ["Admin", "Connection", "Consumer", "DEFAULT_URL", "MAX_ORPHANS", "MAX_ORPHAN_RANGES", "ProduceError",
            "Producer", "RETRIABLE_PRODUCE", "AHEAD_RETRY_S", "client_dealer", "curve_from_env", "fetch", "poll_timeout_ms"]
 
 log = structlog.get_logger("zbroker.client")
-READ_AHEAD_WAIT_S = 1.0
-# Replies a read-ahead fetch may get after its first, one per append while it waits at
-# the log end. Its bytes stay within the one fetch's max_bytes, so the read-ahead's
-# memory bound is what it was; this bounds the ids reserved for them.
-READ_AHEAD_FOLLOW = 64
 _NOT_YET = object()  # a poll sent ahead that is still parked at the coordinator
 _time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once per record sent
 
@@ -184,70 +183,13 @@ class Connection:
         self.ctx.term()
 
 
+@with_admin_calls(sync_method)
 class Admin:
-    """Topics, groups and status."""
+    """Topics, groups and status: the calls of `admin_calls`, each a method here."""
 
     def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
                  curve: ClientKeys | None = None) -> None:
         self.conn = Connection(url, request_timeout=request_timeout, curve=curve)
-
-    def hello(self) -> dict:
-        return self.conn.coordinator(m.Hello(versions=list(m.SUPPORTED_VERSIONS), client="zbroker-python")).to_fields()
-
-    def create_topic(self, name: str, partitions: int = 1, config: dict | None = None, *,
-                     replication_factor: int = 1, min_insync: int | None = None) -> dict:
-        return self.conn.coordinator(m.CreateTopic(topic=name, partitions=partitions, config=config,
-                                                   replication_factor=replication_factor,
-                                                   min_insync=min_insync)).to_fields()
-
-    def reassign_partition(self, topic: str, partition: int, replicas: list[str]) -> dict:
-        return self.conn.coordinator(m.ReassignPartition(topic=topic, partition=partition,
-                                                         replicas=replicas)).to_fields()
-
-    def list_topics(self) -> list[str]:
-        return self.conn.coordinator(m.ListTopics()).topics
-
-    def describe_topic(self, name: str) -> dict:
-        return self.conn.coordinator(m.DescribeTopic(topic=name)).to_fields()
-
-    def metadata(self, topics: list[str] | None = None) -> list[dict]:
-        return self.conn.coordinator(m.Metadata(topics=topics)).topics
-
-    def status(self) -> dict:
-        return self.conn.coordinator(m.Status()).to_fields()
-
-    def list_groups(self) -> list[dict]:
-        return self.conn.coordinator(m.ListGroups()).groups
-
-    def describe_group(self, group: str) -> dict:
-        return self.conn.coordinator(m.DescribeGroup(group=group)).group
-
-    def configure_group(self, group: str, **config: Any) -> dict:
-        return self.conn.coordinator(m.ConfigureGroup(group=group, **config)).config
-
-    def list_quarantine(self, group: str) -> list[dict]:
-        """The quarantined keys of a key_shared group (PROTOCOL.md, list_quarantine)."""
-        return self.conn.coordinator(m.ListQuarantine(group=group)).keys
-
-    def release_key(self, group: str, *, key: str | bytes | None = None, key_hash: int | None = None,
-                    topic: str | None = None, to_dlq: bool = False) -> list[dict]:
-        """Let a quarantined key flow again, or send its held records to the DLQ."""
-        return self.conn.coordinator(m.ReleaseKey(group=group, key=key, key_hash=key_hash, topic=topic,
-                                                  to_dlq=to_dlq)).released
-
-    def reset_group(self, group: str, topic: str, to: str | int) -> dict:
-        return self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to=to)).to_fields()
-
-    # Admin operations (PROTOCOL.md s.8.5): thin pass-throughs, the coordinator decides.
-    def alter_topic(self, name: str, **changes: Any) -> dict:
-        return self.conn.coordinator(m.AlterTopic(topic=name, **changes)).to_fields()
-
-    def reset_group_to_time(self, group: str, topic: str, time_ms: int) -> dict:
-        """Each partition to its first offset appended at or after `time_ms` (wall-clock ms)."""
-        return (self.conn.coordinator(m.ResetGroup(group=group, topic=topic, to_time_ms=time_ms))).to_fields()
-
-    def delete_group(self, group: str) -> dict:
-        return self.conn.coordinator(m.DeleteGroup(group=group)).to_fields()
 
     def close(self) -> None:
         self.conn.close()
@@ -562,29 +504,11 @@ def fetch(conn: Connection, topic: str, partition: int, offset: int, *, max_byte
     return records, env.msg.log_start, env.msg.log_end
 
 
-class RetryBackoff:
-    """What a consumer loop does with an error: a retriable one is logged and waited out
-    (0.1 s, doubling up to 5 s, back to 0.1 after a success), any other is raised."""
-
-    START_S, MAX_S = 0.1, 5.0
+class RetryBackoff(consumer_core.RetryBackoff):
+    """`consumer_core.RetryBackoff`, waiting with ``time.sleep`` unless told otherwise."""
 
     def __init__(self, sleep: Callable[[float], None] = time.sleep) -> None:
-        self.delay = self.START_S
-        self._sleep = sleep
-
-    def reset(self) -> None:
-        self.delay = self.START_S
-
-    def log_or_raise(self, err: ZBrokerError, what: str, **context: Any) -> None:
-        if not err.retriable:
-            raise err
-        log.warning(f"{what}.retrying", error=str(getattr(err.code, "value", err.code)), reason=err.message,
-                    retry_in_s=self.delay, **context)
-
-    def wait_or_raise(self, err: ZBrokerError, what: str, **context: Any) -> None:
-        self.log_or_raise(err, what, **context)
-        self._sleep(self.delay)
-        self.delay = min(self.MAX_S, self.delay * 2)
+        super().__init__(sleep)
 
 
 class Consumer:
@@ -635,7 +559,8 @@ class Consumer:
         self.conn = conn if conn is not None else Connection(url, request_timeout=request_timeout, curve=curve)
         self.core = ConsumerCore(group=group, topics=topics, member_id=member_id, ack_batch=ack_batch,
                                  ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
-                                 read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead)
+                                 read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead,
+                                 metadata=self.conn.metadata)
         self._core_ack = self.core.ack  # bound once: ack() runs per record
         self.poll_ahead = poll_ahead or lease_ahead
         self._poll_ahead: tuple[int, int, float] | None = None  # (corr id, generation, give up at)
@@ -659,6 +584,8 @@ class Consumer:
             self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="zbroker-heartbeat",
                                                       daemon=True)
             self._heartbeat_thread.start()
+
+    conn = connection_field()
 
     member_id = core_field("member_id")
     generation = core_field("generation")
@@ -765,31 +692,26 @@ class Consumer:
             sock.close(linger=0)
 
     def _group_call(self, make: Callable[[], m.Message], timeout: float | None = None) -> codec.Envelope:
-        """A group request that re-joins and retries when fenced, and follows the coordinator
-        when it moved (NOT_COORDINATOR, or a timeout with several URLs): a pause, then a re-join
-        at the new one, whose redeliveries follow."""
-        fenced, moved = 0, 0
+        """A group request, sent again after a re-join or a move as `GroupCallRetry` decides."""
+        retry = GroupCallRetry(self.conn.coordinators)
         while True:
             if self._needs_rejoin.is_set():
                 self._rejoin()
             try:
                 return self.conn.call(self.conn.url, make(), timeout=timeout)
-            except (Fenced, UnknownMember) as err:
-                fenced += 1
-                if fenced == 3:
-                    raise
-                if isinstance(err, UnknownMember) or not err.data.get("member_known", True):
-                    self.core.lost(forget_id=isinstance(err, UnknownMember))  # expired: join as a new member
-                self._rejoin()
             except ZBrokerError as err:
-                coordinators = self.conn.coordinators
-                moved += 1
-                if moved >= coordinators.attempts() or not coordinators.redirected(err):
+                decision = retry.after(err)
+                if decision == REJOIN:
+                    lost, forget_id = membership_lost(err)
+                    if lost:
+                        self.core.lost(forget_id=forget_id)  # expired: its leases are gone
+                    self._rejoin()
+                elif decision == FOLLOW:
+                    log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
+                    time.sleep(self.conn.coordinators.backoff())
+                    self._needs_rejoin.set()  # the new coordinator learns of this member by its join
+                else:
                     raise
-                log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
-                time.sleep(coordinators.backoff())
-                self._needs_rejoin.set()  # the new coordinator learns of this member by its join
-        raise AssertionError("unreachable")
 
     # -- polling ----------------------------------------------------------------------------
 
@@ -944,7 +866,7 @@ class Consumer:
         """Records under the ahead leases that the read-ahead already holds, one part per lease."""
         parts, damaged = self.core.serve_ahead(max_records)
         for key, err in damaged:
-            self._damaged_read_ahead(key, err)
+            self._give_up(self.core.damaged_read_ahead(key, err, time.monotonic()))
         return parts
 
     def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
@@ -1020,183 +942,85 @@ class Consumer:
                     return self.conn.wait_for(corr, 0)
                 self.flush_acks(wait=False)
 
-    def _damaged_read_ahead(self, key: tuple[str, int], err: ZBrokerError) -> None:
-        """A damaged batch in what the read-ahead holds: dropped, or every poll would raise
-        it again and no other partition would be served. Its lease expires and comes back."""
-        self._fetch_failed(key[0], key[1], err)
-        self.conn.correlation.orphan_ranges(self.ahead.drop(key))
-        self._read_ahead_failed(key)
-
-    def _read_ahead_failed(self, key: tuple[str, int]) -> None:
-        self.core.read_ahead_failed(key, time.monotonic())
+    def _give_up(self, ranges: list[tuple[int, int]]) -> None:
+        """Replies under these id ranges (read-ahead fetches the core gave up on) are dropped when they come."""
+        if ranges:
+            self.conn.correlation.orphan_ranges(ranges)
 
     def _send_read_ahead(self, timeout: float, collected: bool = False) -> None:
-        """Fetch where the next leases will start; a fetch parks at the actor until records come.
-        ``collected``: the caller has just filed the replies that came in (one receive fewer
-        on the path of every record handed out under an ahead lease)."""
-        wait_ms = max_wait_ms(timeout)
+        """Send the read-ahead fetches the core wants. ``collected``: the caller has just filed
+        the replies that came in (one receive fewer on the path of every record handed out
+        under an ahead lease)."""
         if not collected:
             self._collect_read_ahead()
-        if self.core.ahead_retry:
-            self.core.restart_ahead_reads(time.monotonic())
-        for key, offset, max_bytes in self.ahead.wanted():
-            topic, partition = key
-            # It follows the log end: each append reaches this consumer in a reply of its
-            # own, without a fetch sent again after each (bench/PROFILE.md, fifteenth pass).
-            follow = READ_AHEAD_FOLLOW if wait_ms else 0
+        for key, fetch in self.core.read_ahead_fetches(max_wait_ms(timeout), time.monotonic()):
             try:
-                corr = self.conn.send(self.conn.endpoint(topic, partition),
-                                      m.Fetch(topic=topic, partition=partition, offset=offset,
-                                              max_bytes=max_bytes, max_wait_ms=wait_ms, follow=follow),
-                                      replies=1 + follow)
+                corr = self.conn.send(self.conn.endpoint(*key), fetch, replies=1 + fetch.follow)
             except ZBrokerError:
-                self.ahead.drop(key)  # not reachable now: the next lease is fetched the usual way
-                self._read_ahead_failed(key)
-                continue
-            # A live actor answers within the wait (a followed fetch: of its last reply); one
-            # killed with the fetch parked never does, and under an ahead lease nothing else
-            # would fetch those records: they would wait for the ack timeout.
-            self.ahead.sent(key, corr, offset, follow, patience=wait_ms / 1000.0 + self.conn.request_timeout,
-                            now=time.monotonic())
+                corr = None
+            self.core.read_ahead_sent(key, corr, fetch, time.monotonic(), self.conn.request_timeout)
 
     def _collect_read_ahead(self) -> None:
-        """File the read-ahead replies that came back, so that a partition whose parked
-        fetch ended empty (nothing was produced for a while) gets a new one now."""
-        early = self.conn._early
-        for env in self.conn.recv_nowait_all():
-            if isinstance(env.corr_id, int):
-                early[env.corr_id] = env
-        for key, corr in self.ahead.in_flight():
-            while corr is not None:
-                env = early.pop(corr, None)
-                if env is None:
-                    if self.ahead.overtaken(key, early):
-                        # A later reply of the same fetch came first: the one awaited was
-                        # dropped (a full queue at the actor). Start over from the next lease.
-                        self.conn.correlation.orphan_ranges(self.ahead.drop(key))
-                        self._read_ahead_failed(key)
-                    break
-                corr = self._read_ahead_arrived(key, corr, env)
-        for key in self.ahead.overdue(time.monotonic()):
-            # No reply within its wait and the request timeout: the actor died with the fetch
-            # parked (or hangs). Its replies are dropped if they come; fetch again.
-            log.info("read_ahead.overdue", topic=key[0], partition=key[1])
-            self.conn.correlation.orphan_ranges(self.ahead.drop(key))
-            self._read_ahead_failed(key)
-
-    def _read_ahead_arrived(self, key: tuple[str, int], corr: int, env: codec.Envelope) -> int | None:
-        """File one read-ahead reply; returns the id of the fetch's next reply, if it stays out."""
-        ok = env.error is None
-        if not ok and env.error.retriable:
-            self.conn.metadata.forget(key[0])
-        following = self.ahead.arrived(key, corr, (env.frames[0] if env.frames else b"") if ok else None,
-                                       more=ok and env.msg.more, now=time.monotonic())
-        if not ok:
-            self._read_ahead_failed(key)
-        return following
-
-    def _serve_from_read_ahead(self, d: list, out: list, deadline: float) -> int:
-        """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
-        topic, partition, lease, start, end, attempt, reason = d
-        key = (topic, partition)
-        pos = start
-        while pos < end:
-            frame = self.ahead.covering(key, pos)
-            if frame is None:
-                corr = self.ahead.awaited(key, pos)
-                if corr is None:
-                    break
-                try:
-                    # The lease proves the records exist, so a live actor answers at once;
-                    # one that died with the fetch parked never will: give up soon, with one
-                    # deadline for the whole poll (not one per partition the dead actor held).
-                    env = self.conn.wait_for(corr, max(0.005, deadline - time.monotonic()))
-                except RequestTimeout:
-                    self.conn.correlation.orphan(corr)
-                    env = None
-                if env is None:  # this reply, and any later ones of its fetch, are dropped when they come
-                    self.conn.correlation.orphan_ranges(self.ahead.drop(key))
-                    self._read_ahead_failed(key)
-                else:
-                    self._read_ahead_arrived(key, corr, env)
-                continue
-            try:
-                got = decode_fetched(frame, topic, partition, from_offset=pos, until_offset=end,
-                                     make=ConsumedRecord, extra=(lease, attempt, reason))
-            except ZBrokerError as err:
-                self._damaged_read_ahead(key, err)
-                break  # the caller fetches the rest itself, and skips what is damaged
-            if not got:
-                break
-            out.extend(got)
-            pos = got[-1].offset + 1
-        self.ahead.leased(key, start, end)
-        return pos
+        self._stash_arrived()
+        self._give_up(self.core.collect_read_ahead(self.conn._early, time.monotonic()))
 
     def _fetch_deliveries(self, deliveries: list) -> list[list[ConsumedRecord]]:
         """The records of each of ``deliveries``, in offset order (dense: a delivery's records
-        are consecutive offsets, which lets acks given in order fold into one range, see `ack`).
-
-        A partition that cannot be fetched now (its actor died, restarted or moved) costs
-        only its own deliveries: their leases expire and come back, and the other
-        partitions' records are handed out."""
+        are consecutive offsets, which lets acks given in order fold into one range, see `ack`):
+        from what the read-ahead holds, then fetched, as the core plans."""
+        core, conn = self.core, self.conn
         ahead_deadline = time.monotonic() + READ_AHEAD_WAIT_S
-        pending: dict[int, tuple[int, list]] = {}
+        pending: dict[int, tuple[int, list, int]] = {}  # corr -> (delivery index, delivery, offset fetched from)
         parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
-        reading_ahead = self.core.reading_ahead
-        if self.conn.correlation.has_orphans():
-            self.conn.correlation.drop_orphans()
+        if conn.correlation.has_orphans():
+            conn.correlation.drop_orphans()
 
         def fetch(i: int, d: list, start: int) -> None:
-            topic, partition, lease, _start, end, attempt, reason = d
             try:
-                corr = self.conn.send(self.conn.endpoint(topic, partition),
-                                      m.Fetch(topic=topic, partition=partition, offset=start,
-                                              max_bytes=fetch_bytes(start, end)))
+                pending[conn.send(conn.endpoint(d[0], d[1]), core.lease_fetch(d, start))] = (i, d, start)
             except ZBrokerError as err:
-                self._fetch_failed(topic, partition, err)
-                return
-            pending[corr] = (i, [topic, partition, lease, start, end, attempt, reason])
+                self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
 
         for i, d in enumerate(deliveries):
-            start = d[3]
-            if reading_ahead:
-                start = self._serve_from_read_ahead(d, parts[i], ahead_deadline)
-                if start >= d[4]:
-                    continue
-            fetch(i, d, start)
+            start = self._serve_from_read_ahead(d, parts[i], ahead_deadline) if core.reading_ahead else d[3]
+            if start < d[4]:
+                fetch(i, d, start)
         while pending:
-            corr, (i, d) = next(iter(pending.items()))
+            corr, (i, d, start) = next(iter(pending.items()))
             del pending[corr]
-            topic, partition, lease, start, end, attempt, reason = d
+            env, err = None, None
             try:
-                env = self.conn.wait_for(corr)
-            except RequestTimeout as err:
-                self.conn.correlation.orphan(corr)  # a reply that comes after all is dropped
-                self._fetch_failed(topic, partition, err)
-                continue
-            if env.error is not None:
-                self._fetch_failed(topic, partition, env.error)
-                continue
-            try:
-                got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=start,
-                                     until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
-            except ZBrokerError as err:  # a damaged batch: its lease expires, the other deliveries go on
-                self._fetch_failed(topic, partition, err)
-                continue
+                env = conn.wait_for(corr)
+            except RequestTimeout as timeout:
+                conn.correlation.orphan(corr)  # a reply that comes after all is dropped
+                err = timeout
+            got, rest, given_up = core.lease_fetch_replied(d, start, env, err, time.monotonic())
+            self._give_up(given_up)
             parts[i].extend(got)
-            if got and got[-1].offset + 1 < end:
-                fetch(i, d, got[-1].offset + 1)  # max_bytes cut the range short: fetch the rest
+            if rest is not None:
+                fetch(i, d, rest)  # max_bytes cut the range short: fetch the rest
         return parts
 
-    def _fetch_failed(self, topic: str, partition: int, err: ZBrokerError) -> None:
-        log.warning("fetch.failed", topic=topic, partition=partition, code=err.code.value, reason=err.message)
-        if err.retriable:
-            # The partition moved or its actor restarted: the next fetch asks the
-            # coordinator where it lives now. These leases expire and come back.
-            self.conn.metadata.forget(topic)
-            self.conn.correlation.orphan_ranges(self.ahead.drop((topic, partition)))
-            self._read_ahead_failed((topic, partition))
+    def _serve_from_read_ahead(self, d: list, out: list, deadline: float) -> int:
+        """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
+        pos, key = d[3], (d[0], d[1])
+        while True:
+            pos, awaited, given_up = self.core.serve_lease_from_read_ahead(d, pos, out, time.monotonic())
+            self._give_up(given_up)
+            if awaited is None:
+                break
+            try:
+                # The lease proves the records exist, so a live actor answers at once;
+                # one that died with the fetch parked never will: give up soon, with one
+                # deadline for the whole poll (not one per partition the dead actor held).
+                env = self.conn.wait_for(awaited, max(0.005, deadline - time.monotonic()))
+            except RequestTimeout:
+                self.conn.correlation.orphan(awaited)  # this reply, and later ones of its fetch, are dropped
+                self._give_up(self.core.give_up_read_ahead(key, time.monotonic()))
+            else:
+                self.core.read_ahead_replied(key, awaited, env, time.monotonic())
+        self.core.lease_served(d)
+        return pos
 
     def __iter__(self) -> Iterator[ConsumedRecord]:
         """Yields records forever; each is acked when the loop body returns for it."""
@@ -1228,7 +1052,7 @@ class Consumer:
                     handler(record)
                 except Exception as exc:  # the handler's failure is the record's nack reason
                     try:
-                        self.nack([record], reason=f"{type(exc).__name__}: {exc}"[:200])
+                        self.nack([record], reason=failure_reason(exc))
                     except ZBrokerError as err:  # not settled: its lease expires and it comes back
                         backoff.log_or_raise(err, "nack", group=self.group)
                 else:
