@@ -88,20 +88,42 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from zbroker.actors.partition_log.shell import run
     from zbroker.actors.runtime import wildcard_error
     from zbroker.actors.security import KeyRing
-    from zbroker.client import Admin
     FsyncPolicy.parse(args.fsync)
     if not args.advertise_host and wildcard_error(args.bind):
         raise ValueError(f"--bind: {wildcard_error(args.bind)}")
     actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
-    # The broker URL is the client endpoint; hello says where its actors dial.
     curve = KeyRing(args.curve).internal_client() if args.curve is not None else None  # "" is refused
-    with Admin(args.broker, curve=curve) as admin:
-        internal = admin.hello().get("internal_endpoint")
-    if not internal:
-        raise SystemExit(f"error: the broker at {args.broker} did not name its internal endpoint")
+    internal = ",".join(_internal_endpoints(args.broker, curve))
     run(actor_id, internal, args.data, bind=args.bind, advertise_host=args.advertise_host, fsync=args.fsync,
         log_level=args.log_level, curve_dir=args.curve, replica_lag_ms=args.replica_lag_ms, rack=args.rack)
     return 0
+
+
+def _internal_endpoints(urls: str, curve: Any) -> list[str]:
+    """The coordinators' internal endpoints for client URLs (one, or a cluster's several).
+
+    A broker URL is a client endpoint; hello says where its actors dial. A node that
+    does not answer now (down, or mid-failover) is taken to bind it at its client port
+    + 1, as `zbroker up` does; the actor rotates through the list when its coordinator
+    stops answering, and follows a standby's NOT_COORDINATOR to the leader."""
+    from zbroker.actors.partition_log.coordinator_link import internal_endpoint_of
+    from zbroker.client import Admin
+    from zbroker.client.transport import bootstrap_urls
+    endpoints: list[str] = []
+    for url in bootstrap_urls(urls):
+        try:
+            with Admin(url, curve=curve, request_timeout=2.0) as admin:
+                internal = admin.hello().get("internal_endpoint")
+        except ZBrokerError as err:
+            internal = internal_endpoint_of({"endpoint": url}) if len(bootstrap_urls(urls)) > 1 else None
+            if internal is None:
+                raise
+            print(f"warning: {url} did not answer hello ({err.code.value}); taking {internal} as its "
+                  f"internal endpoint", file=sys.stderr)
+        if not internal:
+            raise SystemExit(f"error: the broker at {url} did not name its internal endpoint")
+        endpoints.append(internal)
+    return list(dict.fromkeys(endpoints))
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -654,7 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     part = sub.add_parser("partition", help="start an extra partition-log actor that joins a broker")
-    part.add_argument("--broker", default=DEFAULT_URL)
+    part.add_argument("--coordinator", "--broker", dest="broker", default=DEFAULT_URL, metavar="URL[,URL...]",
+                      help="the broker's URL, or a cluster's node URLs separated by commas: the actor "
+                           "registers with the leading node and follows it when it changes")
     part.add_argument("--data", default="./data/partitions", help="partition data directory")
     part.add_argument("--bind", default="tcp://127.0.0.1:0", help="data-plane endpoint (port 0 = any free port)")
     part.add_argument("--advertise-host", default=None, metavar="HOST",
