@@ -543,8 +543,20 @@ def _print_group(group: dict) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit status 0 when the broker is healthy, 1 when not: usable as a health check."""
     from zbroker.client import Admin
-    with Admin(args.broker) as admin:
-        status = admin.status()
+    offsets = args.offsets or os.environ.get("ZBROKER_OFFSETS")
+    try:
+        with Admin(args.broker) as admin:
+            status = admin.status()
+            reached = admin.conn.url if offsets else None  # the node a SQLite cluster of one is
+    except ZBrokerError:
+        if offsets:  # no node answers (mid-failover, say): what the store says is still worth showing
+            _print_cluster(_read_cluster(offsets, None), as_json=args.json)
+        raise
+    cluster = status.get("cluster")  # a coordinator that reports its cluster itself
+    if cluster is None and offsets:
+        cluster = _read_cluster(offsets, reached)
+    if cluster is not None:
+        status["cluster"] = cluster
     # Unhealthy too when some partition cannot be served: its actor is dead and still
     # owns it, or alive and unable to open it. A dead actor that owns nothing (stopped
     # on purpose) is listed until it is forgotten, but harms no one.
@@ -559,6 +571,8 @@ def cmd_status(args: argparse.Namespace) -> int:
              "healthy": a.get("healthy"), "partitions": len(a.get("partitions", []) or []),
              "not_open": a.get("not_open_count", "")} for a in status["actors"]]
     print(f"broker {'healthy' if healthy else 'UNHEALTHY'}")
+    if cluster is not None:
+        _print_cluster(cluster)
     _print_table(rows, ["kind", "actor_id", "pid", "endpoint", "healthy", "partitions", "not_open"])
     for a in status["actors"]:
         listed = a.get("not_open") or []
@@ -577,6 +591,45 @@ def cmd_status(args: argparse.Namespace) -> int:
                        "state": "OFFLINE" if u["offline"] else "BELOW MIN" if u["below_min_insync"] else "degraded"}
                       for u in under], ["partition", "leader", "isr", "replicas", "min_insync", "state"])
     return 0 if healthy else 1
+
+
+def _read_cluster(offsets: str, reached: str | None) -> dict:
+    import asyncio
+
+    from zbroker.storage.offsets.cluster_view import read_cluster_view
+    return asyncio.run(read_cluster_view(offsets, endpoint=reached))
+
+
+def _ms(value: int | None) -> str:
+    return "" if value is None else f"{value / 1000:.1f} s" if value >= 10_000 else f"{value} ms"
+
+
+def _print_cluster(cluster: dict, as_json: bool = False) -> None:
+    """Who leads, at which epoch, the lease's age (by the database's clock), and every node known."""
+    if as_json:
+        print(json.dumps({"cluster": cluster}))
+        return
+    leader = cluster.get("leader")
+    if cluster.get("cluster_of_one"):
+        print(f"cluster of one ({cluster.get('backend')}): {(leader or {}).get('endpoint') or 'this node'} leads")
+        return
+    if leader is None:
+        print("cluster: no node has taken the coordinator lease yet")
+    else:
+        state = "EXPIRED (a standby takes over at its next ask)" if leader["expired"] \
+            else f"expires in {_ms(leader['remaining_ms'])}"
+        print(f"cluster: {leader['node_id']} ({leader['endpoint']}) leads at epoch {leader['epoch']}; "
+              f"lease renewed {_ms(leader['lease_age_ms'])} ago, held {_ms(leader['held_for_ms'])}, {state}")
+    nodes = cluster.get("nodes") or []
+    if nodes:
+        _print_table([{"node": n["node_id"], "endpoint": n["endpoint"] or "", "role": "leader" if n["leading"]
+                       else "not leading", "last_epoch": n["last_epoch"] if n["last_epoch"] is not None else "",
+                       "epochs_taken": n["epochs_taken"], "last_led": _ms(n["last_taken_ms_ago"]) + " ago"
+                       if n["last_taken_ms_ago"] is not None else ""} for n in nodes],
+                     ["node", "endpoint", "role", "last_epoch", "epochs_taken", "last_led"])
+    if cluster.get("source") == "store":
+        print("(nodes that led at least once, from the store's epoch history; a node that never led is not listed)")
+    print()
 
 
 # -- parser ---------------------------------------------------------------------------------------
@@ -792,6 +845,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = client_cmd("status", "list the actors with their pids, endpoints, partitions and health; "
                                   "exit status 1 when the broker is unhealthy")
+    status.add_argument("--offsets", default=None, metavar="URL",
+                        help="the nodes' --offsets store (env ZBROKER_OFFSETS): show the cluster's nodes, "
+                             "its leader, epoch and lease age from it, read-only")
     status.set_defaults(func=cmd_status)
 
     top = client_cmd("top", "a live view of topics and groups (rates, lag, in flight, blockers); q or Ctrl-C quits")
