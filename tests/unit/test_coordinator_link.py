@@ -143,3 +143,15 @@ def test_the_actor_registers_with_the_leader_a_standby_names(tmp_path):
     assert standby.registrations >= 1 and leading.registrations >= 2
     assert core.registered  # the leader's answers count; the standby's did not
     core.close()
+
+
+def test_built_in_actors_of_cluster_nodes_have_ids_of_their_own():
+    # The leading coordinator's ROUTER refuses a second connection under one id: three
+    # nodes' "p0" left two of them unregistered (seen in the failover benchmark).
+    from zbroker.supervisor import BrokerConfig
+
+    alone = BrokerConfig(data_dir="/d", port=7400)
+    assert [alone.builtin_actor_id(i) for i in range(2)] == ["p0", "p1"]
+    nodes = [BrokerConfig(data_dir="/d", host=h, advertise_host=h, port=7400, offsets_url="postgresql://db/x")
+             for h in ("127.0.0.1", "127.0.0.2")]
+    assert [n.builtin_actor_id(0) for n in nodes] == ["p0@127.0.0.1:7400", "p0@127.0.0.2:7400"]
