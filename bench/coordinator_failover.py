@@ -262,8 +262,10 @@ def _leader(nodes: Nodes) -> int | None:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
+    from zbroker.actors.runtime import configure_logging
     from zbroker.client import Admin, Producer
 
+    configure_logging("warning")  # the client's redirects are info lines, on stderr; stdout is the JSON
     port = args.port or free_port()
     work = Path(args.work_dir or f"/tmp/zbroker-failover-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
