@@ -61,7 +61,10 @@ PRODUCE_BULK = "produce_send_many"  # zbroker only: the same produce through the
 
 PRODUCE_VARIANTS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched")
 WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "capacity", "scale_out", "partitions", "redelivery",
-             "commits", "memory")
+             "commits", "memory", "coordinator_failover")
+# Workloads that are modules of their own (run_commits), with no adapter and no peers.
+STANDALONE = {"commits": "bench.commit_absorption", "memory": "bench.memory",
+              "coordinator_failover": "bench.coordinator_failover"}
 ZBROKER_ONLY = ("capacity", "scale_out", "partitions", "redelivery")
 # The broker-capacity rows send this many times the Python rows' records (bench.zbroker_adapter).
 CAPACITY_RECORDS_FACTOR = 5
@@ -196,17 +199,16 @@ class Harness:
             "workloads_selected": list(self.config.workloads),
             "systems": {},
         }
-        peer_workloads = set(self.config.workloads) - set(ZBROKER_ONLY) - {"commits", "memory"}
+        peer_workloads = set(self.config.workloads) - set(ZBROKER_ONLY) - set(STANDALONE)
         for name, factory in self.adapters.items():
-            if name != "zbroker" and not peer_workloads:
-                continue
+            if not peer_workloads and (name != "zbroker" or not set(self.config.workloads) - set(STANDALONE)):
+                continue  # nothing for this system's adapter to run: the standalone modules start their own
             results["systems"][name] = self._run_system(name, factory)
         if self.config.ceiling:
             results["ceiling"] = self._run_ceiling()
-        if "commits" in self.config.workloads:
-            results["commits"] = run_commits(self.config.scale, self.config.phase_timeout_s)
-        if "memory" in self.config.workloads:
-            results["memory"] = run_commits(self.config.scale, self.config.phase_timeout_s, name="bench.memory")
+        for workload, module in STANDALONE.items():
+            if workload in self.config.workloads:
+                results[workload] = run_commits(self.config.scale, self.config.phase_timeout_s, name=module)
         results["finished_at"] = time.time()
         return results
 

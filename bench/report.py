@@ -226,6 +226,8 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     workloads["commits"] = commits if commits is not None else {"status": "not run"}
     memory = results.get("memory")
     workloads["memory"] = memory if memory is not None else {"status": "not run"}
+    failover = results.get("coordinator_failover")
+    workloads["coordinator_failover"] = failover if failover is not None else {"status": "not run"}
 
     return {
         "workloads": workloads,
@@ -385,6 +387,7 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out.append(_render_redelivery(w.get("redelivery", {}), notes))
     out.append(_render_commits(w.get("commits", {}), notes))
     out.append(_render_memory(w.get("memory", {}), notes))
+    out.append(_render_coordinator_failover(w.get("coordinator_failover", {}), notes))
 
     out.append("\n### Durability settings\n")
     out.append("| system | version | workload | settings |")
@@ -574,6 +577,19 @@ def _render_memory(entry: dict[str, Any], notes: _Footnotes) -> str:
                  f"finished all {flight['applied']:,} in {flight['one_ack_frame_s'] * 1000:.1f} ms "
                  f"(committed offset then {flight['committed_after_ack']:,}).\n")
     return "\n".join(lines)
+
+
+def _render_coordinator_failover(entry: dict[str, Any], notes: _Footnotes) -> str:
+    r = entry.get("result")
+    if entry.get("status") != "ok" or not isinstance(r, dict) or not r.get("kills"):
+        return f"\nCoordinator failover (bench.coordinator_failover): {_status_cell(entry, notes)}\n"
+    return "\n".join([
+        f"\nCoordinator failover ({entry.get('how')}): three nodes on 127.0.0.1-3, one PostgreSQL; the "
+        "leading node SIGKILLed whole, then restarted; leader SIGKILL to the first poll answered by the new "
+        f"leader (client request timeout {r.get('client_request_timeout_s')} s, lease {r.get('lease_ms')} ms).\n",
+        f"| kills | p50 s | max s | goal (max < {r['goal_max_s']:g} s) |",
+        "|---:|---:|---:|---|",
+        f"| {r['kills']} | {r['p50_s']} | {r['max_s']} | {'met' if r.get('goal_met') else 'not met'} |\n"])
 
 
 # -- chart --------------------------------------------------------------------

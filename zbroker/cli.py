@@ -88,20 +88,42 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from zbroker.actors.partition_log.shell import run
     from zbroker.actors.runtime import wildcard_error
     from zbroker.actors.security import KeyRing
-    from zbroker.client import Admin
     FsyncPolicy.parse(args.fsync)
     if not args.advertise_host and wildcard_error(args.bind):
         raise ValueError(f"--bind: {wildcard_error(args.bind)}")
     actor_id = args.actor_id or f"{socket.gethostname()}-{os.getpid()}"
-    # The broker URL is the client endpoint; hello says where its actors dial.
     curve = KeyRing(args.curve).internal_client() if args.curve is not None else None  # "" is refused
-    with Admin(args.broker, curve=curve) as admin:
-        internal = admin.hello().get("internal_endpoint")
-    if not internal:
-        raise SystemExit(f"error: the broker at {args.broker} did not name its internal endpoint")
+    internal = ",".join(_internal_endpoints(args.broker, curve))
     run(actor_id, internal, args.data, bind=args.bind, advertise_host=args.advertise_host, fsync=args.fsync,
         log_level=args.log_level, curve_dir=args.curve, replica_lag_ms=args.replica_lag_ms, rack=args.rack)
     return 0
+
+
+def _internal_endpoints(urls: str, curve: Any) -> list[str]:
+    """The coordinators' internal endpoints for client URLs (one, or a cluster's several).
+
+    A broker URL is a client endpoint; hello says where its actors dial. A node that
+    does not answer now (down, or mid-failover) is taken to bind it at its client port
+    + 1, as `zbroker up` does; the actor rotates through the list when its coordinator
+    stops answering, and follows a standby's NOT_COORDINATOR to the leader."""
+    from zbroker.actors.partition_log.coordinator_link import internal_endpoint_of
+    from zbroker.client import Admin
+    from zbroker.client.transport import bootstrap_urls
+    endpoints: list[str] = []
+    for url in bootstrap_urls(urls):
+        try:
+            with Admin(url, curve=curve, request_timeout=2.0) as admin:
+                internal = admin.hello().get("internal_endpoint")
+        except ZBrokerError as err:
+            internal = internal_endpoint_of({"endpoint": url}) if len(bootstrap_urls(urls)) > 1 else None
+            if internal is None:
+                raise
+            print(f"warning: {url} did not answer hello ({err.code.value}); taking {internal} as its "
+                  f"internal endpoint", file=sys.stderr)
+        if not internal:
+            raise SystemExit(f"error: the broker at {url} did not name its internal endpoint")
+        endpoints.append(internal)
+    return list(dict.fromkeys(endpoints))
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -521,8 +543,20 @@ def _print_group(group: dict) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit status 0 when the broker is healthy, 1 when not: usable as a health check."""
     from zbroker.client import Admin
-    with Admin(args.broker) as admin:
-        status = admin.status()
+    offsets = args.offsets or os.environ.get("ZBROKER_OFFSETS")
+    try:
+        with Admin(args.broker) as admin:
+            status = admin.status()
+            reached = admin.conn.url if offsets else None  # the node a SQLite cluster of one is
+    except ZBrokerError:
+        if offsets:  # no node answers (mid-failover, say): what the store says is still worth showing
+            _print_cluster(_read_cluster(offsets, None), as_json=args.json)
+        raise
+    cluster = status.get("cluster")  # a coordinator that reports its cluster itself
+    if cluster is None and offsets:
+        cluster = _read_cluster(offsets, reached)
+    if cluster is not None:
+        status["cluster"] = cluster
     # Unhealthy too when some partition cannot be served: its actor is dead and still
     # owns it, or alive and unable to open it. A dead actor that owns nothing (stopped
     # on purpose) is listed until it is forgotten, but harms no one.
@@ -537,6 +571,8 @@ def cmd_status(args: argparse.Namespace) -> int:
              "healthy": a.get("healthy"), "partitions": len(a.get("partitions", []) or []),
              "not_open": a.get("not_open_count", "")} for a in status["actors"]]
     print(f"broker {'healthy' if healthy else 'UNHEALTHY'}")
+    if cluster is not None:
+        _print_cluster(cluster)
     _print_table(rows, ["kind", "actor_id", "pid", "endpoint", "healthy", "partitions", "not_open"])
     for a in status["actors"]:
         listed = a.get("not_open") or []
@@ -555,6 +591,45 @@ def cmd_status(args: argparse.Namespace) -> int:
                        "state": "OFFLINE" if u["offline"] else "BELOW MIN" if u["below_min_insync"] else "degraded"}
                       for u in under], ["partition", "leader", "isr", "replicas", "min_insync", "state"])
     return 0 if healthy else 1
+
+
+def _read_cluster(offsets: str, reached: str | None) -> dict:
+    import asyncio
+
+    from zbroker.storage.offsets.cluster_view import read_cluster_view
+    return asyncio.run(read_cluster_view(offsets, endpoint=reached))
+
+
+def _ms(value: int | None) -> str:
+    return "" if value is None else f"{value / 1000:.1f} s" if value >= 10_000 else f"{value} ms"
+
+
+def _print_cluster(cluster: dict, as_json: bool = False) -> None:
+    """Who leads, at which epoch, the lease's age (by the database's clock), and every node known."""
+    if as_json:
+        print(json.dumps({"cluster": cluster}))
+        return
+    leader = cluster.get("leader")
+    if cluster.get("cluster_of_one"):
+        print(f"cluster of one ({cluster.get('backend')}): {(leader or {}).get('endpoint') or 'this node'} leads")
+        return
+    if leader is None:
+        print("cluster: no node has taken the coordinator lease yet")
+    else:
+        state = "EXPIRED (a standby takes over at its next ask)" if leader["expired"] \
+            else f"expires in {_ms(leader['remaining_ms'])}"
+        print(f"cluster: {leader['node_id']} ({leader['endpoint']}) leads at epoch {leader['epoch']}; "
+              f"lease renewed {_ms(leader['lease_age_ms'])} ago, held {_ms(leader['held_for_ms'])}, {state}")
+    nodes = cluster.get("nodes") or []
+    if nodes:
+        _print_table([{"node": n["node_id"], "endpoint": n["endpoint"] or "", "role": "leader" if n["leading"]
+                       else "not leading", "last_epoch": n["last_epoch"] if n["last_epoch"] is not None else "",
+                       "epochs_taken": n["epochs_taken"], "last_led": _ms(n["last_taken_ms_ago"]) + " ago"
+                       if n["last_taken_ms_ago"] is not None else ""} for n in nodes],
+                     ["node", "endpoint", "role", "last_epoch", "epochs_taken", "last_led"])
+    if cluster.get("source") == "store":
+        print("(nodes that led at least once, from the store's epoch history; a node that never led is not listed)")
+    print()
 
 
 # -- parser ---------------------------------------------------------------------------------------
@@ -654,7 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     part = sub.add_parser("partition", help="start an extra partition-log actor that joins a broker")
-    part.add_argument("--broker", default=DEFAULT_URL)
+    part.add_argument("--coordinator", "--broker", dest="broker", default=DEFAULT_URL, metavar="URL[,URL...]",
+                      help="the broker's URL, or a cluster's node URLs separated by commas: the actor "
+                           "registers with the leading node and follows it when it changes")
     part.add_argument("--data", default="./data/partitions", help="partition data directory")
     part.add_argument("--bind", default="tcp://127.0.0.1:0", help="data-plane endpoint (port 0 = any free port)")
     part.add_argument("--advertise-host", default=None, metavar="HOST",
@@ -768,6 +845,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = client_cmd("status", "list the actors with their pids, endpoints, partitions and health; "
                                   "exit status 1 when the broker is unhealthy")
+    status.add_argument("--offsets", default=None, metavar="URL",
+                        help="the nodes' --offsets store (env ZBROKER_OFFSETS): show the cluster's nodes, "
+                             "its leader, epoch and lease age from it, read-only")
     status.set_defaults(func=cmd_status)
 
     top = client_cmd("top", "a live view of topics and groups (rates, lag, in flight, blockers); q or Ctrl-C quits")

@@ -134,6 +134,15 @@ class BrokerConfig:
             return self.offsets_url
         return f"sqlite:///{Path(self.data_dir).resolve() / 'offsets.sqlite3'}"
 
+    def builtin_actor_id(self, index: int) -> str:
+        """``p<i>`` on a broker of its own. On a node of a cluster (PostgreSQL offsets) every
+        node's actors register with the one leading coordinator, whose ROUTER refuses a second
+        connection under an id already connected: three nodes' ``p0`` left two of them
+        unregistered. There the id names the node too, ``p<i>@HOST:PORT``."""
+        if not self.resolved_offsets_url().split(":", 1)[0].startswith("postgres"):
+            return f"p{index}"
+        return f"p{index}@{self.advertise_host or self._local_host}:{self.port}"
+
     def partition_bind(self, index: int) -> str:
         return self.bind_endpoint(self.port + 2 + index)
 
@@ -221,7 +230,7 @@ class Supervisor:
         for i in range(config.partition_actors):
             self.children.append(_Child(
                 f"partition-{i}", "zbroker.actors.partition_log.shell:run",
-                {"actor_id": f"p{i}", "coordinator": coordinator, "data_dir": str(config.partition_dir(data, i)),
+                {"actor_id": config.builtin_actor_id(i), "coordinator": coordinator, "data_dir": str(config.partition_dir(data, i)),
                  "bind": config.partition_bind(i), "advertise_host": config.advertise_host, "fsync": config.fsync,
                  "log_level": config.log_level, "curve_dir": config.curve_dir, "rack": config.rack,
                  "replica_lag_ms": config.replica_lag_ms}))

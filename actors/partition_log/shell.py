@@ -23,6 +23,7 @@ from zbroker.client.wire import recv_frames
 from zbroker.actors.partition_log.core import (OUT_OF_FILES, FsyncPolicy, Limits, OpenFailed, OutOfFiles,
                                        PartitionActorCore, Reply, ReplyError, SendToCoordinator, SendToLeader,
                                        detached, partitions_for_open_files)
+from zbroker.actors.partition_log.coordinator_link import CoordinatorLink, Move, coordinator_endpoints
 from zbroker.actors.partition_log.links import ReplicationLinks
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
@@ -161,7 +162,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         # Clients dial the endpoint the coordinator hands out, so it names this host as
         # they reach it, not as it was bound (a wildcard bind needs advertise_host).
         endpoint = runtime.advertised_endpoint(runtime.bind_endpoint(router, bind), advertise_host)
-        dealer.connect(coordinator)
+        dealer.connect(coordinator_endpoints(coordinator)[0])  # the others: see coordinator_link
         log.info("actor.started", endpoint=endpoint, coordinator=coordinator, fsync=str(core.fsync),
                  data_dir=str(data), open_file_limit=open_files, max_open_partitions=core.max_open_partitions)
         # No runtime.tune_gc() here: this actor takes frames of up to 64 MiB from
@@ -204,22 +205,30 @@ def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endp
     poller.register(dealer, zmq.POLLIN)
     global _links
     _links = ReplicationLinks(router.context, poller, log)
+    link = CoordinatorLink(coordinator) if coordinator else None  # None: a test's dealer, connected by it
     try:
-        _turns(core, router, dealer, endpoint, storage_id, stop, log, acl, sync_failures, coordinator, poller, rack)
+        _turns(core, router, dealer, endpoint, storage_id, stop, log, acl, sync_failures, link, poller, rack)
     finally:
         _links.close()
 
 
 def _turns(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
            storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
-           sync_failures: list, coordinator: str, poller: zmq.Poller, rack: str | None = None) -> None:
+           sync_failures: list, link: CoordinatorLink | None, poller: zmq.Poller,
+           rack: str | None = None) -> None:
     corr = 0
     pid = os.getpid()
+    coordinator = link.current if link is not None else ""
     while not stop.stopping:
         if sync_failures:
             raise sync_failures[0]  # see _log_sync_failure
         now = runtime.now_ms()
-        if core.heartbeat_due(now):
+        due = core.heartbeat_due(now)
+        if link is not None:
+            _move(link.tick(now), dealer, log)
+            due = link.register_due(now) or due
+            coordinator = link.current
+        if due:
             corr += 1
             # A registration the coordinator's queue refuses is dropped: the next one is a second away.
             runtime.send_reply(dealer, None, codec.encode_request(
@@ -230,7 +239,9 @@ def _turns(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, end
                 log.warning("coordinator.registration_unanswered", unanswered_ms=unanswered_ms, coordinator=coordinator,
                             hint="is another partition actor running with this --actor-id? The coordinator "
                                  "refuses a second connection under one id. Otherwise the coordinator is down.")
-        deadline = core.next_deadline()
+            if link is not None:
+                link.registration_sent(now)
+        deadline = _earliest(core.next_deadline(), link.next_deadline() if link is not None else None)
         timeout = 1000 if deadline is None else max(0, min(1000, deadline - now))
         if _outbox.retrying:
             timeout = min(timeout, 1)  # produce replies wait for room in a peer's queue
@@ -257,7 +268,7 @@ def _turns(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, end
                 frames = recv_frames(dealer)
                 if frames is None:
                     break
-                _handle_from_coordinator(core, frames, now, router, dealer, log, wall=wall)
+                _handle_from_coordinator(core, frames, now, router, dealer, log, wall=wall, link=link)
         if core.replicas:
             for effect in _links.on_ready(ready, core, now) + _links.expire(core, now):
                 _apply(effect, router, dealer, log)
@@ -292,13 +303,19 @@ def _handle(core: PartitionActorCore, route: tuple, frames: list, now: int, rout
 
 
 def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, router: zmq.Socket,
-                             dealer: zmq.Socket, log: Any, wall: int | None = None) -> None:
+                             dealer: zmq.Socket, log: Any, wall: int | None = None,
+                             link: CoordinatorLink | None = None) -> None:
     try:
         is_reply, env = codec.decode_any(frames)
     except ProtocolError as err:
         log.warning("coordinator.bad_frame", reason=err.message)
         return
     if is_reply:
+        if env.op == "register" and link is not None:
+            if env.error is not None and env.error.code is ErrorCode.NOT_COORDINATOR:
+                _move(link.not_coordinator(env.error.data, now), dealer, log)
+                return  # a standby's answer: the registration is still to be made, at the leader
+            link.answered()
         if env.op == "register":
             core.registration_answered()
         if env.op == "alter_isr":
@@ -319,6 +336,24 @@ def _handle_from_coordinator(core: PartitionActorCore, frames: list, now: int, r
     token = ((dealer, None), env.corr_id, env.op)
     for effect in _guarded(core, token, env, now, log, from_coordinator=True, wall=wall):
         _apply(effect, router, dealer, log)
+
+
+def _earliest(*deadlines: int | None) -> int | None:
+    given = [d for d in deadlines if d is not None]
+    return min(given) if given else None
+
+
+def _move(move: Move | None, dealer: zmq.Socket, log: Any) -> None:
+    """Register with another coordinator: the one DEALER leaves `old` and dials `new`.
+    What was queued towards `old` is dropped; the next registration reports everything."""
+    if move is None:
+        return
+    try:
+        dealer.disconnect(move.old)
+    except zmq.ZMQError:  # never connected there (a test's dealer): nothing to leave
+        pass
+    dealer.connect(move.new)
+    log.info("coordinator.moved", old=move.old, new=move.new, reason=move.reason, leader=move.leader)
 
 
 def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int, log: Any,

@@ -6,12 +6,12 @@
 //   node selfcheck.js <command> [url]
 //
 // Pure commands: partition, crc, produce-frames, decode-batches, decode-each, decode-reply,
-// retriable, doc-example.
+// retriable, doc-example, coordinators.
 // Socket commands (need a peer at url): scenarios, group-retry, range-limits, keyless
-// (the fake broker of test_cross_language.py), live, proto-headers, stale-omitted (a real broker).
+// (the fake broker of test_cross_language.py), follow (a fake standby before it), live, proto-headers, stale-omitted (a real broker).
 
 import {
-  Client, Connection, crc32, decodeHeader, decodeStoredBatches, encodeRecords, partitionForKey,
+  Client, Connection, Coordinators, crc32, decodeHeader, decodeStoredBatches, encodeRecords, partitionForKey,
   produceFrames, RETRIABLE, ZBrokerError,
 } from "./zbroker.js";
 
@@ -73,6 +73,32 @@ function recordJson(r) {
 }
 
 const commands = {
+  // Where Coordinators sends a client after each error of `errors`, and the backoff then.
+  coordinators({ urls, errors }) {
+    const c = new Coordinators(urls);
+    const steps = errors.map(({ code, leader, local = false, from }) => {
+      const again = c.redirected(new ZBrokerError(code, code, { local, data: leader === undefined ? {} : { leader } }),
+        from ?? c.current);
+      return { again, current: c.current, backoffMs: c.backoffMs() };
+    });
+    c.answered();
+    return { steps, afterAnswer: c.backoffMs(), attempts: c.attempts() };
+  },
+
+  // A client given a list (or only a standby) finds the leader: hello, a topic, records in and out.
+  async follow({ requestTimeoutMs = 10_000 }, url) {
+    return scenario(url, { requestTimeoutMs, retryTimeoutMs: 20_000 }, async (client, r) => {
+      const hello = await client.hello();
+      r.actor = hello.actor;
+      r.features = client.features;
+      await client.createTopic("follow", 1);
+      await client.produce("follow", [{ value: Buffer.from("a") }, { value: Buffer.from("b") }], { partition: 0 });
+      r.fetched = (await client.fetch("follow", 0, 0)).records.map((rec) => rec.value.toString());
+      r.topics = (await client.metadata()).map((t) => t.name);
+      r.url = client.url;
+    });
+  },
+
   partition({ keys, partitions }) {
     return { results: keys.map((k) => partitions.map((n) => partitionForKey(unhex(k), n))) };
   },

@@ -8,7 +8,9 @@
 // (s.4). Every request has its own timeout, since a DEALER silently queues
 // requests while a peer is down.
 //
-// A Client holds the coordinator connection, one connection per partition
+// A Client holds the coordinator connection (to one node of a cluster at a time:
+// `Coordinators` follows NOT_COORDINATOR's data.leader, or moves to the next
+// bootstrap URL on a timeout, with backoff, s.2), one connection per partition
 // actor endpoint (taken from `metadata`, s.8.2), a metadata cache, and the
 // idempotent-producer state: one (producer_id, next sequence) per
 // (topic, partition), with one batch in flight at a time (s.13).
@@ -537,6 +539,9 @@ export class Connection {
     this.version = header.version;
     this.limits = header.limits ?? {};
     this.actor = header.actor;
+    // What the actor supports beyond the base protocol (s.8.1); an older actor sends none,
+    // and an unknown string is ignored by whoever checks for a known one.
+    this.features = Array.isArray(header.features) ? header.features.filter((f) => typeof f === "string") : [];
     return header;
   }
 
@@ -561,7 +566,79 @@ function backoffMs(attempt, deadline) {
 // Errors after which a partition request is retried once metadata has been refreshed (s.7).
 const REFRESH_CODES = new Set(["NOT_OWNER", "NOT_LEADER", "UNAVAILABLE", "SHUTTING_DOWN", "TIMEOUT"]);
 
-/** Open a client to the coordinator at `url` and say hello. */
+/** The coordinator URLs of a client URL argument: a comma-separated string, or an array. */
+export function bootstrapUrls(url) {
+  const parts = Array.isArray(url) ? url : String(url).split(",");
+  const urls = [...new Set(parts.map((u) => String(u).trim()).filter((u) => u.length > 0))];
+  if (urls.length === 0) {
+    throw new ZBrokerError("BAD_REQUEST", `no coordinator URL in ${JSON.stringify(url)} (a URL looks like tcp://HOST:PORT)`,
+      { local: true, data: { field: "url" } });
+  }
+  return urls;
+}
+
+/**
+ * The bootstrap list and the coordinator a client talks to now (s.2), as the Python
+ * client's `Coordinators`. NOT_COORDINATOR naming a leader (data.leader.endpoint) moves
+ * the client there; naming none (mid-failover) or naming the current one moves it to the
+ * next URL, as does a TIMEOUT when there are several. The caller retries after backoffMs():
+ * 50 ms doubling to 2 s while the failures go on, reset by the first answer. No I/O.
+ */
+export class Coordinators {
+  static BACKOFF_START_MS = 50;
+  static BACKOFF_MAX_MS = 2000;
+
+  constructor(url) {
+    this.urls = bootstrapUrls(url);
+    this.current = this.urls[0];
+    this.failures = 0;
+  }
+
+  /**
+   * After `err` from the coordinator at `from`: true when the request should go again (to
+   * `current`, after backoffMs()). An error from where the client no longer is (a concurrent
+   * request already moved it) moves nothing more.
+   */
+  redirected(err, from = this.current) {
+    if (!(err instanceof ZBrokerError)) return false;
+    const redirecting = err.code === "NOT_COORDINATOR" || (err.code === "TIMEOUT" && err.local && this.urls.length > 1);
+    if (redirecting && from !== this.current) return true;
+    if (err.code === "NOT_COORDINATOR") {
+      const endpoint = err.data?.leader?.endpoint;
+      if (typeof endpoint === "string" && endpoint.length > 0 && endpoint !== this.current) this.current = endpoint;
+      else this.#rotate();
+      this.failures += 1;
+      return true;
+    }
+    if (err.code === "TIMEOUT" && err.local && this.urls.length > 1) {
+      this.#rotate();
+      this.failures += 1;
+      return true;
+    }
+    return false;
+  }
+
+  #rotate() {
+    const i = this.urls.indexOf(this.current);
+    // A leader we were sent to that stopped answering is not on the list: back to its start.
+    this.current = i < 0 ? this.urls[0] : this.urls[(i + 1) % this.urls.length];
+  }
+
+  backoffMs() {
+    return Math.min(Coordinators.BACKOFF_MAX_MS, Coordinators.BACKOFF_START_MS * 2 ** Math.max(0, this.failures - 1));
+  }
+
+  answered() {
+    this.failures = 0;
+  }
+
+  /** How many redirects one call follows before giving up: every URL a few times over. */
+  attempts() {
+    return 4 * this.urls.length + 4;
+  }
+}
+
+/** Open a client to the coordinator at `url` (one URL, a comma-separated list, or an array) and say hello. */
 export async function connect(url = DEFAULT_URL, options = {}) {
   const client = new Client(url, options);
   try {
@@ -580,11 +657,13 @@ export class Client {
    * retriable errors.
    */
   constructor(url = DEFAULT_URL, { requestTimeoutMs = 10_000, retryTimeoutMs = 30_000, clientName = CLIENT_NAME } = {}) {
-    this.url = url;
+    this.bootstrap = new Coordinators(url);
+    this.url = this.bootstrap.current;
     this.requestTimeoutMs = requestTimeoutMs;
     this.retryTimeoutMs = retryTimeoutMs;
     this.clientName = clientName;
-    this.coordinator = new Connection(url, { requestTimeoutMs });
+    this.coordinator = new Connection(this.url, { requestTimeoutMs });
+    this.features = [];            // of the coordinator's last hello
     this.actors = new Map();       // endpoint -> {conn, ready: Promise}
     this.topics = new Map();       // topic -> {name, partitions: [{partition, endpoint, actor_id}], config}
     this.producerId = randomProducerId();
@@ -595,12 +674,44 @@ export class Client {
 
   /** Send a request to the coordinator; returns the reply header. */
   async call(op, fields = {}, options = {}) {
-    const { header } = await this.coordinator.request(op, fields, options);
+    const { header } = await this.#toCoordinator((conn) => conn.request(op, fields, options));
     return header;
   }
 
-  hello() {
-    return this.coordinator.hello({ client: this.clientName });
+  /** hello to the coordinator: its version, limits and `features` (kept in this.features). */
+  async hello() {
+    const header = await this.#toCoordinator((conn) => conn.hello({ client: this.clientName }));
+    this.features = this.coordinator.features;
+    return header;
+  }
+
+  /**
+   * `send(connection)` to the coordinator that leads: a NOT_COORDINATOR answer, or with
+   * several URLs a timeout, moves the connection (this.url says where it is now) and sends
+   * again after a backoff, up to bootstrap.attempts() times; a failover is a pause, not an
+   * error. Other errors are the caller's.
+   */
+  async #toCoordinator(send) {
+    for (let attempt = 0; ; attempt++) {
+      const conn = this.coordinator;
+      try {
+        const reply = await send(conn);
+        this.bootstrap.answered();
+        return reply;
+      } catch (err) {
+        // A request on a connection another one closed when it moved: sent again where the client is now.
+        if (conn !== this.coordinator && !this.closed && attempt + 1 < this.bootstrap.attempts()) continue;
+        if (this.closed || attempt + 1 >= this.bootstrap.attempts() || !this.bootstrap.redirected(err, conn.url)) {
+          throw err;
+        }
+        if (this.bootstrap.current !== this.coordinator.url) {
+          this.coordinator.close();
+          this.coordinator = new Connection(this.bootstrap.current, { requestTimeoutMs: this.requestTimeoutMs });
+          this.url = this.bootstrap.current;
+        }
+        await sleep(this.bootstrap.backoffMs());
+      }
+    }
   }
 
   status() {

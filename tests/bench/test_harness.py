@@ -15,7 +15,7 @@ def run(adapters: dict, **config) -> dict:
     config.setdefault("scale", 0.001)  # 200 records
     config.setdefault("ceiling", False)
     config.setdefault("progress", False)
-    config.setdefault("workloads", tuple(w for w in harness.WORKLOADS if w != "commits"))
+    config.setdefault("workloads", tuple(w for w in harness.WORKLOADS if w not in ("commits", "coordinator_failover")))
     cfg = harness.Config(**config)
     return harness.Harness(cfg, {name: (lambda a=a: a) for name, a in adapters.items()}).run()
 

@@ -368,6 +368,19 @@ def test_not_coordinator_follows_the_leader_named_or_rotates_with_a_capped_backo
     assert not c.redirected(BadRequest("no"))
 
 
+def test_no_connection_to_the_current_coordinator_rotates_as_a_timeout_does():
+    # Seen in the failover benchmark: a standby named the killed leader, whose socket then
+    # refused every send (UNAVAILABLE, no connection), and the client retried it for ever.
+    from zbroker.protocol.errors import Unavailable
+
+    c = Coordinators("tcp://a:1,tcp://b:2")
+    c.redirected(NotCoordinator("not me", leader={"endpoint": "tcp://dead:1", "node_id": "d", "epoch": 3}))
+    assert c.redirected(Unavailable("no connection to tcp://dead:1", endpoint="tcp://dead:1"))
+    assert c.current == "tcp://a:1"
+    assert not c.redirected(Unavailable("offsets loading"))  # the coordinator's own answer: the caller's
+    assert not Coordinators("tcp://a:1").redirected(Unavailable("no connection", endpoint="tcp://a:1"))
+
+
 def test_a_single_coordinator_url_raises_its_timeouts_as_before():
     c = Coordinators("tcp://a:1")
     assert not c.redirected(RequestTimeout("no reply"))

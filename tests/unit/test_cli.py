@@ -178,6 +178,26 @@ def test_status_lists_under_replicated_partitions_and_is_unhealthy_below_min_ins
     assert "UNHEALTHY" in out and "OFFLINE" in out
 
 
+def test_status_shows_the_cluster_its_leader_epoch_and_lease_age(monkeypatch, capsys):
+    from zbroker.storage.offsets.cluster_view import cluster_view
+
+    lease = {"holder": "n2", "endpoint": "tcp://127.0.0.2:7400", "epoch": 4, "lease_age_ms": 250,
+             "held_for_ms": 61_000, "remaining_ms": 4750}
+    history = [{"holder": "n2", "endpoint": "tcp://127.0.0.2:7400", "last_epoch": 4, "epochs_taken": 2,
+                "last_taken_ms_ago": 61_000},
+               {"holder": "n1", "endpoint": "tcp://127.0.0.1:7400", "last_epoch": 3, "epochs_taken": 2,
+                "last_taken_ms_ago": 90_000}]
+    fake_admin(monkeypatch, status={**_status([]), "cluster": cluster_view("postgresql", lease, history)})
+    assert run(monkeypatch, "status") == 0
+    out = capsys.readouterr().out
+    assert "n2 (tcp://127.0.0.2:7400) leads at epoch 4; lease renewed 250 ms ago, held 61.0 s, expires in 4750 ms" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("n1 ", "n2 "))}
+    assert rows["n2"][2] == "leader" and rows["n1"][2:4] == ["not", "leading"]
+    fake_admin(monkeypatch, status={**_status([]), "cluster": cluster_view("sqlite", None, [], endpoint="tcp://h:7400")})
+    assert run(monkeypatch, "status") == 0
+    assert "cluster of one (sqlite): tcp://h:7400 leads" in capsys.readouterr().out
+
+
 def test_describe_shows_each_replicas_lag_behind_the_high_watermark(monkeypatch, capsys):
     part = {"partition": 0, "log_start": 0, "log_end": 10, "bytes": 5, "actor_id": "a", "endpoint": "tcp://x:1",
             "leader": "a", "leader_epoch": 2, "replicas": ["a", "b"], "isr": ["a"], "high_watermark": 10,

@@ -9,6 +9,7 @@ import zmq
 
 from zbroker.actors import runtime
 from zbroker.actors.partition_log import shell
+from tests.support.actor_thread import start_actor_loop
 
 
 def test_a_failed_background_fsync_stops_the_loop():
@@ -186,24 +187,9 @@ def test_registrations_keep_their_pace_when_the_wall_clock_steps_back(tmp_path, 
     ctx = zmq.Context()
     coordinator = ctx.socket(zmq.ROUTER)
     coordinator.bind("inproc://coordinator")
-    stop, failed = runtime.StopFlag(), []
     core = PartitionActorCore("p0", open_log=shell.LockedLogOpener(tmp_path))
     core.next_deadline = lambda: 0  # poll without waiting: the fake clock is not real time
-
-    def actor() -> None:
-        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        try:
-            router.bind("inproc://actor")
-            dealer.connect("inproc://coordinator")
-            shell._loop(core, router, dealer, "inproc://actor", "host:/data", stop, structlog.get_logger(), None, [])
-        except BaseException as exc:  # reported by the test thread
-            failed.append(exc)
-        finally:
-            router.close(linger=0)
-            dealer.close(linger=0)
-
-    thread = threading.Thread(target=actor, daemon=True)
-    thread.start()
+    thread, stop, failed = start_actor_loop(ctx, core, "inproc://coordinator")
     try:
         registrations = 0
         while registrations < 3:

@@ -128,7 +128,11 @@ class Coordinators:
                 self._rotate()
             self._failures += 1
             return True
-        if code is ErrorCode.TIMEOUT and self.several:
+        if self.several and (code is ErrorCode.TIMEOUT or (
+                # No connection to it (the send gave up: a killed node refuses connections,
+                # and the socket queues nothing towards a peer not connected): as a timeout.
+                # Without this a client sent to a dead leader retried it for ever.
+                code is ErrorCode.UNAVAILABLE and (getattr(error, "data", None) or {}).get("endpoint") == self.current)):
             self._rotate()
             self._failures += 1
             return True
