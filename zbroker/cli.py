@@ -192,6 +192,17 @@ def _topics_admin(args: argparse.Namespace, admin: Any) -> int:
         result = admin.alter_topic(args.name, **changes)
         print(json.dumps(result) if args.json else
               f"topic {args.name}: {result['partitions']} partition(s), config {json.dumps(result['config'])}")
+    elif args.topics_cmd == "delete":
+        result = admin.delete_topic(args.name)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            groups = f"; offsets of group(s) {', '.join(result['groups'])} removed" if result["groups"] else ""
+            print(f"deleted topic {args.name} ({result['partitions']} partition(s)){groups}")
+            if result["pending"]:
+                print(f"files of {len(result['pending'])} partition(s) wait for their actor to come back "
+                      f"({', '.join(sorted({a for _p, a in result['pending']}))}); the name is free once they are "
+                      f"gone", file=sys.stderr)
     return 0
 
 
@@ -701,6 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
     alter.add_argument("--partitions", type=_positive, help="new partition count (grow only)")
     alter.add_argument("--retention-ms", type=int, help="-1 = unlimited")
     alter.add_argument("--retention-bytes", type=int, help="per partition; -1 = unlimited")
+    tdelete = tsub.add_parser("delete", parents=[inner],
+                              help="delete a topic no live consumer reads: its logs and its groups' offsets")
+    tdelete.add_argument("name")
     topics.set_defaults(func=cmd_topics)
 
     produce = client_cmd("produce", "produce lines from stdin, or synthetic records")

@@ -242,13 +242,18 @@ def partitions_for_open_files(limit: int) -> int:
 
 # (topic, partition, config, wall_ms): wall_ms stamps the log's recovery report.
 LogOpener = Callable[[str, int, LogConfig, int], PartitionLog]
+# Deletes a closed partition's files (delete_topic); raises OpenFailed when it cannot yet
+# (another actor on the same storage still holds the partition), OSError on an I/O error.
+LogRemover = Callable[[str, int], None]
 
 
 class PartitionActorCore:
     def __init__(self, actor_id: str, *, open_log: LogOpener, fsync: FsyncPolicy = FsyncPolicy(),
                  limits: Limits = Limits(), background_sync: Callable[[list], None] | None = None,
-                 max_open_partitions: int | None = None, replica_lag_ms: int = DEFAULT_REPLICA_LAG_MS) -> None:
+                 max_open_partitions: int | None = None, replica_lag_ms: int = DEFAULT_REPLICA_LAG_MS,
+                 remove_log: LogRemover | None = None) -> None:
         self.actor_id = actor_id
+        self._remove_log = remove_log
         # Replicated partitions only (assign's `replicas`); empty for an R = 1 broker.
         self.replicas: dict[tuple[str, int], Replica] = {}
         self._replica_states: dict[tuple[str, int], ReplicaState] = {}
@@ -446,6 +451,32 @@ class PartitionActorCore:
         log.info("partition.released", topic=key[0], partition=key[1])
         return effects
 
+    def delete_partitions(self, token: Any, msg: m.DeletePartitions, now_ms: int) -> list:
+        """delete_topic reaches the disk: each partition is closed (if open here) and its
+        files removed; one that cannot be removed yet is reported `failed` and asked again."""
+        if msg.coordinator_epoch < self.coordinator_epoch:
+            raise StaleEpoch("delete from an older coordinator", epoch=self.coordinator_epoch,
+                             got=msg.coordinator_epoch)
+        if self._remove_log is None:
+            raise UnknownOp("this partition actor cannot delete logs", op=msg.op)
+        effects: list = []
+        deleted, failed = [], []
+        for topic, partition in msg.partitions:
+            key = (topic, partition)
+            if key in self.logs:
+                effects += self._release(key, now_ms)
+            self._wanted.pop(key, None)
+            self._why_not_open.pop(key, None)
+            self._replica_states.pop(key, None)
+            try:
+                self._remove_log(topic, partition)
+            except OpenFailed as exc:
+                failed.append([topic, partition, str(exc)])
+                continue
+            log.info("partition.deleted", topic=topic, partition=partition)
+            deleted.append([topic, partition])
+        return effects + [Reply(token, m.DeletePartitionsReply(deleted=deleted, failed=failed))]
+
     def owned(self) -> list[list]:
         return [[t, p] for (t, p) in sorted(self.logs)]
 
@@ -463,8 +494,8 @@ class PartitionActorCore:
         """
         op = env.op
         try:
-            if op == "assign" and not from_coordinator:
-                raise Unauthorized("assign is accepted only from the coordinator", op=op)
+            if op in ("assign", "delete_partitions") and not from_coordinator:
+                raise Unauthorized(f"{op} is accepted only from the coordinator", op=op)
             if op == "produce":
                 return self.produce(token, env.msg, env.frames, now_ms, wall_ms=wall_ms)
             if op == "fetch":
@@ -482,6 +513,8 @@ class PartitionActorCore:
                 return effects + [Reply(token, self.assignment_reply())]
             if op == "replica_fetch":
                 return self.replica_fetch(token, env.msg, now_ms)
+            if op == "delete_partitions":
+                return self.delete_partitions(token, env.msg, now_ms)
             raise UnknownOp(f"op {op!r} is not served by a partition actor", op=op)
         except ZBrokerError as err:
             self.counters["errors"] += 1

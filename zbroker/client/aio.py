@@ -28,6 +28,7 @@ from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumu
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
                                  checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
+from zbroker.client import admin as admin_requests
 from zbroker.client.keys import ClientKeys
 from zbroker.client.consumer_core import ConsumerCore, core_field, fetch_bytes, max_wait_ms
 from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry
@@ -214,6 +215,10 @@ class AsyncAdmin:
 
     async def delete_group(self, group: str) -> dict:
         return (await self.conn.coordinator(m.DeleteGroup(group=group))).to_fields()
+
+    async def delete_topic(self, name: str) -> dict:
+        request, timeout = admin_requests.delete_topic(name)
+        return (await self.conn.coordinator(request, timeout=max(timeout, self.conn.request_timeout))).to_fields()
 
     async def close(self) -> None:
         await self.conn.close()

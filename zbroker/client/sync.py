@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 import structlog
 import zmq
 
+from zbroker.client import admin as admin_requests
 from zbroker.client.keys import ClientKeys
 from zbroker.client.wire import recv_frames, send_frames
 from zbroker.protocol import codec
@@ -248,6 +249,10 @@ class Admin:
 
     def delete_group(self, group: str) -> dict:
         return self.conn.coordinator(m.DeleteGroup(group=group)).to_fields()
+
+    def delete_topic(self, name: str) -> dict:
+        request, timeout = admin_requests.delete_topic(name)
+        return self.conn.coordinator(request, timeout=max(timeout, self.conn.request_timeout)).to_fields()
 
     def close(self) -> None:
         self.conn.close()
