@@ -205,3 +205,60 @@ def test_delete_topic_refuses_live_consumers_then_removes_logs_and_offsets_for_g
         ends = {("orders", p["partition"]): p["log_end"] for p in admin.describe_topic("orders")["partitions"]}
         wait_committed(admin, "workers", {**ends, ("other", 0): 5})
         assert consumer.poll(timeout=0.5) == []  # "other" was not delivered again
+
+
+def _dlq_end(admin, topic: str) -> int:
+    try:
+        return admin.describe_topic(topic)["partitions"][0]["log_end"]
+    except ZBrokerError:
+        return 0
+
+
+def test_dlq_redrive_moves_letters_back_with_provenance_and_counts_each_attempt(broker):
+    from zbroker.client.redrive import redrive_dead_letters
+    with Admin(broker.url) as admin:
+        admin.create_topic("jobs", partitions=2)
+        with Producer(broker.url, linger_ms=1) as producer:
+            for i in range(10):
+                producer.send("jobs", b"job-%d" % i, key=b"k%d" % i, headers={"trace": b"t%d" % i})
+        with Consumer(broker.url, group="workers", topics=["jobs"]) as consumer:
+            got = drain(consumer, 10, ack=False)
+            bad = [r for r in got if r.value in (b"job-1", b"job-4", b"job-7", b"job-8")]
+            consumer.reject(bad, reason="poison")
+            consumer.ack_many([r for r in got if r not in bad])
+            consumer.flush_acks()
+        wait_for(lambda: _dlq_end(admin, "jobs.dlq") == 4, "four dead letters")
+
+        err = refused(lambda: redrive_dead_letters(broker.url, "nope.dlq"))
+        assert err.code is ErrorCode.UNKNOWN_TOPIC
+        proc = cli(broker.url, "dlq", "redrive", "nope.dlq", check=False)
+        assert proc.returncode == 1 and "UNKNOWN_TOPIC" in proc.stderr
+
+        first = json.loads(cli(broker.url, "dlq", "redrive", "jobs.dlq", "--max", "3", "--json").stdout)
+        assert (first["redriven"], first["by_topic"], first["skipped"]) == (3, {"jobs": 3}, [])
+        assert "redrove 1 dead letter(s)" in cli(broker.url, "dlq", "redrive", "jobs.dlq").stdout
+        empty = cli(broker.url, "dlq", "redrive", "jobs.dlq")  # all gone back: a result, not an error
+        assert empty.returncode == 0 and "nothing to redrive" in empty.stdout
+        admin.create_topic("quiet.dlq", partitions=1)
+        assert redrive_dead_letters(broker.url, "quiet.dlq")["redriven"] == 0
+
+        # Back in the source, once each: value, key and headers kept, provenance kept, the attempt counted.
+        with Consumer(broker.url, group="workers", topics=["jobs"]) as consumer:
+            back = drain(consumer, 4, ack=False)
+            assert sorted(r.value for r in back) == [b"job-1", b"job-4", b"job-7", b"job-8"]
+            for r in back:
+                i = r.value[4:]
+                assert r.key == b"k" + i and r.headers["trace"] == b"t" + i
+                assert r.headers["zb-dlq-source-topic"] == b"jobs" and r.headers["zb-dlq-reason"] == b"reject:poison"
+                assert r.headers["zb-dlq-redrives"] == b"1"
+            again = [r for r in back if r.value == b"job-4"]
+            consumer.reject(again, reason="still poison")
+            consumer.ack_many([r for r in back if r.value != b"job-4"])
+            consumer.flush_acks()
+            assert consumer.poll(timeout=0.5) == []  # nothing delivered twice
+        wait_for(lambda: _dlq_end(admin, "jobs.dlq") == 5, "the letter is dead again")
+        assert redrive_dead_letters(broker.url, "jobs.dlq")["redriven"] == 1
+        with Consumer(broker.url, group="workers", topics=["jobs"]) as consumer:
+            [twice] = drain(consumer, 1)
+            assert twice.value == b"job-4" and twice.headers["zb-dlq-redrives"] == b"2"
+            assert twice.headers["zb-dlq-reason"] == b"reject:still poison"
