@@ -786,6 +786,7 @@ class CoordinatorShell:
                   "metrics": self.writer["metrics"], "unconfirmed_advances": len(self.unconfirmed)}
         coordinator = {"kind": "group-coordinator", "actor_id": "coordinator", "pid": os.getpid(),
                        "endpoint": self.endpoint, "healthy": True, "offsets_loaded": self.offsets_loaded,
+                       "coordinator_epoch": self.topics.coordinator_epoch,
                        "statistics": self.core.statistics()}
         return [coordinator, writer, *self.topics.actor_status(now)]
 

@@ -117,6 +117,7 @@ class PartitionInfo:
     proposed: ReplicaSet | None = None  # replicated: decided, its write not confirmed yet
     replica_log_ends: dict = dataclasses.field(default_factory=dict)  # actor_id -> log end it reported
     high_watermark: int | None = None  # replicated: as the current leader last reported it
+    bytes_appended: int = 0  # payload bytes its owner appended since that process started
 
     @property
     def replicated(self) -> bool:
@@ -611,6 +612,8 @@ class TopicRegistry:
             if part is None or part.owner != actor_id:
                 continue  # a report from a previous owner, or of a deleted topic
             part.log_start, part.log_end, part.size_bytes = start, end, size
+            if len(item) > 5 and isinstance(item[5], int):  # an older actor reports five fields
+                part.bytes_appended = item[5]
             changed.append((topic, partition, start, end))
         return changed
 
@@ -738,7 +741,7 @@ class TopicRegistry:
                 high_watermark = part.high_watermark if part.high_watermark is not None else part.log_end
                 log_ends = {a: part.replica_log_ends[a] for a in rs.replicas if a in part.replica_log_ends}
             out.append({"partition": p, "log_start": part.log_start, "log_end": part.log_end,
-                        "bytes": part.size_bytes, "actor_id": part.owner,
+                        "bytes": part.size_bytes, "bytes_appended": part.bytes_appended, "actor_id": part.owner,
                         "endpoint": self.endpoint_of(name, p), "leader": part.owner, **fields,
                         "high_watermark": high_watermark, "replica_log_ends": log_ends,
                         "min_insync": rs.min_insync if rs is not None else 1})

@@ -289,6 +289,9 @@ class PartitionActorCore:
         self._next_retention_ms = 0
         self._unanswered_since_ms: int | None = None  # first registration since the last reply
         self._next_unanswered_warning_ms = 0
+        # Payload bytes appended per partition while this process lives: reported with the
+        # log range, the console's zbroker_bytes_produced_total (a counter reset when it restarts).
+        self.bytes_in: dict[tuple[str, int], int] = {}
         self.counters = {"produce_requests": 0, "records_appended": 0, "bytes_appended": 0,
                          "duplicates": 0, "fetch_requests": 0, "errors": 0, "fsyncs": 0}
 
@@ -468,6 +471,7 @@ class PartitionActorCore:
             self._wanted.pop(key, None)
             self._why_not_open.pop(key, None)
             self._replica_states.pop(key, None)
+            self.bytes_in.pop(key, None)
             try:
                 self._remove_log(topic, partition)
             except OpenFailed as exc:
@@ -544,6 +548,7 @@ class PartitionActorCore:
                            producer_id=msg.producer_id, producer_seq=msg.sequence)
         self.counters["records_appended"] += count
         self.counters["bytes_appended"] += len(payload)
+        self.bytes_in[key] = self.bytes_in.get(key, 0) + len(payload)
         self._dirty_since_sync.add(key)
         self._changed.add(key)
         reply = self._produce_reply(token, m.ProduceReply(base_offset=base, count=count))
@@ -573,6 +578,7 @@ class PartitionActorCore:
                            producer_seq=msg.sequence)
         self.counters["records_appended"] += count
         self.counters["bytes_appended"] += len(payload)
+        self.bytes_in[key] = self.bytes_in.get(key, 0) + len(payload)
         self._dirty_since_sync.add(key)
         effects = replica.hold(Reply(token, m.ProduceReply(base_offset=base, count=count)), base + count, now_ms)
         if self.fsync.mode == "always":
@@ -903,20 +909,21 @@ class PartitionActorCore:
     # -- reports ----------------------------------------------------------------------------
 
     def partition_reports(self, keys: Iterable[tuple[str, int]]) -> list[list]:
-        """[topic, partition, log_start, log_end, bytes]; a replicated partition's leader reports
+        """[topic, partition, log_start, log_end, bytes, bytes_appended]; a replicated partition's leader reports
         its high watermark as log_end (the coordinator leases only replicated records), and
         its followers leave it out."""
         if self.replicas:
             return [self._report_row(t, p) for (t, p) in sorted(keys)
                     if (t, p) in self.logs and ((t, p) not in self.replicas or self.replicas[(t, p)].is_leader)]
-        return [[t, p, self.logs[(t, p)].log_start, self.logs[(t, p)].log_end, self.logs[(t, p)].size_bytes]
-                for (t, p) in sorted(keys) if (t, p) in self.logs]
+        bytes_in = self.bytes_in
+        return [[t, p, plog.log_start, plog.log_end, plog.size_bytes, bytes_in.get((t, p), 0)]
+                for (t, p) in sorted(keys) if (plog := self.logs.get((t, p))) is not None]
 
     def _report_row(self, topic: str, partition: int) -> list:
         plog = self.logs[(topic, partition)]
         replica = self.replicas.get((topic, partition))
         end = plog.log_end if replica is None else replica.high_watermark
-        return [topic, partition, plog.log_start, end, plog.size_bytes]
+        return [topic, partition, plog.log_start, end, plog.size_bytes, self.bytes_in.get((topic, partition), 0)]
 
     def replica_states(self, keys: Iterable[tuple[str, int]] | None = None) -> list[list]:
         """`replica_states` items for every replica held (or those of `keys`)."""

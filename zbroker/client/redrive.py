@@ -83,14 +83,15 @@ def _text(value: Any) -> str:
 
 
 def redrive_dead_letters(url: str, dlq_topic: str, *, group: str = DEFAULT_CURSOR_GROUP,
-                         max_records: int | None = None, request_timeout: float = 5.0) -> dict:
+                         max_records: int | None = None, request_timeout: float = 5.0,
+                         curve: Any = None) -> dict:
     """Move the letters of `dlq_topic` back to their source topics (see the module doc).
 
     Returns {dlq_topic, group, redriven, by_topic: {topic: n}, skipped: [{partition,
     offset, reason}]}. Raises UNKNOWN_TOPIC for a topic that does not exist."""
     from zbroker.client.sync import Admin, Connection, Consumer, Producer, fetch
 
-    with Admin(url, request_timeout=request_timeout) as admin:
+    with Admin(url, request_timeout=request_timeout, curve=curve) as admin:
         admin.describe_topic(dlq_topic)  # UNKNOWN_TOPIC before any group is made
         # The cursor reads from the first letter, and a letter that keeps failing to go
         # back is not dead-lettered again by its own lease timeouts.
@@ -99,9 +100,9 @@ def redrive_dead_letters(url: str, dlq_topic: str, *, group: str = DEFAULT_CURSO
     result: dict[str, Any] = {"dlq_topic": dlq_topic, "group": group, "redriven": 0, "by_topic": {},
                               "skipped": []}
     skipped: set[tuple[int, int]] = set()
-    with Consumer(url, group=group, topics=[dlq_topic]) as consumer, \
-            Producer(url, linger_ms=1, request_timeout=request_timeout) as producer, \
-            closing(Connection(url, request_timeout=request_timeout)) as conn:
+    with Consumer(url, group=group, topics=[dlq_topic], curve=curve) as consumer, \
+            Producer(url, linger_ms=1, request_timeout=request_timeout, curve=curve) as producer, \
+            closing(Connection(url, request_timeout=request_timeout, curve=curve)) as conn:
         while max_records is None or result["redriven"] < max_records:
             wanted = POLL_RECORDS if max_records is None else min(POLL_RECORDS, max_records - result["redriven"])
             letters = [r for r in consumer.poll(max_records=wanted, timeout=IDLE_POLL_S)
