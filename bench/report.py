@@ -228,6 +228,8 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     workloads["memory"] = memory if memory is not None else {"status": "not run"}
     failover = results.get("coordinator_failover")
     workloads["coordinator_failover"] = failover if failover is not None else {"status": "not run"}
+    overhead = results.get("console_overhead")
+    workloads["console_overhead"] = overhead if overhead is not None else {"status": "not run"}
 
     return {
         "workloads": workloads,
@@ -388,6 +390,7 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out.append(_render_commits(w.get("commits", {}), notes))
     out.append(_render_memory(w.get("memory", {}), notes))
     out.append(_render_coordinator_failover(w.get("coordinator_failover", {}), notes))
+    out.append(_render_console_overhead(w.get("console_overhead", {}), notes))
 
     out.append("\n### Durability settings\n")
     out.append("| system | version | workload | settings |")
@@ -559,6 +562,21 @@ def _render_commits(entry: dict[str, Any], notes: _Footnotes) -> str:
         f"{r.get('advances_per_row', 'n/a')} | {r.get('flush_latency_ms_p50')} / {r.get('flush_latency_ms_p99')} | "
         f"{'met' if r.get('goal_met') else 'not met'} |",
         f"\nStatements counted by: {r.get('statement_source', 'the writer')}.\n"])
+
+
+def _render_console_overhead(entry: dict[str, Any], notes: _Footnotes) -> str:
+    if entry.get("status") != "ok" or not isinstance(entry.get("result"), dict):
+        return f"\nConsole overhead (bench.console_overhead): {_status_cell(entry, notes)}\n"
+    r = entry["result"]
+    lines = [f"\nConsole overhead ({entry.get('how')}): records/s, median of {r['rounds']} alternating rounds "
+             f"of {r['records_per_round']:,} records each; the console scraped once a second "
+             f"({r['scrapes']} scrapes, {r['scrape_failures']} failed).\n",
+             "| workload | --http off | console on, scraped | ratio |", "|---|---:|---:|---:|"]
+    for figure, label in (("produce_rps", "produce"), ("consume_ack_rps", "consume+ack")):
+        f = r[figure]
+        lines.append(f"| {label} | {f['http_off']:,} | {f['console_scraped']:,} | {f['ratio']:.3f} |")
+    lines.append(f"\nGoal (within 5 %): {'met' if r.get('goal_met') else 'not met'}.\n")
+    return "\n".join(lines)
 
 
 def _render_memory(entry: dict[str, Any], notes: _Footnotes) -> str:

@@ -43,6 +43,7 @@ class ErrorCode(str, enum.Enum):
     # Admin operations (PROTOCOL.md s.7).
     GROUP_NOT_EMPTY = "GROUP_NOT_EMPTY"
     INVALID_PARTITIONS = "INVALID_PARTITIONS"
+    TOPIC_IN_USE = "TOPIC_IN_USE"
 
 
 # Whether a client may retry the same request unchanged and expect it to work
@@ -83,6 +84,9 @@ RETRIABLE: dict[ErrorCode, bool] = {
     ErrorCode.GROUP_NOT_EMPTY: False,
     # alter_topic asked for fewer partitions than exist (partitions only grow).
     ErrorCode.INVALID_PARTITIONS: False,
+    # delete_topic of a topic some group's live members consume: as GROUP_NOT_EMPTY, the
+    # operator stops them first; retrying in a loop would delete it under them.
+    ErrorCode.TOPIC_IN_USE: False,
 }
 
 
@@ -233,6 +237,10 @@ class InvalidPartitions(ZBrokerError):
     code = ErrorCode.INVALID_PARTITIONS
 
 
+class TopicInUse(ZBrokerError):
+    code = ErrorCode.TOPIC_IN_USE
+
+
 _BY_CODE: dict[ErrorCode, type[ZBrokerError]] = {
     cls.code: cls
     for cls in (
@@ -240,6 +248,6 @@ _BY_CODE: dict[ErrorCode, type[ZBrokerError]] = {
         TopicExists, NotOwner, Fenced, UnknownMember, StaleLease, OffsetOutOfRange,
         DuplicateSequence, CorruptBatch, UnknownGroup, Unauthorized, Unavailable, ShuttingDown,
         RequestTimeout, NotLeader, NotEnoughReplicas, StaleEpoch, NotCoordinator, GroupNotEmpty,
-        InvalidPartitions,
+        InvalidPartitions, TopicInUse,
     )
 }

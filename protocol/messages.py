@@ -791,9 +791,50 @@ class DeleteGroupReply(Message):
     partitions: list
 
 
+@request("delete_topic")
+class DeleteTopic(Message):
+    topic: str
+
+    def check(self) -> None:
+        validate_topic_name(self.topic)
+
+
+@reply("delete_topic")
+class DeleteTopicReply(Message):
+    """partitions: how many it had; groups: the groups whose offsets on it were removed;
+    pending: [[partition, actor_id], ...] whose files that actor has not confirmed deleted
+    yet (it is down): they go when it comes back, and the name is free for a new topic then."""
+    topic: str
+    partitions: int
+    groups: list
+    pending: list = dataclasses.field(default_factory=list)
+
+
 # ======================================================================================
 # Internal: partition actors <-> coordinator
 # ======================================================================================
+
+@request("delete_partitions")
+class DeletePartitions(Message):
+    """Coordinator -> partition actor: close these partitions if open and delete their
+    files ([[topic, partition], ...]); refused below the highest coordinator epoch seen."""
+    partitions: list
+    coordinator_epoch: int = 0
+
+    def check(self) -> None:
+        if not all(isinstance(x, list) and len(x) == 2 and isinstance(x[1], int) for x in self.partitions):
+            raise ProtocolError("'partitions' must be [[topic, partition], ...]", op=self.op, field="partitions")
+        for topic, _partition in self.partitions:
+            validate_topic_name(topic)
+
+
+@reply("delete_partitions")
+class DeletePartitionsReply(Message):
+    """deleted: [[topic, partition], ...] gone from this actor's disk (absent counts);
+    failed: [[topic, partition, reason], ...] to be asked again."""
+    deleted: list
+    failed: list = dataclasses.field(default_factory=list)
+
 
 @request("register")
 class Register(Message):

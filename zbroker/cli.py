@@ -169,6 +169,20 @@ def cmd_topics(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dlq(args: argparse.Namespace) -> int:
+    from zbroker.client.redrive import redrive_dead_letters
+    result = redrive_dead_letters(args.broker, args.topic, group=args.group, max_records=args.max)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    where = ", ".join(f"{n} to {t}" for t, n in sorted(result["by_topic"].items()))
+    print(f"redrove {result['redriven']} dead letter(s) from {args.topic}" + (f" ({where})" if where else "")
+          + ("" if result["redriven"] else ": nothing to redrive"))
+    for row in result["skipped"]:
+        print(f"left {args.topic}/{row['partition']}@{row['offset']} in place: {row['reason']}", file=sys.stderr)
+    return 0
+
+
 def _replica_row(p: dict) -> dict:
     """A describe_topic partition as a table row; each replica's log end with its lag behind
     the high watermark (an older coordinator sends none of the replica fields)."""
@@ -214,6 +228,17 @@ def _topics_admin(args: argparse.Namespace, admin: Any) -> int:
         result = admin.alter_topic(args.name, **changes)
         print(json.dumps(result) if args.json else
               f"topic {args.name}: {result['partitions']} partition(s), config {json.dumps(result['config'])}")
+    elif args.topics_cmd == "delete":
+        result = admin.delete_topic(args.name)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            groups = f"; offsets of group(s) {', '.join(result['groups'])} removed" if result["groups"] else ""
+            print(f"deleted topic {args.name} ({result['partitions']} partition(s)){groups}")
+            if result["pending"]:
+                print(f"files of {len(result['pending'])} partition(s) wait for their actor to come back "
+                      f"({', '.join(sorted({a for _p, a in result['pending']}))}); the name is free once they are "
+                      f"gone", file=sys.stderr)
     return 0
 
 
@@ -778,6 +803,9 @@ def build_parser() -> argparse.ArgumentParser:
     alter.add_argument("--partitions", type=_positive, help="new partition count (grow only)")
     alter.add_argument("--retention-ms", type=int, help="-1 = unlimited")
     alter.add_argument("--retention-bytes", type=int, help="per partition; -1 = unlimited")
+    tdelete = tsub.add_parser("delete", parents=[inner],
+                              help="delete a topic no live consumer reads: its logs and its groups' offsets")
+    tdelete.add_argument("name")
     topics.set_defaults(func=cmd_topics)
 
     produce = client_cmd("produce", "produce lines from stdin, or synthetic records")
@@ -842,6 +870,16 @@ def build_parser() -> argparse.ArgumentParser:
     gdelete = gsub.add_parser("delete", parents=[inner], help="delete a group without live members, and its offsets")
     gdelete.add_argument("group")
     groups.set_defaults(func=cmd_groups)
+
+    dlq = client_cmd("dlq", "dead-letter topics")
+    dsub = dlq.add_subparsers(dest="dlq_cmd", required=True)
+    redrive = dsub.add_parser("redrive", parents=[inner],
+                              help="move a dead-letter topic's records back to their source topics")
+    redrive.add_argument("topic", help="the dead-letter topic, e.g. orders.dlq")
+    redrive.add_argument("--group", default="zb-redrive",
+                         help="the consumer group that reads it and remembers what went back (default zb-redrive)")
+    redrive.add_argument("--max", type=_positive, default=None, help="redrive at most N records")
+    dlq.set_defaults(func=cmd_dlq)
 
     status = client_cmd("status", "list the actors with their pids, endpoints, partitions and health; "
                                   "exit status 1 when the broker is unhealthy")

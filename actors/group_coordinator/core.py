@@ -182,6 +182,42 @@ class GroupCoordinatorCore:
             self._topics[topic] = partitions
             self._grown_topics.add(topic)
 
+    def consumers_of(self, topic: str) -> dict[str, int]:
+        """group -> how many of its live members subscribe to `topic` (delete_topic refuses then)."""
+        out = {}
+        for group in self._groups.values():
+            count = sum(topic in member.topics for member in group.members.values())
+            if count:
+                out[group.name] = count
+        return out
+
+    def groups_on_topic(self, topic: str) -> list[str]:
+        """Groups with progress on some partition of `topic`."""
+        return [g.name for g in self._groups.values() if any(k[0] == topic for k in g.partitions)]
+
+    def forget_topic(self, topic: str, now_ms: int) -> list:
+        """`topic` is gone (delete_topic), or is new under a name that may have had offsets
+        (create_topic): every group's state on it goes, with a tombstone row per partition,
+        so a topic created under the name later starts from its `start` rule, never from the
+        old offsets. Groups with members subscribed to it must have been refused before."""
+        self._topics.pop(topic, None)
+        self._grown_topics.discard(topic)
+        for key in [k for k in self._logs if k[0] == topic]:
+            del self._logs[key]
+
+        def forget(out: list) -> None:
+            for group in list(self._groups.values()):
+                keys = [k for k in group.partitions if k[0] == topic]
+                if not keys:
+                    continue
+                gone = set(self._forget_offsets(group, keys, out))
+                self._drop_timers(lambda kind, payload, g=group.name: kind in (_DELAYED, _DEAD_LETTER_RETRY)
+                                  and payload[0] == g and payload[1] in gone)
+                out.append(Log("topic_offsets_removed", {"group": group.name, "topic": topic,
+                                                         "partitions": len(keys),
+                                                         "reset_epoch": group.reset_epoch}))
+        return self._event(now_ms, forget)
+
     def on_log_range(self, topic: str, partition: int, log_start: int, log_end: int, now_ms: int) -> list:
         """A partition actor reported its log range: may resolve start positions, apply
         retention and answer waiting polls."""
@@ -204,6 +240,10 @@ class GroupCoordinatorCore:
             state = self._add_state(group, (topic, partition), fresh=True)
             state.load(committed, holes, now_ms)
             state.durable_committed, state.durable_epoch = committed, reset_epoch
+        for group in self._groups.values():
+            # A group that lost some partitions' offsets (delete_topic) goes on above their
+            # tombstones' epoch, or the writer would refuse its new rows for them as older.
+            group.reset_epoch = max(group.reset_epoch, self._epoch_floor.get(group.name, 0))
         self._loaded = True
         self._grown_topics.clear()  # no group has members yet: nothing to rebalance
 
@@ -1172,6 +1212,9 @@ class GroupCoordinatorCore:
             on = self._groups_on.get(key, [])
             if group in on:
                 on.remove(group)
+            if not on:
+                self._groups_on.pop(key, None)
+            self._keyed.pop((group.name, key), None)
             self._dirty.pop((group.name, key), None)
             out.append(PersistOffsets(group.name, key[0], key[1], 0, [], TOMBSTONE_GENERATION, group.reset_epoch))
         for lease_id in [i for i, r in self._leases.items() if r.group == group.name and r.key in gone]:

@@ -35,13 +35,13 @@ from zbroker.actors import runtime, security
 from zbroker.client.wire import recv_frames
 from zbroker.actors.group_coordinator import effects as fx
 from zbroker.actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
-from zbroker.actors.group_coordinator.topics import (AssignActor, LogEvent, PersistTopics, ReloadMetadata,
-                                                     TopicRegistry, WriteMetadata)
+from zbroker.actors.group_coordinator.topics import (AssignActor, DeletePartitionsOn, LogEvent, PersistTopics,
+                                                     ReloadMetadata, TopicRegistry, WriteMetadata)
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched, encode_records, key_hashes
-from zbroker.protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists, Unauthorized, Unavailable,
-                             UnknownOp, ZBrokerError)
+from zbroker.protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists, TopicInUse, Unauthorized,
+                                     Unavailable, UnknownOp, ZBrokerError)
 
 TURN_BUDGET = 512
 WRITER_IDENTITY = b"writer"
@@ -71,7 +71,7 @@ GROUP_OPS = {"join", "heartbeat", "leave", "poll", "ack", "nack", "extend", "rej
 # What hello says this coordinator supports (PROTOCOL.md, hello).
 FEATURES = ["key_shared", "replication"]
 # Admin operations the shell serves itself, one method each (named like the op).
-ADMIN_SHELL_OPS = {"alter_topic"}
+ADMIN_SHELL_OPS = {"alter_topic", "delete_topic"}
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -200,6 +200,9 @@ class CoordinatorShell:
         # reset_group replies held until durable: token key -> (group, topic, reply, give up at)
         self.reset_requests: dict[int, tuple[str, str]] = {}
         self.held_resets: dict[int, tuple[str, str, m.ResetGroupReply, int]] = {}
+        # delete_topic replies held until the files are gone and the tombstones durable:
+        # token key -> (its reply, give up at)
+        self.held_deletes: dict[int, tuple[m.DeleteTopicReply, int]] = {}
 
     # -- inbound ----------------------------------------------------------------------------
 
@@ -373,6 +376,8 @@ class CoordinatorShell:
                 self.tokens.pop(replication["token"], None)
             raise
         self.apply(effects, now)
+        if self.offsets_loaded:  # offsets stored under the name before (a deletion cut short) do not carry over
+            self.apply(self.core.forget_topic(name, now), now)
         self.core.set_topic(name, partitions)
         self.log.info("topic.created", topic=name, partitions=partitions)
 
@@ -386,6 +391,54 @@ class CoordinatorShell:
         self.core.set_topic(msg.topic, topic["partitions"])
         self.log.info("topic.altered", topic=msg.topic, partitions=topic["partitions"], **changes)
         self.reply(token, m.AlterTopicReply(topic=msg.topic, partitions=topic["partitions"], config=topic["config"]))
+
+    def delete_topic(self, token: runtime.RouterToken, msg: m.DeleteTopic, now: int) -> None:
+        """Refused while live members consume it; otherwise the topic goes from the registry,
+        its groups' offsets get tombstones, and the partition actors delete the files. The
+        reply waits for both (up to RESET_DURABLE_TIMEOUT_MS; then it lists what is pending)."""
+        topic = self.topics.require_topic(msg.topic)
+        if not self.offsets_loaded:
+            raise Unavailable("the group coordinator is still loading stored offsets", op=msg.op)
+        consumers = self.core.consumers_of(msg.topic)
+        if consumers:
+            raise TopicInUse(f"topic {msg.topic!r} is consumed by live members of {len(consumers)} group(s) "
+                             f"({', '.join(sorted(consumers))}); stop them first", topic=msg.topic,
+                             groups=sorted(consumers))
+        partitions = topic["partitions"]
+        groups = sorted(self.core.groups_on_topic(msg.topic))
+        self.apply(self.topics.delete_topic(msg.topic, now), now)
+        self.apply(self.core.forget_topic(msg.topic, now), now)
+        for key in [k for k in self.dead_letter_seq if k[0] == msg.topic]:
+            del self.dead_letter_seq[key]
+        self.log.info("topic.deleted", topic=msg.topic, partitions=partitions, groups=groups)
+        self.held_deletes[self.hold(token)] = (m.DeleteTopicReply(topic=msg.topic, partitions=partitions,
+                                                                  groups=groups),
+                                               now + RESET_DURABLE_TIMEOUT_MS)
+        self.release_deletes(now)
+
+    def release_deletes(self, now: int) -> None:
+        for key, (reply, give_up_at) in list(self.held_deletes.items()):
+            pending = self.topics.pending_deletion(reply.topic)
+            durable = not any(k[1] == reply.topic for k in self.unconfirmed)
+            if (pending or not durable) and now < give_up_at:
+                continue
+            del self.held_deletes[key]
+            if durable:
+                reply.pending = pending
+                self.reply(self.tokens.pop(key), reply)
+            else:
+                self.reply_error(self.tokens.pop(key), Unavailable(
+                    "the topic is deleted but the commit writer has not made the removal of its offsets "
+                    "durable yet", topic=reply.topic))
+
+    def on_partitions_deleted(self, actor_id: str, env: codec.Envelope | None, now: int) -> None:
+        if env is None or env.error is not None or env.msg is None:
+            return  # asked again after DELETE_RESEND_MS
+        for topic, partition, reason in env.msg.failed:
+            self.log.warning("topic.partition_not_deleted", actor_id=actor_id, topic=topic, partition=partition,
+                             reason=reason)
+        self.apply(self.topics.on_partitions_deleted(actor_id, env.msg.deleted), now)
+        self.release_deletes(now)
 
     def feed_ranges(self, ranges: list, now: int) -> None:
         for topic, partition, start, end in ranges:
@@ -441,6 +494,11 @@ class CoordinatorShell:
                 (self.log.warning if loud else self.log.info)(effect.event, **effect.fields)
             elif isinstance(effect, AssignActor):
                 self.send_assign(effect.actor_id, now)
+            elif isinstance(effect, DeletePartitionsOn):
+                self.request(f"partition:{effect.actor_id}".encode(),
+                             m.DeletePartitions(partitions=effect.partitions,
+                                                coordinator_epoch=self.topics.coordinator_epoch), now,
+                             lambda env, a=effect.actor_id: self.on_partitions_deleted(a, env, runtime.now_ms()))
             else:  # pragma: no cover
                 raise TypeError(f"unknown effect {effect!r}")
 
@@ -547,6 +605,8 @@ class CoordinatorShell:
                 del self.unconfirmed[key]
         self.apply(self.core.on_durable(durable, now), now)
         self.release_resets(now)
+        if self.held_deletes:
+            self.release_deletes(now)
 
     def release_resets(self, now: int) -> None:
         """Answer the resets whose offsets are durable, and give up on those past their time."""
@@ -726,6 +786,7 @@ class CoordinatorShell:
                   "metrics": self.writer["metrics"], "unconfirmed_advances": len(self.unconfirmed)}
         coordinator = {"kind": "group-coordinator", "actor_id": "coordinator", "pid": os.getpid(),
                        "endpoint": self.endpoint, "healthy": True, "offsets_loaded": self.offsets_loaded,
+                       "coordinator_epoch": self.topics.coordinator_epoch,
                        "statistics": self.core.statistics()}
         return [coordinator, writer, *self.topics.actor_status(now)]
 
@@ -735,6 +796,8 @@ class CoordinatorShell:
         self.outbound.expire(now)
         if self.held_resets:
             self.release_resets(now)
+        if self.held_deletes:
+            self.release_deletes(now)
         self.apply(self.topics.tick(now), now)
         self.apply(self.core.tick(now), now)
         self.pump_writer(now)
@@ -764,6 +827,11 @@ class CoordinatorShell:
             self.reply_error(self.tokens.pop(key), ShuttingDown(
                 "coordinator is stopping before the reset was durable; retry"))
         self.held_resets.clear()
+        for key in list(self.held_deletes):
+            self.reply_error(self.tokens.pop(key), ShuttingDown(
+                "coordinator is stopping; the topic is deleted, its files and offsets are removed at the "
+                "next start", topic=self.held_deletes[key][0].topic))
+        self.held_deletes.clear()
 
 
 def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0.1:0", log_level: str = "info",

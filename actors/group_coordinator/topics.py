@@ -61,6 +61,14 @@ class PersistTopics:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeletePartitionsOn:
+    """Send `delete_partitions` for these [[topic, partition]] to the actor; its answer
+    goes to `TopicRegistry.on_partitions_deleted`."""
+    actor_id: str
+    partitions: list = dataclasses.field(hash=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class WriteMetadata:
     """Record these decisions in the store, then call `TopicRegistry.on_metadata_written`.
 
@@ -109,6 +117,7 @@ class PartitionInfo:
     proposed: ReplicaSet | None = None  # replicated: decided, its write not confirmed yet
     replica_log_ends: dict = dataclasses.field(default_factory=dict)  # actor_id -> log end it reported
     high_watermark: int | None = None  # replicated: as the current leader last reported it
+    bytes_appended: int = 0  # payload bytes its owner appended since that process started
 
     @property
     def replicated(self) -> bool:
@@ -126,6 +135,9 @@ class PartitionInfo:
 MAX_ACTORS = 1024
 FORGET_DEAD_ACTOR_MS = 10 * 60 * 1000
 MAX_REPLICATION_FACTOR = 16
+# A deleted partition's files are asked to be removed again this often, while the actor
+# holding them has not confirmed it (it was down, or another actor still had the log open).
+DELETE_RESEND_MS = 1000
 
 
 def isr_reply(topic: str, partition: int, rs: ReplicaSet) -> m.AlterIsrReply:
@@ -157,6 +169,11 @@ class TopicRegistry:
         self._restored = False
         self._grace_until_ms: int | None = None
         self._now_ms = 0
+        # Partitions of deleted topics -> the actors whose copy of the files is not known to
+        # be removed yet; the name cannot be used again until this is empty (a new topic
+        # opening the old directory would inherit its records). Persisted with the snapshot.
+        self.deleting: dict[Key, set[str]] = {}
+        self._deletes_sent_ms: dict[str, int] = {}
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -168,6 +185,7 @@ class TopicRegistry:
                           if not info.replicated],
             "replicated": [info.newest.to_wire(t, p) for (t, p), info in sorted(self.partitions.items())
                            if info.replicated],
+            "deleting": [[t, p, sorted(actors)] for (t, p), actors in sorted(self.deleting.items())],
         }
 
     def restore(self, snapshot: dict) -> None:
@@ -185,6 +203,7 @@ class TopicRegistry:
             if (t, p) in self.partitions:
                 self.partitions[(t, p)].owner = owner
                 self.partitions[(t, p)].storage_id = storage
+        self.deleting = {(t, p): set(actors) for t, p, actors in snapshot.get("deleting", [])}
         self._restored = bool(snapshot.get("replicated"))
         for t, p, replicas, leader, leader_epoch, isr in snapshot.get("replicated", []):
             if (t, p) in self.partitions and "min_insync" in self.topics[t]:
@@ -204,6 +223,11 @@ class TopicRegistry:
         if name in self.topics:
             existing = self.topics[name]["partitions"]
             raise TopicExists(f"topic {name!r} already exists", topic=name, partitions=existing)
+        pending = self.pending_deletion(name)
+        if pending:
+            raise Unavailable(f"topic {name!r} was deleted and {len(pending)} partition(s) of it are still on "
+                              f"disk (actor {pending[0][1]} has not removed them yet); retry once it has",
+                              topic=name, pending=pending)
         try:
             log_config = LogConfig.from_dict(config)
         except (ValueError, TypeError) as exc:
@@ -479,6 +503,64 @@ class TopicRegistry:
             effects += [e for e in placed if e not in effects]
         return [PersistTopics()] + effects
 
+    def delete_topic(self, name: str, now_ms: int) -> list:
+        """Forget `name` and have every actor holding a copy of its partitions delete the
+        files (DeletePartitionsOn, resent until confirmed: `on_partitions_deleted`).
+        The actors are sent their assignment first (the same socket keeps the order), so
+        they close the logs and stop serving them before the delete arrives."""
+        topic = self.require_topic(name)
+        holders: set[str] = set()
+        for p in range(topic["partitions"]):
+            part = self.partitions.pop((name, p))
+            actors = {part.owner} if part.owner is not None and not part.replicated else set()
+            for rs in (part.replication, part.proposed):
+                if rs is not None:
+                    actors.update(rs.replicas, rs.target or ())
+            actors.discard(None)
+            if actors:
+                self.deleting[(name, p)] = actors
+                holders |= actors
+        del self.topics[name]
+        for actor_id in holders:
+            self._deletes_sent_ms.pop(actor_id, None)
+        return [PersistTopics()] + self._assign_effects({a for a in holders if a in self.actors}) \
+            + self._deletion_requests(now_ms)
+
+    def pending_deletion(self, name: str) -> list[list]:
+        """[[partition, actor_id], ...] of `name`'s deleted partitions still on some disk."""
+        return [[p, a] for (t, p), actors in sorted(self.deleting.items()) if t == name for a in sorted(actors)]
+
+    def on_partitions_deleted(self, actor_id: str, deleted: list) -> list:
+        changed = False
+        for item in deleted:
+            key = (item[0], item[1])
+            actors = self.deleting.get(key)
+            if actors is not None and actor_id in actors:
+                actors.discard(actor_id)
+                changed = True
+                if not actors:
+                    del self.deleting[key]
+        return [PersistTopics()] if changed else []
+
+    def _deletion_requests(self, now_ms: int) -> list:
+        """One DeletePartitionsOn per live actor with deletions to confirm, at most every
+        DELETE_RESEND_MS (an unanswered or partly failed one goes again)."""
+        if not self.deleting:
+            return []
+        wanted: dict[str, list] = {}
+        for (t, p), actors in sorted(self.deleting.items()):
+            for actor_id in actors:
+                info = self.actors.get(actor_id)
+                if info is not None and info.alive:
+                    wanted.setdefault(actor_id, []).append([t, p])
+        out = []
+        for actor_id, parts in sorted(wanted.items()):
+            sent = self._deletes_sent_ms.get(actor_id)
+            if sent is None or now_ms - sent >= DELETE_RESEND_MS:
+                self._deletes_sent_ms[actor_id] = now_ms
+                out.append(DeletePartitionsOn(actor_id, parts))
+        return out
+
     # -- actors -----------------------------------------------------------------------------
 
     def register(self, actor_id: str, endpoint: str, storage_id: str, pid: int, reported: list,
@@ -530,6 +612,8 @@ class TopicRegistry:
             if part is None or part.owner != actor_id:
                 continue  # a report from a previous owner, or of a deleted topic
             part.log_start, part.log_end, part.size_bytes = start, end, size
+            if len(item) > 5 and isinstance(item[5], int):  # an older actor reports five fields
+                part.bytes_appended = item[5]
             changed.append((topic, partition, start, end))
         return changed
 
@@ -544,13 +628,14 @@ class TopicRegistry:
         if any(not info.alive and now_ms - info.last_seen_ms >= FORGET_DEAD_ACTOR_MS
                for info in self.actors.values()):
             self._forget_dead(now_ms, older_than_ms=FORGET_DEAD_ACTOR_MS)
-        return effects
+        return effects + self._deletion_requests(now_ms)
 
     def _forget_dead(self, now_ms: int, older_than_ms: int) -> None:
         """Drop actors silent for ``older_than_ms`` that own no partition (nothing refers to them)."""
         owners = {info.owner for info in self.partitions.values()}
         owners.update(a for info in self.partitions.values() if info.replicated
                       for rs in (info.replication, info.proposed) if rs is not None for a in rs.replicas)
+        owners.update(a for actors in self.deleting.values() for a in actors)
         gone = [a for a, info in self.actors.items()
                 if not info.alive and now_ms - info.last_seen_ms >= older_than_ms and a not in owners]
         for actor_id in gone:
@@ -656,7 +741,7 @@ class TopicRegistry:
                 high_watermark = part.high_watermark if part.high_watermark is not None else part.log_end
                 log_ends = {a: part.replica_log_ends[a] for a in rs.replicas if a in part.replica_log_ends}
             out.append({"partition": p, "log_start": part.log_start, "log_end": part.log_end,
-                        "bytes": part.size_bytes, "actor_id": part.owner,
+                        "bytes": part.size_bytes, "bytes_appended": part.bytes_appended, "actor_id": part.owner,
                         "endpoint": self.endpoint_of(name, p), "leader": part.owner, **fields,
                         "high_watermark": high_watermark, "replica_log_ends": log_ends,
                         "min_insync": rs.min_insync if rs is not None else 1})

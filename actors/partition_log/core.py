@@ -242,13 +242,18 @@ def partitions_for_open_files(limit: int) -> int:
 
 # (topic, partition, config, wall_ms): wall_ms stamps the log's recovery report.
 LogOpener = Callable[[str, int, LogConfig, int], PartitionLog]
+# Deletes a closed partition's files (delete_topic); raises OpenFailed when it cannot yet
+# (another actor on the same storage still holds the partition), OSError on an I/O error.
+LogRemover = Callable[[str, int], None]
 
 
 class PartitionActorCore:
     def __init__(self, actor_id: str, *, open_log: LogOpener, fsync: FsyncPolicy = FsyncPolicy(),
                  limits: Limits = Limits(), background_sync: Callable[[list], None] | None = None,
-                 max_open_partitions: int | None = None, replica_lag_ms: int = DEFAULT_REPLICA_LAG_MS) -> None:
+                 max_open_partitions: int | None = None, replica_lag_ms: int = DEFAULT_REPLICA_LAG_MS,
+                 remove_log: LogRemover | None = None) -> None:
         self.actor_id = actor_id
+        self._remove_log = remove_log
         # Replicated partitions only (assign's `replicas`); empty for an R = 1 broker.
         self.replicas: dict[tuple[str, int], Replica] = {}
         self._replica_states: dict[tuple[str, int], ReplicaState] = {}
@@ -284,6 +289,9 @@ class PartitionActorCore:
         self._next_retention_ms = 0
         self._unanswered_since_ms: int | None = None  # first registration since the last reply
         self._next_unanswered_warning_ms = 0
+        # Payload bytes appended per partition while this process lives: reported with the
+        # log range, the console's zbroker_bytes_produced_total (a counter reset when it restarts).
+        self.bytes_in: dict[tuple[str, int], int] = {}
         self.counters = {"produce_requests": 0, "records_appended": 0, "bytes_appended": 0,
                          "duplicates": 0, "fetch_requests": 0, "errors": 0, "fsyncs": 0}
 
@@ -446,6 +454,33 @@ class PartitionActorCore:
         log.info("partition.released", topic=key[0], partition=key[1])
         return effects
 
+    def delete_partitions(self, token: Any, msg: m.DeletePartitions, now_ms: int) -> list:
+        """delete_topic reaches the disk: each partition is closed (if open here) and its
+        files removed; one that cannot be removed yet is reported `failed` and asked again."""
+        if msg.coordinator_epoch < self.coordinator_epoch:
+            raise StaleEpoch("delete from an older coordinator", epoch=self.coordinator_epoch,
+                             got=msg.coordinator_epoch)
+        if self._remove_log is None:
+            raise UnknownOp("this partition actor cannot delete logs", op=msg.op)
+        effects: list = []
+        deleted, failed = [], []
+        for topic, partition in msg.partitions:
+            key = (topic, partition)
+            if key in self.logs:
+                effects += self._release(key, now_ms)
+            self._wanted.pop(key, None)
+            self._why_not_open.pop(key, None)
+            self._replica_states.pop(key, None)
+            self.bytes_in.pop(key, None)
+            try:
+                self._remove_log(topic, partition)
+            except OpenFailed as exc:
+                failed.append([topic, partition, str(exc)])
+                continue
+            log.info("partition.deleted", topic=topic, partition=partition)
+            deleted.append([topic, partition])
+        return effects + [Reply(token, m.DeletePartitionsReply(deleted=deleted, failed=failed))]
+
     def owned(self) -> list[list]:
         return [[t, p] for (t, p) in sorted(self.logs)]
 
@@ -463,8 +498,8 @@ class PartitionActorCore:
         """
         op = env.op
         try:
-            if op == "assign" and not from_coordinator:
-                raise Unauthorized("assign is accepted only from the coordinator", op=op)
+            if op in ("assign", "delete_partitions") and not from_coordinator:
+                raise Unauthorized(f"{op} is accepted only from the coordinator", op=op)
             if op == "produce":
                 return self.produce(token, env.msg, env.frames, now_ms, wall_ms=wall_ms)
             if op == "fetch":
@@ -482,6 +517,8 @@ class PartitionActorCore:
                 return effects + [Reply(token, self.assignment_reply())]
             if op == "replica_fetch":
                 return self.replica_fetch(token, env.msg, now_ms)
+            if op == "delete_partitions":
+                return self.delete_partitions(token, env.msg, now_ms)
             raise UnknownOp(f"op {op!r} is not served by a partition actor", op=op)
         except ZBrokerError as err:
             self.counters["errors"] += 1
@@ -511,6 +548,7 @@ class PartitionActorCore:
                            producer_id=msg.producer_id, producer_seq=msg.sequence)
         self.counters["records_appended"] += count
         self.counters["bytes_appended"] += len(payload)
+        self.bytes_in[key] = self.bytes_in.get(key, 0) + len(payload)
         self._dirty_since_sync.add(key)
         self._changed.add(key)
         reply = self._produce_reply(token, m.ProduceReply(base_offset=base, count=count))
@@ -540,6 +578,7 @@ class PartitionActorCore:
                            producer_seq=msg.sequence)
         self.counters["records_appended"] += count
         self.counters["bytes_appended"] += len(payload)
+        self.bytes_in[key] = self.bytes_in.get(key, 0) + len(payload)
         self._dirty_since_sync.add(key)
         effects = replica.hold(Reply(token, m.ProduceReply(base_offset=base, count=count)), base + count, now_ms)
         if self.fsync.mode == "always":
@@ -870,20 +909,21 @@ class PartitionActorCore:
     # -- reports ----------------------------------------------------------------------------
 
     def partition_reports(self, keys: Iterable[tuple[str, int]]) -> list[list]:
-        """[topic, partition, log_start, log_end, bytes]; a replicated partition's leader reports
+        """[topic, partition, log_start, log_end, bytes, bytes_appended]; a replicated partition's leader reports
         its high watermark as log_end (the coordinator leases only replicated records), and
         its followers leave it out."""
         if self.replicas:
             return [self._report_row(t, p) for (t, p) in sorted(keys)
                     if (t, p) in self.logs and ((t, p) not in self.replicas or self.replicas[(t, p)].is_leader)]
-        return [[t, p, self.logs[(t, p)].log_start, self.logs[(t, p)].log_end, self.logs[(t, p)].size_bytes]
-                for (t, p) in sorted(keys) if (t, p) in self.logs]
+        bytes_in = self.bytes_in
+        return [[t, p, plog.log_start, plog.log_end, plog.size_bytes, bytes_in.get((t, p), 0)]
+                for (t, p) in sorted(keys) if (plog := self.logs.get((t, p))) is not None]
 
     def _report_row(self, topic: str, partition: int) -> list:
         plog = self.logs[(topic, partition)]
         replica = self.replicas.get((topic, partition))
         end = plog.log_end if replica is None else replica.high_watermark
-        return [topic, partition, plog.log_start, end, plog.size_bytes]
+        return [topic, partition, plog.log_start, end, plog.size_bytes, self.bytes_in.get((topic, partition), 0)]
 
     def replica_states(self, keys: Iterable[tuple[str, int]] | None = None) -> list[list]:
         """`replica_states` items for every replica held (or those of `keys`)."""

@@ -45,6 +45,11 @@ def partition_dir(data_dir: Path, topic: str, partition: int) -> Path:
     return data_dir / "logs" / topic / str(partition)
 
 
+def trash_dir(data_dir: Path) -> Path:
+    """Where deleted partitions go before they are removed: outside logs/, same filesystem."""
+    return data_dir / "deleted-logs"
+
+
 class LockedLogOpener:
     """Opens partition logs under an exclusive flock on the partition directory.
 
@@ -68,11 +73,7 @@ class LockedLogOpener:
             if exc.errno in OUT_OF_FILES:
                 raise OutOfFiles(exc.strerror) from None
             raise OpenFailed(f"cannot open the partition directory: {exc.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OpenFailed("partition directory is locked by another actor") from None
+        _lock_or_close(fd)
         try:
             plog = PartitionLog.open(directory, config, now_ms=wall_ms)
         except OSError as exc:
@@ -95,6 +96,61 @@ class LockedLogOpener:
                     os.close(lock_fd)
         plog.close = close_and_unlock  # type: ignore[method-assign]
         return plog
+
+    def remove(self, topic: str, partition: int) -> None:
+        """Delete a closed partition's files (delete_topic), crash-safely: under its lock the
+        directory is renamed into the trash (one atomic step, fsynced), so a topic created
+        again under the name finds either the whole old log or none of it, never a part;
+        the trash is emptied now and again at the next start if this was interrupted."""
+        validate_topic_name(topic)
+        directory = partition_dir(self.data_dir, topic, partition)
+        if (topic, partition) in self._locks:
+            raise OpenFailed("the partition is still open here")
+        try:
+            fd = os.open(directory / ".lock", os.O_RDWR)
+        except FileNotFoundError:
+            fd = None  # never written here, or already deleted
+        if fd is not None:
+            _lock_or_close(fd)
+            try:
+                trash = trash_dir(self.data_dir)
+                trash.mkdir(exist_ok=True)
+                target = trash / f"{topic}.{partition}.{time.time_ns()}"
+                os.rename(directory, target)
+                for parent in (directory.parent, trash):
+                    _fsync_dir(parent)
+            finally:
+                os.close(fd)
+        try:
+            directory.parent.rmdir()  # the topic's directory, once its last partition is gone
+        except OSError:
+            pass
+        empty_trash(self.data_dir)
+
+
+def _lock_or_close(fd: int) -> None:
+    """Take the partition directory's lock, or close `fd` and say another actor holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OpenFailed("partition directory is locked by another actor") from None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def empty_trash(data_dir: Path) -> None:
+    import shutil
+    trash = trash_dir(data_dir)
+    if trash.is_dir():
+        for entry in trash.iterdir():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _log_sync_failure(log: Any, failures: list):
@@ -130,6 +186,7 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     stop = runtime.StopFlag().install()
     data = Path(data_dir)
     make_directories_durably(data, data)
+    empty_trash(data)  # a deletion interrupted after its rename
     # One thread for interval fsyncs: the loop keeps serving while the disk syncs.
     syncer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
     sync_failures: list[BaseException] = []
@@ -137,7 +194,8 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
     def background_sync(jobs: list) -> None:
         syncer.submit(run_sync_jobs, jobs).add_done_callback(_log_sync_failure(log, sync_failures))
 
-    core = PartitionActorCore(actor_id, open_log=LockedLogOpener(data), fsync=FsyncPolicy.parse(fsync),
+    opener = LockedLogOpener(data)
+    core = PartitionActorCore(actor_id, open_log=opener, remove_log=opener.remove, fsync=FsyncPolicy.parse(fsync),
                               limits=Limits(max_batch_bytes=max_batch_bytes), background_sync=background_sync,
                               max_open_partitions=None if open_files is None else partitions_for_open_files(open_files),
                               replica_lag_ms=replica_lag_ms)

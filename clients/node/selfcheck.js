@@ -424,8 +424,20 @@ const commands = {
       await attempt("describeUnknownGroup", () => client.describeGroup("no-such-group"));
       await attempt("describeTopic", () => client.describeTopic("live"));
       await attempt("status", () => client.status());
+
+      // s.8.5 admin operations, their refusals first (live members), then their effects.
+      await attempt("deleteGroupLive", () => client.deleteGroup("live-g"));
+      await attempt("deleteTopicLive", () => client.deleteTopic("live"));
+      await attempt("resetToTime", () => client.resetGroupToTime("live-g", "live", 0));
+      await attempt("alterGrow", () => client.alterTopic("live", { partitions: 2, retentionMs: 3_600_000 }));
+      await attempt("alterShrink", () => client.alterTopic("live", { partitions: 1 }));
       await attempt("leaveA", () => a.leave());
       await attempt("leaveB", () => b.leave());
+      await attempt("deleteGroup", () => client.deleteGroup("live-g"));
+      await attempt("deleteGroupAgain", () => client.deleteGroup("live-g"));
+      await attempt("deleteTopic", () => client.deleteTopic("live"));
+      await attempt("deleteTopicAgain", () => client.deleteTopic("live"));
+      await attempt("listTopicsAfterDelete", () => client.listTopics());
     } catch (err) {
       r.failure = errorJson(err);
     } finally {

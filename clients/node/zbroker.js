@@ -60,7 +60,7 @@ export const RETRIABLE = Object.freeze({
   DUPLICATE_SEQUENCE: false, CORRUPT_BATCH: false, UNKNOWN_GROUP: false, UNAUTHORIZED: false,
   UNAVAILABLE: true, SHUTTING_DOWN: true, TIMEOUT: true, INTERNAL: false,
   NOT_LEADER: true, NOT_ENOUGH_REPLICAS: true, STALE_EPOCH: false, NOT_COORDINATOR: true,
-  GROUP_NOT_EMPTY: false, INVALID_PARTITIONS: false,
+  GROUP_NOT_EMPTY: false, INVALID_PARTITIONS: false, TOPIC_IN_USE: false,
 });
 
 /** Every error this module throws. `code` is a stable wire code; `data` carries the facts. */
@@ -739,6 +739,21 @@ export class Client {
     return this.call("describe_topic", { topic });
   }
 
+  // Admin operations (PROTOCOL.md s.8.5); an older broker answers each UNKNOWN_OP.
+
+  /** changes: {partitions, retentionMs, retentionBytes}; omitted = unchanged (partitions only grow). */
+  async alterTopic(topic, changes = {}) {
+    return this.call("alter_topic", { topic, partitions: changes.partitions, retention_ms: changes.retentionMs,
+      retention_bytes: changes.retentionBytes });
+  }
+
+  /** Refused TOPIC_IN_USE while live members consume it. The broker answers once the files and
+   * the groups' offsets are gone (up to 4 s), so this waits longer than other requests. */
+  async deleteTopic(topic) {
+    this.topics.delete(topic);
+    return this.call("delete_topic", { topic }, { timeoutMs: Math.max(10_000, this.requestTimeoutMs ?? 0) });
+  }
+
   async partitionCount(topic) {
     if (!this.topics.has(topic)) await this.metadata([topic]);
     return this.topics.get(topic).partitions.length;
@@ -766,6 +781,16 @@ export class Client {
 
   async resetGroup(group, topic, to) {
     return this.call("reset_group", { group, topic, to });
+  }
+
+  /** Each partition to its first offset appended at or after `timeMs` (wall-clock ms since 1970). */
+  async resetGroupToTime(group, topic, timeMs) {
+    return this.call("reset_group", { group, topic, to_time_ms: timeMs });
+  }
+
+  /** Refused GROUP_NOT_EMPTY while it has live members; its offsets go for good. */
+  async deleteGroup(group) {
+    return this.call("delete_group", { group });
   }
 
   consumer(group, topics, options = {}) {

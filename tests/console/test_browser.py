@@ -2,8 +2,8 @@
 
 A broker carries live traffic on one topic (a producer and an acking consumer in
 threads) while another topic and group stay still, so that what the pages show
-can be compared with `describe` exactly. The reset goes through the UI: the form,
-the confirmation page, the button. Screenshots of each page go to
+can be compared with `describe` exactly. The reset and the redrive go through the
+UI: the form, the confirmation page, the button. Screenshots of each page go to
 $ZBROKER_SCREENSHOTS (docs/console/ when making the docs), else to tmp_path.
 """
 
@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.console.conftest import eventually
-from zbroker.client import Admin, Consumer, Producer
+from contextlib import closing
+
+from zbroker.client import Admin, Connection, Consumer, Producer, fetch
 
 pytestmark = [pytest.mark.processes, pytest.mark.browser]
 
@@ -118,7 +120,7 @@ def _shown_matches(driver, url: str, check) -> bool:
     return eventually(attempt, what=f"{url} showing the described figures")
 
 
-def test_console_pages_match_describe_and_reset_works(console_broker, browser, tmp_path):
+def test_console_pages_match_describe_and_reset_and_redrive_work(console_broker, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
@@ -232,6 +234,27 @@ def test_console_pages_match_describe_and_reset_works(console_broker, browser, t
             assert after["reset_epoch"] == before + 1
             ends = {p["partition"]: p["log_end"] for p in admin.describe_topic("orders")["partitions"]}
             assert {p["partition"]: p["committed_pending"] for p in after["partitions"]} == ends
+
+            # -- redrive through the UI, with its confirmation step: the poison goes back to orders
+            _shown_matches(browser, base + "/groups/billing",
+                           lambda d: bool(d.find_elements(By.ID, "redrive-start")))
+            Select(browser.find_element(By.NAME, "dlq")).select_by_visible_text(dlq)
+            browser.find_element(By.ID, "redrive-start").click()
+            assert f"dead letters of {dlq} back" in browser.find_element(By.TAG_NAME, "h1").text
+            assert _cells(browser, "td.log-end") == ["1"]
+            browser.save_screenshot(str(shots / "redrive-confirm.png"))
+            browser.find_element(By.ID, "redrive-confirm").click()
+            # The POST runs a whole redrive (a consumer joins, a produce, an ack) before it answers.
+            [notice] = eventually(lambda: browser.find_elements(By.ID, "notice"), what="the redrive answered")
+            assert f"redrove 1 dead letter(s) from {dlq}: 1 to orders" in notice.text
+            back = admin.describe_topic("orders")["partitions"][poison.partition]["log_end"]
+            assert back == ends[poison.partition] + 1
+            cursor = admin.describe_group("zb-redrive")["partitions"]
+            assert [(p["topic"], p["committed_pending"]) for p in cursor] == [(dlq, 1)]
+            with closing(Connection(broker.url)) as conn:
+                [copy] = fetch(conn, "orders", poison.partition, back - 1)[0]
+            assert (copy.key, copy.value) == (poison.key, poison.value)
+            assert copy.headers["zb-dlq-redrives"] == b"1" and copy.headers["zb-dlq-source-topic"] == b"orders"
         billing.close()
 
 
@@ -255,5 +278,17 @@ def test_an_action_needs_its_confirmation(console_broker):
         urllib.request.urlopen(cross, timeout=5)
     assert err.value.code == 403
     err.value.close()
+    unconfirmed = urllib.request.Request(console.base + "/groups/g/redrive", data=b"dlq=t.dlq", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(unconfirmed, timeout=5)
+    assert err.value.code == 400
+    err.value.close()
+    def redrive_page():
+        try:
+            return console.get("/groups/g/redrive?dlq=t")
+        except urllib.error.HTTPError as missing:  # 404 until the console has sampled the group
+            missing.close()
+    assert "is not a dead-letter topic of group g" in eventually(redrive_page, what="the group sampled")
     with Admin(broker.url) as admin:
         assert admin.describe_group("g")["reset_epoch"] == 0
+        assert "zb-redrive" not in [g["group"] for g in admin.list_groups()]

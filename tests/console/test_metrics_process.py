@@ -114,3 +114,38 @@ def test_a_restarted_console_reads_the_same_counters(console_broker):
     eventually(lambda: broker.pids().get("console") not in (None, old), what="the console restarted")
     console.wait_ready()
     assert console.samples()[produced] == 21
+
+
+def test_bytes_produced_and_the_replication_and_coordinator_figures(console_broker):
+    broker, console = console_broker
+    with Admin(broker.url) as admin:
+        admin.create_topic("sized", partitions=2)
+        producer = Producer(broker.url, linger_ms=1)
+        for i in range(20):
+            producer.send("sized", value=b"x" * 100, partition=i % 2)
+        producer.flush()
+
+        def described_bytes():
+            parts = admin.describe_topic("sized")["partitions"]
+            return sum(p["bytes_appended"] for p in parts) if all(p["log_end"] == 10 for p in parts) else 0
+        first = eventually(described_bytes, what="the appends reported")
+        assert first >= 20 * 100  # payload bytes: the values and their record framing
+        key = ("zbroker_bytes_produced_total", labels(topic="sized"))
+        eventually(lambda: console.samples().get(key) == first, what="bytes produced as describe says")
+
+        for _ in range(5):
+            producer.send("sized", value=b"y" * 1000, partition=0)
+        producer.flush()
+        producer.close()
+        second = eventually(lambda: (n := sum(p["bytes_appended"] for p in admin.describe_topic("sized")
+                                               ["partitions"])) > first and n, what="more bytes reported")
+        assert second - first >= 5 * 1000
+        eventually(lambda: console.samples().get(key) == second, what="the counter moved")
+
+        scraped = console.samples()
+        for p in admin.describe_topic("sized")["partitions"]:
+            part = labels(topic="sized", partition=p["partition"])
+            assert scraped[("zbroker_partition_leader_epoch", part)] == p["leader_epoch"]
+            assert scraped[("zbroker_partition_isr_size", part)] == len(p["isr"])
+            assert scraped[("zbroker_partition_under_replicated", part)] == 0
+        assert scraped[("zbroker_coordinator_epoch", frozenset())] == 1

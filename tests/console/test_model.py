@@ -186,3 +186,11 @@ def test_rows_and_series():
     assert row["lag"] == 6 and row["in_flight"] == 2 and row["blocker"]["partition"] == 0 and row["status"] == STOP
     (trow,) = model.topic_rows(h)
     assert trow["records"] == 25 and trow["rate"] == 5.0
+
+
+def test_the_redrive_action_offers_the_dead_letter_topics_that_exist():
+    from zbroker.console.views import dead_letter_topics
+    group = {"dlq": None, "partitions": [{"topic": "orders"}], "members": [{"topics": ["orders", "clicks"]}]}
+    assert dead_letter_topics(group, {"orders": {}, "orders.dlq": {}}) == ["orders.dlq"]  # clicks.dlq: none yet
+    assert dead_letter_topics({**group, "dlq": "all.dead"}, {"orders.dlq": {}, "all.dead": {}}) == ["all.dead"]
+    assert dead_letter_topics({"partitions": [], "members": []}, {"x.dlq": {}}) == []

@@ -153,8 +153,12 @@ def coordinator_guard(existing_topic: str) -> Callable[[dict], dict]:
     forged ``register`` announced. That measures topic creation, not frame handling.
     So a valid name becomes the existing topic with 0 partitions (BAD_REQUEST even if
     a later byte flip changes the name); TOPIC_EXISTS is reached by the unmutated template.
+    Likewise a mutated op that became ``delete_topic`` names a topic that never existed
+    (UNKNOWN_TOPIC): deleting the run's own topics would measure nothing but its end.
     """
     def guard(header: dict) -> dict:
+        if header.get("op") == "delete_topic" and isinstance(header.get("topic"), str):
+            header["topic"] = f"{existing_topic}-never-created"
         if header.get("op") == "create_topic" and isinstance(header.get("topic"), str):
             try:
                 validate_topic_name(header["topic"])

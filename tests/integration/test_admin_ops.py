@@ -152,3 +152,113 @@ def test_reset_to_a_time_moves_each_partition_to_the_first_record_appended_since
     bad = cli(broker.url, "groups", "reset", "readers", "--topic", "events", "--to-datetime", "yesterday",
               check=False)
     assert bad.returncode == 2 and "ISO 8601" in bad.stderr
+
+
+def _partition_dirs(broker, topic: str) -> list:
+    from pathlib import Path
+    return sorted(Path(broker.config.data_dir).glob(f"**/logs/{topic}/*"))
+
+
+def test_delete_topic_refuses_live_consumers_then_removes_logs_and_offsets_for_good(broker):
+    with Admin(broker.url) as admin:
+        admin.create_topic("orders", partitions=2)
+        produce_values(broker.url, "orders", [b"old-%d" % i for i in range(40)])
+        admin.create_topic("other", partitions=1)
+        produce_values(broker.url, "other", [b"keep-%d" % i for i in range(5)])
+        with Consumer(broker.url, group="workers", topics=["orders", "other"]) as consumer:
+            drain(consumer, 45)
+            ends = {("orders", p["partition"]): p["log_end"] for p in admin.describe_topic("orders")["partitions"]}
+            wait_committed(admin, "workers", {**ends, ("other", 0): 5})
+            err = refused(lambda: admin.delete_topic("orders"))
+            assert err.code is ErrorCode.TOPIC_IN_USE and not err.retriable
+            assert err.data == {"topic": "orders", "groups": ["workers"]}
+            proc = cli(broker.url, "topics", "delete", "orders", check=False)
+            assert proc.returncode == 1 and "TOPIC_IN_USE" in proc.stderr
+            with closing(Connection(broker.url)) as conn:  # the refusal lost nothing
+                assert sum(len(fetch(conn, "orders", p, 0)[0]) for p in (0, 1)) == 40
+            wait_committed(admin, "workers", ends)
+        assert _partition_dirs(broker, "orders")
+
+        out = cli(broker.url, "topics", "delete", "orders", "--json").stdout
+        assert json.loads(out) == {"topic": "orders", "partitions": 2, "groups": ["workers"], "pending": []}
+        assert "orders" not in admin.list_topics()
+        assert refused(lambda: admin.describe_topic("orders")).code is ErrorCode.UNKNOWN_TOPIC
+        assert refused(lambda: admin.delete_topic("orders")).code is ErrorCode.UNKNOWN_TOPIC
+        assert refused(lambda: admin.delete_topic("no..such")).code is ErrorCode.BAD_REQUEST
+        assert _partition_dirs(broker, "orders") == []  # the reply came once the files were gone
+        group = admin.describe_group("workers")
+        assert {p["topic"] for p in group["partitions"]} == {"other"}  # the other topic's offsets stay
+
+    # A restarted coordinator brings nothing back, and a topic created under the name
+    # starts empty, its group from the start rule: the old offsets (20 per partition) would
+    # skip every new record.
+    broker.kill("coordinator", signal.SIGKILL)
+    wait_ready(broker.url)
+    with Admin(broker.url) as admin:
+        assert "orders" not in admin.list_topics()
+        admin.create_topic("orders", partitions=2)
+        assert [p["log_end"] for p in admin.describe_topic("orders")["partitions"]] == [0, 0]
+    produce_values(broker.url, "orders", [b"new-%d" % i for i in range(6)])
+    with Admin(broker.url) as admin, Consumer(broker.url, group="workers", topics=["orders", "other"]) as consumer:
+        got = drain(consumer, 6)
+        assert sorted(r.value for r in got) == sorted(b"new-%d" % i for i in range(6))
+        ends = {("orders", p["partition"]): p["log_end"] for p in admin.describe_topic("orders")["partitions"]}
+        wait_committed(admin, "workers", {**ends, ("other", 0): 5})
+        assert consumer.poll(timeout=0.5) == []  # "other" was not delivered again
+
+
+def _dlq_end(admin, topic: str) -> int:
+    try:
+        return admin.describe_topic(topic)["partitions"][0]["log_end"]
+    except ZBrokerError:
+        return 0
+
+
+def test_dlq_redrive_moves_letters_back_with_provenance_and_counts_each_attempt(broker):
+    from zbroker.client.redrive import redrive_dead_letters
+    with Admin(broker.url) as admin:
+        admin.create_topic("jobs", partitions=2)
+        with Producer(broker.url, linger_ms=1) as producer:
+            for i in range(10):
+                producer.send("jobs", b"job-%d" % i, key=b"k%d" % i, headers={"trace": b"t%d" % i})
+        with Consumer(broker.url, group="workers", topics=["jobs"]) as consumer:
+            got = drain(consumer, 10, ack=False)
+            bad = [r for r in got if r.value in (b"job-1", b"job-4", b"job-7", b"job-8")]
+            consumer.reject(bad, reason="poison")
+            consumer.ack_many([r for r in got if r not in bad])
+            consumer.flush_acks()
+        wait_for(lambda: _dlq_end(admin, "jobs.dlq") == 4, "four dead letters")
+
+        err = refused(lambda: redrive_dead_letters(broker.url, "nope.dlq"))
+        assert err.code is ErrorCode.UNKNOWN_TOPIC
+        proc = cli(broker.url, "dlq", "redrive", "nope.dlq", check=False)
+        assert proc.returncode == 1 and "UNKNOWN_TOPIC" in proc.stderr
+
+        first = json.loads(cli(broker.url, "dlq", "redrive", "jobs.dlq", "--max", "3", "--json").stdout)
+        assert (first["redriven"], first["by_topic"], first["skipped"]) == (3, {"jobs": 3}, [])
+        assert "redrove 1 dead letter(s)" in cli(broker.url, "dlq", "redrive", "jobs.dlq").stdout
+        empty = cli(broker.url, "dlq", "redrive", "jobs.dlq")  # all gone back: a result, not an error
+        assert empty.returncode == 0 and "nothing to redrive" in empty.stdout
+        admin.create_topic("quiet.dlq", partitions=1)
+        assert redrive_dead_letters(broker.url, "quiet.dlq")["redriven"] == 0
+
+        # Back in the source, once each: value, key and headers kept, provenance kept, the attempt counted.
+        with Consumer(broker.url, group="workers", topics=["jobs"]) as consumer:
+            back = drain(consumer, 4, ack=False)
+            assert sorted(r.value for r in back) == [b"job-1", b"job-4", b"job-7", b"job-8"]
+            for r in back:
+                i = r.value[4:]
+                assert r.key == b"k" + i and r.headers["trace"] == b"t" + i
+                assert r.headers["zb-dlq-source-topic"] == b"jobs" and r.headers["zb-dlq-reason"] == b"reject:poison"
+                assert r.headers["zb-dlq-redrives"] == b"1"
+            again = [r for r in back if r.value == b"job-4"]
+            consumer.reject(again, reason="still poison")
+            consumer.ack_many([r for r in back if r.value != b"job-4"])
+            consumer.flush_acks()
+            assert consumer.poll(timeout=0.5) == []  # nothing delivered twice
+        wait_for(lambda: _dlq_end(admin, "jobs.dlq") == 5, "the letter is dead again")
+        assert redrive_dead_letters(broker.url, "jobs.dlq")["redriven"] == 1
+        with Consumer(broker.url, group="workers", topics=["jobs"]) as consumer:
+            [twice] = drain(consumer, 1)
+            assert twice.value == b"job-4" and twice.headers["zb-dlq-redrives"] == b"2"
+            assert twice.headers["zb-dlq-reason"] == b"reject:still poison"

@@ -135,10 +135,24 @@ def test_protocol_document_claims_hold_on_a_real_broker(run_node, tmp_path):
                                  "generation": r["fence"]["generationAfter"]}]
     assert error("describeUnknownGroup")["code"] == "UNKNOWN_GROUP"
     # s.8.2: every field the document lists, replication's included.
-    assert {"partition", "log_start", "log_end", "bytes", "actor_id", "endpoint", "leader", "leader_epoch",
-            "replicas", "isr", "high_watermark", "replica_log_ends", "min_insync"} == set(
+    assert {"partition", "log_start", "log_end", "bytes", "bytes_appended", "actor_id", "endpoint", "leader",
+            "leader_epoch", "replicas", "isr", "high_watermark", "replica_log_ends", "min_insync"} == set(
         ok("describeTopic")["partitions"][0])
     assert {"kind", "actor_id"} <= set(ok("status")["actors"][0])
+    # s.8.5: the admin operations, refused while members are live, then applied.
+    assert error("deleteGroupLive")["code"] == "GROUP_NOT_EMPTY" and error("deleteGroupLive")["retriable"] is False
+    in_use = error("deleteTopicLive")
+    assert in_use["code"] == "TOPIC_IN_USE" and in_use["data"] == {"topic": "live", "groups": ["live-g"]}
+    assert ok("alterGrow")["partitions"] == 2 and ok("alterGrow")["config"]["retention_ms"] == 3_600_000
+    shrink = error("alterShrink")
+    assert shrink["code"] == "INVALID_PARTITIONS" and shrink["data"]["got"] == 1
+    assert ok("resetToTime")["partitions"] == [[0, 0]]
+    assert ok("deleteGroup")["group"] == "live-g" and error("deleteGroupAgain")["code"] == "UNKNOWN_GROUP"
+    deleted = ok("deleteTopic")
+    assert {k: deleted[k] for k in ("topic", "partitions", "groups", "pending")} == {
+        "topic": "live", "partitions": 2, "groups": [], "pending": []}
+    assert error("deleteTopicAgain")["code"] == "UNKNOWN_TOPIC"
+    assert "live" not in ok("listTopicsAfterDelete")
 
 
 def test_header_named_proto_crosses_languages_on_a_real_broker(run_node, tmp_path):

@@ -61,3 +61,12 @@ def test_an_async_handler_stays_async(provider):
     wrapped = traced_handler(handle, "g", tracer_provider=provider)
     assert asyncio.run(wrapped(record(None))) == b"value"
     assert len(provider.exporter.get_finished_spans()) == 1
+
+
+def test_a_client_that_does_not_trace_imports_nothing_of_opentelemetry():
+    import subprocess
+    import sys
+    code = ("import sys, zbroker.client, zbroker.client.aio, zbroker.client.sync; "
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

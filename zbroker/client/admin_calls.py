@@ -96,10 +96,21 @@ def delete_group(group: str) -> Request:
     return m.DeleteGroup(group=group), _fields
 
 
+def delete_topic(name: str) -> Request:
+    """Delete a topic, its partitions' files and its groups' offsets (PROTOCOL.md, delete_topic)."""
+    return m.DeleteTopic(topic=name), _fields
+
+
+# The coordinator holds a delete_topic reply until the partition actors have deleted the
+# files and the commit writer has the offsets' tombstones (up to 4 s, then it answers with
+# what is pending), so its request waits longer than the default 5 s.
+delete_topic.timeout_s = 10.0  # type: ignore[attr-defined]
+
+
 ADMIN_CALLS: dict[str, Callable[..., Request]] = {call.__name__: call for call in (
     hello, create_topic, reassign_partition, list_topics, describe_topic, metadata, status, list_groups,
     describe_group, configure_group, list_quarantine, release_key, reset_group, alter_topic,
-    reset_group_to_time, delete_group)}
+    reset_group_to_time, delete_group, delete_topic)}
 
 
 def _named_like(method: Callable, build: Callable) -> Callable:
@@ -109,17 +120,22 @@ def _named_like(method: Callable, build: Callable) -> Callable:
     return method
 
 
+def _timeout(build: Callable, default_s: float) -> float:
+    """A call that waits on the broker's own work (``timeout_s``) gets at least that long."""
+    return max(getattr(build, "timeout_s", 0.0), default_s)
+
+
 def sync_method(build: Callable[..., Request]) -> Callable:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         msg, pick = build(*args, **kwargs)
-        return pick(self.conn.coordinator(msg))
+        return pick(self.conn.coordinator(msg, timeout=_timeout(build, self.conn.request_timeout)))
     return _named_like(method, build)
 
 
 def async_method(build: Callable[..., Request]) -> Callable:
     async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         msg, pick = build(*args, **kwargs)
-        return pick(await self.conn.coordinator(msg))
+        return pick(await self.conn.coordinator(msg, timeout=_timeout(build, self.conn.request_timeout)))
     return _named_like(method, build)
 
 

@@ -67,6 +67,14 @@ def _partition_families(snap: Snapshot) -> list:
         _counter("zbroker_records_produced", "Records ever produced to a topic (the sum of its log ends).",
                  ["topic"], (([t], snap.produced_total(t)) for t in sorted(snap.topics))),
     ]
+    # Payload bytes the partitions' owners appended since their processes started (an older
+    # broker does not report them): a partition actor's restart is a counter reset.
+    if any("bytes_appended" in p for _, p in parts):
+        sums: dict = {}
+        for t, p in parts:
+            sums[t] = sums.get(t, 0) + (p.get("bytes_appended") or 0)
+        out.append(_counter("zbroker_bytes_produced", "Record batch payload bytes produced to a topic.", ["topic"],
+                            (([t], n) for t, n in sorted(sums.items()))))
     # Replication figures, when the broker reports them (additive fields of describe_topic).
     if any("isr" in p for _, p in parts):
         out.append(_gauge("zbroker_partition_isr_size", "Replicas in sync.", PART,
@@ -156,6 +164,9 @@ def _writer_families(snap: Snapshot) -> list:
         out.append(_counter("zbroker_commit_flush_errors", "Flushes the offset store refused.", [],
                             [([], metrics["flush_errors"])]))
     coord = _actor(snap, "group-coordinator")
+    if coord is not None and coord.get("coordinator_epoch") is not None:  # absent from an older coordinator
+        out.append(_gauge("zbroker_coordinator_epoch", "The lease epoch the coordinator decides under.", [],
+                          [([], coord["coordinator_epoch"])]))
     stats = (coord or {}).get("statistics") or {}
     if stats:
         out.append(_counter("zbroker_rebalances", "Group rebalances since the coordinator started.", [],

@@ -35,6 +35,15 @@ def split_headers(headers: dict | None) -> tuple[list, list]:
     return own, provenance
 
 
+def dead_letter_topics(group: dict, topics: dict) -> list[str]:
+    """The dead-letter topics of a group's topics (its `dlq`, else `<topic>.dlq`) that exist."""
+    from zbroker.actors.group_coordinator.group_state import default_dlq_topic
+    names = {p["topic"] for p in group.get("partitions", [])} | {
+        t for mem in group.get("members", []) for t in mem.get("topics", [])}
+    wanted = {group.get("dlq") or default_dlq_topic(t) for t in names}
+    return sorted(t for t in wanted if t in topics)
+
+
 def token_ok(expected: str | None, authorization: str | None, cookie: str | None) -> bool:
     """No token configured: open (loopback only, the CLI refuses otherwise). Else a
     bearer header or the console's cookie must carry it (compared in constant time)."""

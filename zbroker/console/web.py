@@ -5,7 +5,7 @@ page view); only the record browser and the actions talk to the broker, and only
 when someone uses them. Jinja2 autoescapes everything; record bytes go through
 `views.show_bytes` first (text only when printable UTF-8, else hex).
 
-An action is two requests: a GET that shows what would happen (a confirmation
+An action (a reset, a redrive) is two requests: a GET that shows what would happen (a confirmation
 page) and the POST it carries, with `confirm=yes`. The token (when one is set)
 comes as a bearer header, or once as ?token=... which sets a SameSite=Strict
 cookie; a POST from another origin is refused.
@@ -13,6 +13,8 @@ cookie; a POST from another origin is refused.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import jinja2
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from zbroker.client.redrive import DEFAULT_CURSOR_GROUP, redrive_dead_letters
 from zbroker.console import model, views
 from zbroker.console.metrics import registry_for
 from zbroker.protocol.errors import ZBrokerError
@@ -79,22 +82,24 @@ def make_app(sampler, link, *, token: str | None = None) -> web.Application:
         return page("groups.html", rows=model.group_rows(sampler.history))
 
     async def group(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        snap = sampler.history.latest()
-        if snap is None or name not in snap.groups:
-            raise web.HTTPNotFound(text=f"no group {name!r}")
+        name, snap = known_group(request)
         verdict, per = model.judge_group(sampler.history, name)
         g = snap.groups[name]
         topics = sorted({p["topic"] for p in g.get("partitions", [])} | {t for mem in g.get("members", [])
                                                                          for t in mem.get("topics", [])})
         return page("group.html", g=g, verdict=verdict, per=per, topics=topics,
-                    notice=request.query.get("notice"))
+                    dlqs=views.dead_letter_topics(g, snap.topics), notice=request.query.get("notice"))
 
-    async def reset_confirm(request: web.Request) -> web.Response:
+    def known_group(request: web.Request):
+        """(name, the latest snapshot), or 404 while the console has not sampled that group."""
         name = request.match_info["name"]
         snap = sampler.history.latest()
         if snap is None or name not in snap.groups:
             raise web.HTTPNotFound(text=f"no group {name!r}")
+        return name, snap
+
+    async def reset_confirm(request: web.Request) -> web.Response:
+        name, snap = known_group(request)
         topic = request.query.get("topic", "")
         try:
             target = views.parse_reset_target(request.query.get("to", ""))
@@ -121,6 +126,37 @@ def make_app(sampler, link, *, token: str | None = None) -> web.Application:
         await sampler.sample_once()  # the page after the action shows its effect
         moved = ", ".join(f"{p}→{o}" for p, o in result.get("partitions", []))
         raise web.HTTPSeeOther(f"/groups/{name}?notice=" + _quote(f"reset {form.get('topic')} to {target}: {moved}"))
+
+    async def redrive_confirm(request: web.Request) -> web.Response:
+        name, snap = known_group(request)
+        dlq = request.query.get("dlq", "")
+        if dlq not in views.dead_letter_topics(snap.groups[name], snap.topics):
+            return page("message.html", title="Redrive refused",
+                        text=f"{dlq!r} is not a dead-letter topic of group {name}", back=f"/groups/{name}")
+        cursor = snap.groups.get(DEFAULT_CURSOR_GROUP) or {}
+        done = {p["partition"]: p["committed"] for p in cursor.get("partitions", []) if p["topic"] == dlq}
+        parts = [{**p, "redriven_up_to": done.get(p["partition"])} for p in snap.topics[dlq]["partitions"]]
+        return page("redrive_confirm.html", group=name, dlq=dlq, parts=parts, cursor=DEFAULT_CURSOR_GROUP)
+
+    async def redrive(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        form = await request.post()
+        if form.get("confirm") != "yes":
+            raise web.HTTPBadRequest(text="an action needs confirm=yes (from its confirmation page)")
+        dlq = str(form.get("dlq", ""))
+        try:
+            # The redrive is a client of ordinary ops (zbroker.client.redrive): its blocking
+            # sockets run on a thread, so the pages and /metrics keep being served meanwhile.
+            result = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(redrive_dead_letters, link.url, dlq, curve=link.curve))
+        except ZBrokerError as err:
+            return page("message.html", title="Redrive failed", text=f"{err.code.value}: {err}",
+                        back=f"/groups/{name}")
+        await sampler.sample_once()
+        where = ", ".join(f"{n} to {t}" for t, n in sorted(result["by_topic"].items())) or "nothing to redrive"
+        left = f"; {len(result['skipped'])} left in place" if result["skipped"] else ""
+        raise web.HTTPSeeOther(f"/groups/{name}?notice=" + _quote(
+            f"redrove {result['redriven']} dead letter(s) from {dlq}: {where}{left}"))
 
     async def records(request: web.Request) -> web.Response:
         snap = sampler.history.latest()
@@ -160,6 +196,7 @@ def make_app(sampler, link, *, token: str | None = None) -> web.Application:
         web.get("/api/snapshot", snapshot_json),
         web.get("/topics", topics), web.get("/groups", groups), web.get("/groups/{name}", group),
         web.get("/groups/{name}/reset", reset_confirm), web.post("/groups/{name}/reset", reset),
+        web.get("/groups/{name}/redrive", redrive_confirm), web.post("/groups/{name}/redrive", redrive),
         web.get("/records", records), web.static("/static", HERE / "static"),
     ])
     return app
