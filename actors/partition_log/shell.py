@@ -342,7 +342,10 @@ def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int
 
 def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> None:
     if isinstance(effect, (SendToLeader, SendToCoordinator)):
-        _links.send(effect, dealer, wall_ms())
+        # On the loop's monotonic clock, which `expire` compares the give-up time with: on the
+        # wall clock a fetch whose reply was lost (a cut connection) was never given up, and
+        # its follower never fetched again.
+        _links.send(effect, dealer, runtime.now_ms())
         return
     route, corr_id, op = effect.token
     if effect.nth:  # a followed fetch's later reply: the core checked the id is an int that stays in range
