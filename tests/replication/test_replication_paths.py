@@ -77,7 +77,7 @@ def test_leader_sigkilled_mid_produce_the_producer_retries_to_the_new_leader_wit
     with Admin(broker.url) as admin:
         admin.create_topic("kill", partitions=1, replication_factor=3)
         before = partition(admin, "kill")
-        with Producer(broker.url, linger_ms=1, batch_size=20, retries=1000) as producer:
+        with Producer(broker.url, linger_ms=1, batch_size=20) as producer:
             produce_until(producer, "kill", "before", 500, handles)
             producer.flush()
             produce_until(producer, "kill", "during", 200, handles)  # some of these are in flight
