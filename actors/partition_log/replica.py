@@ -50,6 +50,19 @@ Epochs
     cache already holds refuses to lead it (it may have led it before the
     restart): the controller must elect with a new epoch after a restart.
 
+High watermark across leader changes
+    A leader's HW starts where its log starts (a restarted one) or where it
+    last heard it as a follower, both possibly below the HW its predecessor
+    published. Every ISR member holds everything below any HW published in
+    an earlier epoch, so the first HW this leader computes from the whole
+    ISR in its epoch is at or above those: until then `hw_established` is
+    False and the owner publishes no HW (the coordinator keeps the last one),
+    so the log end the coordinator and `topics describe` show never dips
+    across a restart or a failover. (Kafka checkpoints the HW to a file for
+    this; here no write per published HW is needed. One exception, said in
+    docs/SEMANTICS.md: a leader that lost an unsynced tail in a host crash
+    and is the only ISR member left can only publish what it still holds.)
+
 The producer window survives a leader change without work here: followers
 store the same batches, so their logs rebuilt the same producer state.
 """
@@ -146,6 +159,7 @@ class Replica:
         self._epoch_start = 0
         self._end_seen = log.log_end  # the leader's log end when the followers' catch-up was last noted
         self.reported_hw = -1  # the HW the owner last published (reports, waiting consumers)
+        self.hw_established = False  # computed from the whole ISR in this epoch (see the top)
         if state.leader == actor_id and log.epochs.latest_epoch >= state.leader_epoch:
             # This replica may have led this very epoch before it restarted, and lost the
             # unsynced tail its followers already copied: leading it again would write other
@@ -173,6 +187,7 @@ class Replica:
         self._proposed = None
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
+        self.hw_established = False
         if self.state.leader == self.actor_id:
             # Before anything of this epoch is appended, the cache says where it begins.
             self.log.epochs.assign(self.state.leader_epoch, self.log.log_end)
@@ -272,6 +287,7 @@ class Replica:
                 return effects  # an ISR member not heard from in this epoch: the HW waits for it
             ends.append(follower.log_end)
         self.high_watermark = max(self.high_watermark, min(ends))
+        self.hw_established = True
         if len(self.state.isr) >= self.state.min_insync:
             while self._held and self._held[0][0] <= self.high_watermark:
                 effects.append(Acknowledge(heapq.heappop(self._held)[2]))
