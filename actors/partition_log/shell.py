@@ -169,8 +169,10 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         # refused frames did through their errors' tracebacks, see core.handle): with
         # the young generation collected every 50,000 allocations, 100,000 fuzzed
         # frames held 100 MiB (tests/fuzz).
+        # Followers dial their leaders' client ROUTERs as the broker's own actors do each other.
+        link_keys = keys.internal_client().apply if keys is not None else None
         _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl, sync_failures, coordinator,
-              rack)
+              rack, link_keys)
         syncer.shutdown(wait=True)  # background fsyncs finish before the final one in close()
         for effect in core.close():
             _apply(effect, router, dealer, log)
@@ -198,12 +200,12 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
 
 def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
           storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
-          sync_failures: list, coordinator: str = "", rack: str | None = None) -> None:
+          sync_failures: list, coordinator: str = "", rack: str | None = None, link_keys: Any = None) -> None:
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
     global _links
-    _links = ReplicationLinks(router.context, poller, log)
+    _links = ReplicationLinks(router.context, poller, log, link_keys)
     try:
         _turns(core, router, dealer, endpoint, storage_id, stop, log, acl, sync_failures, coordinator, poller, rack)
     finally:
