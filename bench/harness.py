@@ -61,7 +61,7 @@ PRODUCE_BULK = "produce_send_many"  # zbroker only: the same produce through the
 
 PRODUCE_VARIANTS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched")
 WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "capacity", "scale_out", "partitions", "redelivery",
-             "commits", "memory")
+             "commits", "memory", "replication")
 ZBROKER_ONLY = ("capacity", "scale_out", "partitions", "redelivery")
 # The broker-capacity rows send this many times the Python rows' records (bench.zbroker_adapter).
 CAPACITY_RECORDS_FACTOR = 5
@@ -196,7 +196,7 @@ class Harness:
             "workloads_selected": list(self.config.workloads),
             "systems": {},
         }
-        peer_workloads = set(self.config.workloads) - set(ZBROKER_ONLY) - {"commits", "memory"}
+        peer_workloads = set(self.config.workloads) - set(ZBROKER_ONLY) - {"commits", "memory", "replication"}
         for name, factory in self.adapters.items():
             if name != "zbroker" and not peer_workloads:
                 continue
@@ -207,6 +207,9 @@ class Harness:
             results["commits"] = run_commits(self.config.scale, self.config.phase_timeout_s)
         if "memory" in self.config.workloads:
             results["memory"] = run_commits(self.config.scale, self.config.phase_timeout_s, name="bench.memory")
+        if "replication" in self.config.workloads:
+            results["replication"] = run_commits(self.config.scale, self.config.phase_timeout_s,
+                                                 name="bench.replication")
         results["finished_at"] = time.time()
         return results
 
