@@ -47,7 +47,8 @@ from zbroker.protocol.errors import Unauthorized
 ZAP_DOMAIN = "zbroker"
 INTERNAL_ZAP_DOMAIN = "zbroker-internal"  # the coordinator's actor endpoint: the broker's own key only
 INTERNAL_OPS = {"register", "deregister", "report", "assign", "writer_status", "advance", "load_offsets",
-                "alter_isr", "delete_partitions"}
+                "alter_isr", "delete_partitions",
+                "replica_fetch"}  # replica_fetch reads any topic and can depose a leader
 ADMIN_OPS = {"create_topic", "configure_group", "reset_group", "reassign_partition",
              "alter_topic", "delete_group", "offset_for_time"}
 MEMBER_OPS = {"heartbeat", "leave", "poll", "ack", "nack", "extend", "reject"}

@@ -61,11 +61,11 @@ PRODUCE_BULK = "produce_send_many"  # zbroker only: the same produce through the
 
 PRODUCE_VARIANTS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched")
 WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "capacity", "scale_out", "partitions", "redelivery",
-             "commits", "memory", "coordinator_failover", "console_overhead")
+             "commits", "memory", "coordinator_failover", "console_overhead", "replication")
 # Workloads that are modules of their own (run_commits), with no adapter and no peers.
 STANDALONE = {"commits": "bench.commit_absorption", "memory": "bench.memory",
               "coordinator_failover": "bench.coordinator_failover",
-              "console_overhead": "bench.console_overhead"}
+              "console_overhead": "bench.console_overhead", "replication": "bench.replication"}
 ZBROKER_ONLY = ("capacity", "scale_out", "partitions", "redelivery")
 # The broker-capacity rows send this many times the Python rows' records (bench.zbroker_adapter).
 CAPACITY_RECORDS_FACTOR = 5

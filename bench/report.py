@@ -230,6 +230,8 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     workloads["coordinator_failover"] = failover if failover is not None else {"status": "not run"}
     overhead = results.get("console_overhead")
     workloads["console_overhead"] = overhead if overhead is not None else {"status": "not run"}
+    replication = results.get("replication")
+    workloads["replication"] = replication if replication is not None else {"status": "not run"}
 
     return {
         "workloads": workloads,
@@ -388,6 +390,7 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out.append(_render_partition_counts(w.get("partitions", {}), notes))
     out.append(_render_redelivery(w.get("redelivery", {}), notes))
     out.append(_render_commits(w.get("commits", {}), notes))
+    out.append(_render_replication(w.get("replication", {}), notes))
     out.append(_render_memory(w.get("memory", {}), notes))
     out.append(_render_coordinator_failover(w.get("coordinator_failover", {}), notes))
     out.append(_render_console_overhead(w.get("console_overhead", {}), notes))
@@ -577,6 +580,29 @@ def _render_console_overhead(entry: dict[str, Any], notes: _Footnotes) -> str:
         lines.append(f"| {label} | {f['http_off']:,} | {f['console_scraped']:,} | {f['ratio']:.3f} |")
     lines.append(f"\nGoal (within 5 %): {'met' if r.get('goal_met') else 'not met'}.\n")
     return "\n".join(lines)
+
+
+def _render_replication(entry: dict[str, Any], notes: _Footnotes) -> str:
+    if entry.get("status") != "ok" or not isinstance(entry.get("result"), dict):
+        return f"\nReplication (bench.replication): {_status_cell(entry, notes)}\n"
+    r = entry["result"]
+
+    def rate(row: str, role: str) -> str:
+        value = r["rows"][row][role].get("msgs_s")
+        return f"{value:,.0f}" if value else "n/a"
+    lat1, lat3 = (r["latency"][row].get("latency_ms", {}) for row in ("R=1", "R=3 M=2"))
+    fo = r["failover"]
+    return "\n".join([
+        f"\nReplication ({entry.get('how')}): {r['records']:,} records of {r['record_bytes']} B, {r['layout']}.\n",
+        "| | R = 1 | R = 3, M = 2 | R = 3 / R = 1 (goal: produce >= 0.5) |", "|---|---:|---:|---:|",
+        f"| produce rec/s | {rate('R=1', 'produce')} | {rate('R=3 M=2', 'produce')} | "
+        f"{r['r3_over_r1'].get('produce')} |",
+        f"| consume + ack rec/s | {rate('R=1', 'consume_ack')} | {rate('R=3 M=2', 'consume_ack')} | "
+        f"{r['r3_over_r1'].get('consume_ack')} |",
+        f"| publish to receive p50 / p99 ms ({r['latency']['R=1'].get('rate')} rec/s) | "
+        f"{lat1.get('p50')} / {lat1.get('p99')} | {lat3.get('p50')} / {lat3.get('p99')} | |",
+        f"\nLeader failover (SIGKILL to the first acknowledged produce), over "
+        f"{fo['kills']} kills: p50 {fo['p50_s']} s, max {fo['max_s']} s (goal: max < 6 s).\n"])
 
 
 def _render_memory(entry: dict[str, Any], notes: _Footnotes) -> str:

@@ -370,7 +370,7 @@ class PartitionActorCore:
             elif isinstance(effect, ProposeIsr):
                 out.append(SendToCoordinator(effect.request))
         replica = self.replicas.get(key)
-        if replica is not None and replica.high_watermark != replica.reported_hw:
+        if replica is not None and replica.hw_established and replica.high_watermark != replica.reported_hw:
             replica.reported_hw = replica.high_watermark
             self._changed.add(key)
             out += self._wake_parked(key, now_ms)
@@ -909,15 +909,20 @@ class PartitionActorCore:
     # -- reports ----------------------------------------------------------------------------
 
     def partition_reports(self, keys: Iterable[tuple[str, int]]) -> list[list]:
-        """[topic, partition, log_start, log_end, bytes, bytes_appended]; a replicated partition's leader reports
-        its high watermark as log_end (the coordinator leases only replicated records), and
-        its followers leave it out."""
+        """[topic, partition, log_start, log_end, bytes, bytes_appended]; a replicated partition's
+        leader reports its high watermark as log_end (the coordinator leases only replicated
+        records), once it has computed one in its epoch (`Replica.hw_established`: the log end
+        shown never dips), and its followers leave it out."""
         if self.replicas:
             return [self._report_row(t, p) for (t, p) in sorted(keys)
-                    if (t, p) in self.logs and ((t, p) not in self.replicas or self.replicas[(t, p)].is_leader)]
+                    if (t, p) in self.logs and ((t, p) not in self.replicas or self._publishes_hw(self.replicas[(t, p)]))]
         bytes_in = self.bytes_in
         return [[t, p, plog.log_start, plog.log_end, plog.size_bytes, bytes_in.get((t, p), 0)]
                 for (t, p) in sorted(keys) if (plog := self.logs.get((t, p))) is not None]
+
+    @staticmethod
+    def _publishes_hw(replica: Replica) -> bool:
+        return replica.is_leader and replica.hw_established
 
     def _report_row(self, topic: str, partition: int) -> list:
         plog = self.logs[(topic, partition)]

@@ -22,7 +22,14 @@ Leader
     released record is then on that many replicas. A follower that has not
     caught up with the log end for ``replica_lag_ms`` is proposed out of the
     ISR, one that has caught up with the HW (and reached this epoch) back in
-    (`ProposeIsr`, answered by `on_isr_recorded`). A shrink takes effect
+    (`ProposeIsr`, answered by `on_isr_recorded`). A follower whose fetch
+    waits at the log end (long-polled, FETCH_WAIT_MS = 500 ms) is caught up
+    for as long as that fetch waits and nothing is appended past its end:
+    its lag counts from the first append it does not have, or from the end
+    of its wait if it does not fetch again, never from when it last fetched.
+    So a ``replica_lag_ms`` below the long-poll does not make a caught-up
+    follower flap out, and a stopped one still leaves an idle partition's
+    ISR (one wait plus one lag period after its last fetch). A shrink takes effect
     only when the controller has recorded it, so until then the HW still
     waits for the laggard; an expansion counts the newcomer for the HW at
     once (KIP-497's "maximal ISR"): both err on the side of waiting.
@@ -42,6 +49,19 @@ Epochs
     it appends anything. A replica (re)started as the leader of an epoch its
     cache already holds refuses to lead it (it may have led it before the
     restart): the controller must elect with a new epoch after a restart.
+
+High watermark across leader changes
+    A leader's HW starts where its log starts (a restarted one) or where it
+    last heard it as a follower, both possibly below the HW its predecessor
+    published. Every ISR member holds everything below any HW published in
+    an earlier epoch, so the first HW this leader computes from the whole
+    ISR in its epoch is at or above those: until then `hw_established` is
+    False and the owner publishes no HW (the coordinator keeps the last one),
+    so the log end the coordinator and `topics describe` show never dips
+    across a restart or a failover. (Kafka checkpoints the HW to a file for
+    this; here no write per published HW is needed. One exception, said in
+    docs/SEMANTICS.md: a leader that lost an unsynced tail in a host crash
+    and is the only ISR member left can only publish what it still holds.)
 
 The producer window survives a leader change without work here: followers
 store the same batches, so their logs rebuilt the same producer state.
@@ -109,6 +129,7 @@ class ProposeIsr:
 class _Follower:
     log_end: int | None = None          # None until a non-diverging fetch in this epoch
     caught_up_ms: int = 0               # last time it had everything the leader had
+    waiting_until_ms: int = 0           # its last fetch at the log end waits at most until then
     last_fetch_ms: int | None = None
     leader_end_at_last_fetch: int = 0
 
@@ -136,7 +157,9 @@ class Replica:
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
         self._epoch_start = 0
+        self._end_seen = log.log_end  # the leader's log end when the followers' catch-up was last noted
         self.reported_hw = -1  # the HW the owner last published (reports, waiting consumers)
+        self.hw_established = False  # computed from the whole ISR in this epoch (see the top)
         if state.leader == actor_id and log.epochs.latest_epoch >= state.leader_epoch:
             # This replica may have led this very epoch before it restarted, and lost the
             # unsynced tail its followers already copied: leading it again would write other
@@ -164,11 +187,13 @@ class Replica:
         self._proposed = None
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
+        self.hw_established = False
         if self.state.leader == self.actor_id:
             # Before anything of this epoch is appended, the cache says where it begins.
             self.log.epochs.assign(self.state.leader_epoch, self.log.log_end)
             self._epoch_start = self.log.log_end
             self._local_end = self.log.log_end
+            self._end_seen = self.log.log_end
             for replica in self.state.replicas:
                 if replica != self.actor_id:
                     # A follower gets a full lag period from the moment this replica leads.
@@ -236,13 +261,16 @@ class Replica:
         return None
 
     def hold(self, token: Any, end_offset: int, now_ms: int) -> list:
-        """Hold the reply of a produce whose batch ends at `end_offset` (or of a duplicate of one)."""
+        """Hold the reply of a produce whose batch ends at `end_offset` (or of a duplicate of one),
+        called as soon as the batch is appended."""
+        self._note_caught_up(now_ms)
         heapq.heappush(self._held, (end_offset, next(self._seq), token))
         return self._advance([])
 
     def on_local_end(self, log_end: int, now_ms: int) -> list:
         """The leader's own log end as far as acknowledgement may count it (after its fsync
         under --fsync always, at once otherwise)."""
+        self._note_caught_up(now_ms)
         self._local_end = log_end
         return self._advance([])
 
@@ -259,6 +287,7 @@ class Replica:
                 return effects  # an ISR member not heard from in this epoch: the HW waits for it
             ends.append(follower.log_end)
         self.high_watermark = max(self.high_watermark, min(ends))
+        self.hw_established = True
         if len(self.state.isr) >= self.state.min_insync:
             while self._held and self._held[0][0] <= self.high_watermark:
                 effects.append(Acknowledge(heapq.heappop(self._held)[2]))
@@ -289,7 +318,8 @@ class Replica:
         if diverging is not None:
             reply.diverging = diverging
             return reply, b"", []
-        effects = self._note_follower(msg.replica_id, follower, msg.fetch_offset, log_end, now_ms)
+        effects = self._note_follower(msg.replica_id, follower, msg.fetch_offset, log_end, now_ms,
+                                      msg.max_wait_ms)
         reply.high_watermark = self.high_watermark
         data = b""
         if msg.fetch_offset < log_end:
@@ -312,11 +342,24 @@ class Replica:
             return {"epoch": epoch, "end_offset": end}
         return None
 
+    def _note_caught_up(self, now_ms: int) -> None:
+        """Followers that hold everything the leader held when this was last called were caught
+        up until now (the appends since, if any, happened now: `hold` follows each at once), or
+        until their fetch stopped waiting, if that was earlier and they have not fetched since."""
+        if not self.is_leader:
+            return
+        for follower in self._followers.values():
+            if follower.log_end is not None and follower.log_end >= self._end_seen:
+                follower.caught_up_ms = max(follower.caught_up_ms, min(now_ms, follower.waiting_until_ms))
+        self._end_seen = self.log.log_end
+
     def _note_follower(self, replica: str, follower: _Follower, fetch_offset: int, log_end: int,
-                       now_ms: int) -> list:
+                       now_ms: int, max_wait_ms: int) -> list:
+        self._note_caught_up(now_ms)
         follower.log_end = fetch_offset
         if fetch_offset >= log_end:
             follower.caught_up_ms = now_ms
+            follower.waiting_until_ms = now_ms + max(0, max_wait_ms)  # the owner parks it that long
         elif follower.last_fetch_ms is not None and fetch_offset >= follower.leader_end_at_last_fetch:
             # It has everything we had when it last fetched: caught up as of that fetch (Kafka's rule).
             follower.caught_up_ms = max(follower.caught_up_ms, follower.last_fetch_ms)
@@ -339,6 +382,7 @@ class Replica:
         """Periodic leader work: ISR shrink proposals, and resending an unanswered one."""
         if not self.is_leader:
             return []
+        self._note_caught_up(now_ms)
         if self._proposed is not None:
             if now_ms - self._proposed_at_ms >= ISR_RETRY_MS:
                 return [self._propose(self._proposed, now_ms)]
@@ -388,8 +432,13 @@ class Replica:
         if self.is_leader:
             if self._proposed is not None:
                 return self._proposed_at_ms + ISR_RETRY_MS
-            times = [self._followers[r].caught_up_ms + self.replica_lag_ms + 1 for r in self.state.isr
-                     if r in self._followers]
+            # A follower at the log end falls behind only at the next append (which reaches
+            # `hold` and ends a loop turn, after which the shell asks for this deadline again),
+            # or when its wait ends without another fetch.
+            end = self.log.log_end
+            times = [(max(f.caught_up_ms, f.waiting_until_ms) if f.log_end is not None and f.log_end >= end
+                      else f.caught_up_ms) + self.replica_lag_ms + 1
+                     for r in self.state.isr if (f := self._followers.get(r)) is not None]
             return min(times, default=None)
         if self.state.leader is not None and not self._fetch_in_flight:
             return self._next_fetch_ms

@@ -228,8 +228,10 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
         # refused frames did through their errors' tracebacks, see core.handle): with
         # the young generation collected every 50,000 allocations, 100,000 fuzzed
         # frames held 100 MiB (tests/fuzz).
+        # Followers dial their leaders' client ROUTERs as the broker's own actors do each other.
+        link_keys = keys.internal_client().apply if keys is not None else None
         _loop(core, router, dealer, endpoint, storage_id_for(data), stop, log, acl, sync_failures, coordinator,
-              rack)
+              rack, link_keys)
         syncer.shutdown(wait=True)  # background fsyncs finish before the final one in close()
         for effect in core.close():
             _apply(effect, router, dealer, log)
@@ -257,12 +259,12 @@ def run(actor_id: str, coordinator: str, data_dir: str, *, bind: str = "tcp://12
 
 def _loop(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, endpoint: str,
           storage_id: str, stop: runtime.StopFlag, log: Any, acl: security.Acl | None,
-          sync_failures: list, coordinator: str = "", rack: str | None = None) -> None:
+          sync_failures: list, coordinator: str = "", rack: str | None = None, link_keys: Any = None) -> None:
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
     global _links
-    _links = ReplicationLinks(router.context, poller, log)
+    _links = ReplicationLinks(router.context, poller, log, link_keys)
     link = CoordinatorLink(coordinator) if coordinator else None  # None: a test's dealer, connected by it
     try:
         _turns(core, router, dealer, endpoint, storage_id, stop, log, acl, sync_failures, link, poller, rack)
@@ -435,7 +437,10 @@ def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int
 
 def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> None:
     if isinstance(effect, (SendToLeader, SendToCoordinator)):
-        _links.send(effect, dealer, wall_ms())
+        # On the loop's monotonic clock, which `expire` compares the give-up time with: on the
+        # wall clock a fetch whose reply was lost (a cut connection) was never given up, and
+        # its follower never fetched again.
+        _links.send(effect, dealer, runtime.now_ms())
         return
     route, corr_id, op = effect.token
     if effect.nth:  # a followed fetch's later reply: the core checked the id is an int that stays in range

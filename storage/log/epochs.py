@@ -22,6 +22,9 @@ each one is made durable at once, before anything relies on it: a follower
 truncates, and a leader appends in its epoch, only after the entry that
 describes it is on disk. An unreplicated partition never has the file.
 
+Retention deleting old segments moves the first entry's start up to the new
+log start (`truncate_from_start`), and drops entries wholly below it.
+
 After a crash the checkpoint may name starts beyond the recovered log end
 (the log lost an unsynced tail, or a truncation stopped between cutting the
 segments and rewriting the checkpoint): `trimmed_to(log_end)` drops those on
@@ -137,6 +140,19 @@ class LeaderEpochCache:
         if keep == len(self._starts):
             return False
         del self._epochs[keep:], self._starts[keep:]
+        self._write()
+        return True
+
+    def truncate_from_start(self, log_start: int) -> bool:
+        """Retention moved the log start: forget the epochs wholly below it, and start the one
+        that covers it there (KIP-101's truncateFromStart). Entries that described deleted
+        segments would answer a follower's `end_offset_for` with offsets nobody holds.
+        Returns whether anything changed."""
+        covering = bisect_right(self._starts, log_start) - 1
+        if covering < 0 or (covering == 0 and self._starts[0] == log_start):
+            return False
+        del self._epochs[:covering], self._starts[:covering]
+        self._starts[0] = log_start
         self._write()
         return True
 

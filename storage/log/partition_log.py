@@ -534,6 +534,8 @@ class PartitionLog:
             deleted += 1
         if deleted:
             self._forget_producers_outside_window()
+            if len(self.epochs):
+                self.epochs.truncate_from_start(self.log_start)
             log.info("log.retention", directory=str(self.directory), deleted_segments=deleted,
                      log_start=self.log_start, size_bytes=self._size_bytes)
         return deleted

@@ -1,6 +1,7 @@
 """What a replicated partition needs from its log: the leader-epoch cache, appending a leader's
 stored batches byte for byte, and truncation that survives a crash at any step."""
 
+import dataclasses
 import os
 
 import pytest
@@ -261,3 +262,35 @@ def test_a_crash_at_any_step_of_a_truncation_leaves_a_log_that_recovers_and_trun
             break
         step += 1
     assert calls["n"] >= 6 and step >= 6  # the walk went through every unlink, the cut and each fsync
+
+
+def test_truncate_from_start_drops_epochs_below_the_log_start_and_starts_the_covering_one_there(tmp_path):
+    cache = LeaderEpochCache.load(tmp_path)
+    cache.assign(1, 0)
+    cache.assign(3, 10)
+    cache.assign(4, 30)
+    assert not cache.truncate_from_start(0)
+    assert cache.truncate_from_start(12) and cache.entries() == [(3, 12), (4, 30)]
+    assert not cache.truncate_from_start(12)
+    assert cache.truncate_from_start(30) and cache.entries() == [(4, 30)]
+    assert cache.end_offset_for(3, 50) == (NO_EPOCH, NO_EPOCH)  # nobody can vouch for epoch 3 here now
+    assert LeaderEpochCache.load(tmp_path).entries() == [(4, 30)]
+
+
+def test_retention_trims_the_epoch_cache_to_the_new_log_start_and_the_trim_survives_a_reopen(tmp_path):
+    with open_log(tmp_path, **CONFIG, retention_bytes=2400) as plog:
+        plog.epochs.assign(0, 0)
+        fill(plog, 20)
+        second_start = plog.log_end
+        plog.epochs.assign(1, second_start)
+        fill(plog, 20, first_tag=20)
+        assert plog.enforce_retention(now_ms=0) > 0
+        assert 0 < plog.log_start < second_start  # within epoch 0: it now starts at the log start
+        assert plog.epochs.entries() == [(0, plog.log_start), (1, second_start)]
+        plog.config = dataclasses.replace(plog.config, retention_bytes=1200)
+        assert plog.enforce_retention(now_ms=0) > 0
+        assert plog.log_start > second_start  # past epoch 0's end: it is gone
+        assert plog.epochs.entries() == [(1, plog.log_start)]
+        start = plog.log_start
+    with open_log(tmp_path, **CONFIG) as plog:
+        assert plog.log_start == start and plog.epochs.entries() == [(1, start)]

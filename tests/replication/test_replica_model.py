@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zbroker.actors.partition_log.replica import Acknowledge, Replica, ReplicaState
+from zbroker.actors.partition_log.replica import FETCH_WAIT_MS, Acknowledge, Replica, ReplicaState
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import NotEnoughReplicas, NotLeader, StaleEpoch
 from tests.replication.model import (Cluster, InvariantViolated, MemoryLog, check_acknowledged_on_m,
@@ -103,8 +103,9 @@ def test_acks_wait_for_the_isr_and_nothing_is_appended_below_min_insync():
     assert cluster.acknowledged == {}  # on one replica only
     settle(cluster, "b", "c")
     assert cluster.acknowledged == {0: (0, 2)}
-    # b and c stop fetching: after the lag they leave the ISR, and produce is refused.
-    cluster.tick(1500)
+    # b and c stop fetching: after their last fetch's wait at the log end and the lag, they
+    # leave the ISR, and produce is refused.
+    cluster.tick(FETCH_WAIT_MS + 1000 + 1)
     leader = cluster.nodes["a"].core
     assert leader.isr == ("a",) == cluster.isr
     assert isinstance(leader.check_produce(), NotEnoughReplicas)

@@ -81,3 +81,26 @@ def test_a_replica_on_an_empty_disk_rebuilds_from_a_leader_whose_log_starts_late
     assert (lb.log_start, lb.log_end) == (la.log_start, la.log_end)
     assert files(tmp_path / "a") == files(tmp_path / "b")
     la.close(), lb.close()
+
+
+def test_an_unreplicated_log_that_becomes_replicated_is_copied_from_its_log_start_and_the_new_replica_joins(
+        tmp_path):
+    """R = 1 -> 2: the old owner's log holds records written before any leader epoch (and
+    retention moved its start); the new replica copies it from the log start, byte for byte,
+    and the leader proposes it into the ISR once it has caught up."""
+    from zbroker.actors.partition_log.replica import ProposeIsr
+    la = open_log(tmp_path / "a", **{**CONFIG, "retention_bytes": 600})
+    for tag in range(20):
+        la.append(make_payload(tag, 2), 2, append_time_ms=tag, producer_id=9, producer_seq=tag)
+    la.enforce_retention(now_ms=0)
+    assert la.log_start > 0 and len(la.epochs) == 0  # unreplicated until now: no epoch cache
+    a = Replica("t", 0, "a", la, state(1, "a", ("a",)), 0)
+    assert la.epochs.entries() == [(1, la.log_end)]  # epoch 1 writes from here on
+    lb = open_log(tmp_path / "b", **CONFIG)
+    b = Replica("t", 0, "b", lb, state(1, "a", ("a",)), 0)
+    effects = catch_up(b, a)
+    assert [tuple(e.request.isr) for e in effects if isinstance(e, ProposeIsr)] == [("a", "b")]
+    assert (lb.log_start, lb.log_end) == (la.log_start, la.log_end)
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+    assert lb.check_sequence(9, 19) == la.check_sequence(9, 19)  # the dedupe state came along
+    la.close(), lb.close()
