@@ -152,8 +152,12 @@ class CoordinatorLink:
 
     def _next(self) -> str:
         if self.current in self.endpoints:
-            return self.endpoints[(self.endpoints.index(self.current) + 1) % len(self.endpoints)]
-        return self.endpoints[0]  # a leader we were sent to stopped answering: back to the list
+            target = self.endpoints[(self.endpoints.index(self.current) + 1) % len(self.endpoints)]
+        else:
+            target = self.endpoints[0]  # a leader we were sent to stopped answering: back to the list
+        if len(self.endpoints) > 1 and self._unreachable is not None and target == self._unreachable[0]:
+            target = self.endpoints[(self.endpoints.index(target) + 1) % len(self.endpoints)]  # past it
+        return target
 
     def _move_to(self, target: str, reason: str) -> Move | None:
         if target == self.current:

@@ -643,6 +643,10 @@ export class Coordinators {
     const i = this.urls.indexOf(this.current);
     // A leader we were sent to that stopped answering is not on the list: back to its start.
     this.current = i < 0 ? this.urls[0] : this.urls[(i + 1) % this.urls.length];
+    if (this.urls.length > 1 && this.unreachable !== null && this.current === this.unreachable.endpoint) {
+      // Round the list past the one that stopped answering; an answer puts it back.
+      this.current = this.urls[(this.urls.indexOf(this.current) + 1) % this.urls.length];
+    }
   }
 
   backoffMs() {

@@ -303,6 +303,22 @@ def test_a_leader_that_stopped_answering_is_not_followed_back_until_a_newer_epoc
     assert c.redirected(named("tcp://dead:1", 6)) and c.current == "tcp://dead:1"
 
 
+def test_rotation_goes_round_the_list_past_the_node_that_stopped_answering():
+    from zbroker.protocol.errors import Unavailable
+
+    c = Coordinators("tcp://a:1,tcp://b:2,tcp://c:3")
+    c.current = "tcp://c:3"  # the leader, from the list
+    assert c.redirected(Unavailable("no connection", endpoint="tcp://c:3")) and c.current == "tcp://a:1"
+    seen = []
+    for _ in range(4):  # standbys naming the dead leader, until its lease runs out
+        c.redirected(NotCoordinator("not me", leader={"endpoint": "tcp://c:3", "node_id": "c", "epoch": 2}))
+        seen.append(c.current)
+    assert seen == ["tcp://b:2", "tcp://a:1", "tcp://b:2", "tcp://a:1"]
+    c.answered()
+    assert [c.redirected(NotCoordinator("no leader", leader=None)) and c.current for _ in range(2)] == \
+        ["tcp://b:2", "tcp://c:3"]  # back on the round once anything answered
+
+
 def test_one_url_a_standby_sends_the_client_from_goes_back_to_it_when_the_leader_dies():
     c = Coordinators("tcp://standby:1")
     c.redirected(NotCoordinator("not me", leader={"endpoint": "tcp://leader:1", "node_id": "l", "epoch": 2}))

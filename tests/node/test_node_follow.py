@@ -55,6 +55,13 @@ def test_a_leader_that_stopped_answering_is_not_followed_back_until_a_newer_epoc
         {"code": "NOT_COORDINATOR", "leader": {"endpoint": L, "epoch": 5}},  # it leads again
     ]})
     assert [s["current"] for s in out["steps"]] == [L, A, B, L]
+    out = selfcheck(run_node, "coordinators", {"urls": [A, B, L], "errors": [
+        {"code": "NOT_COORDINATOR", "leader": None}, {"code": "NOT_COORDINATOR", "leader": None},  # to L
+        {"code": "TIMEOUT", "local": True},                                   # L died
+        {"code": "NOT_COORDINATOR", "leader": {"endpoint": L, "epoch": 1}},
+        {"code": "NOT_COORDINATOR", "leader": {"endpoint": L, "epoch": 1}},
+    ]})
+    assert [s["current"] for s in out["steps"]] == [B, L, A, B, A]  # round the list past L
 
 
 class FakeStandby:

@@ -92,6 +92,17 @@ def test_a_leader_that_stopped_answering_is_not_followed_back_until_a_newer_epoc
     assert link.not_coordinator({"leader": {"endpoint": "tcp://127.0.0.3:7400", "epoch": 4}}, 6000).new == C
 
 
+def test_rotation_goes_past_the_endpoint_that_stopped_answering():
+    link = CoordinatorLink([A, B, C], timeout_ms=2500)
+    link.not_coordinator({"leader": None}, 0)
+    link.not_coordinator({"leader": None}, 0)
+    assert link.current == C
+    link.registration_sent(0)
+    assert link.tick(2500).new == A
+    stale = {"leader": {"endpoint": "tcp://127.0.0.3:7400", "epoch": 1}}  # C's internal endpoint is :7401
+    assert [link.not_coordinator(stale, 2600 + i).new for i in range(3)] == [B, A, B]
+
+
 def test_one_endpoint_and_no_redirect_never_moves():
     link = CoordinatorLink(A)
     for now in range(0, 60_000, 1000):

@@ -170,6 +170,10 @@ class Coordinators:
             self.current = self.urls[(self.urls.index(self.current) + 1) % len(self.urls)]
         else:  # a leader we were sent to stopped answering: back to the list
             self.current = self.urls[0]
+        if self.several and self._unreachable is not None and self.current == self._unreachable[0]:
+            # Round the list past the one that stopped answering (the second 5 s of a failover
+            # was the rotation coming back to the killed node); an answer puts it back.
+            self.current = self.urls[(self.urls.index(self.current) + 1) % len(self.urls)]
 
     def backoff(self) -> float:
         """Seconds to wait before the next attempt: doubling with each failure in a row, capped."""
