@@ -315,7 +315,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     result = summarize(timer.times_s)
     result.update({"times_s": [round(t, 3) for t in timer.times_s], "failed_polls": timer.failed_polls,
                    "client_request_timeout_s": args.request_timeout, "nodes": len(HOSTS),
-                   "lease_ms": "default (5000)", "port": port})
+                   "lease_ms": 5000, "port": port})  # zbroker up's default --coordinator-lease-ms
     return result
 
 

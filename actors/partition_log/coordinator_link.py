@@ -20,6 +20,11 @@ its own node's). It registers with one of them at a time, once a second.
   leader it was sent to is not on the list, so it goes back to the list's
   first. Its own node's standby then names the new leader as soon as the
   lease row does.
+- A leader that stopped answering is remembered with the epoch it was
+  named at: standbys keep naming it until its lease runs out by the
+  database's clock, and a redirect to it at that epoch or older moves the
+  actor on through its list instead of back into a timeout. A newer epoch
+  (it came back and leads again) is followed; an answer forgets it.
 - With one endpoint and no redirect, nothing ever moves: a single-node
   broker behaves as before (ZeroMQ reconnects by itself).
 
@@ -82,6 +87,8 @@ class CoordinatorLink:
         self._failures = 0
         self._unanswered_since_ms: int | None = None
         self._register_at_ms: int | None = None  # a registration sooner than the once-a-second one
+        self._current_epoch: int | None = None  # the epoch `current` was named leader at, if it was
+        self._unreachable: tuple[str, int | None] | None = None
 
     # -- what happened ---------------------------------------------------------------------
 
@@ -94,6 +101,7 @@ class CoordinatorLink:
         """The coordinator answered a registration (accepted, or refused for its own reasons)."""
         self._unanswered_since_ms = None
         self._failures = 0
+        self._unreachable = None
 
     def not_coordinator(self, data: Any, now_ms: int) -> Move | None:
         """`current` stands by. Returns where to go, or None to ask `current` again (after the backoff)."""
@@ -103,9 +111,13 @@ class CoordinatorLink:
         leader = data.get("leader") if isinstance(data, dict) else None
         self.leader = leader if isinstance(leader, dict) else None
         target = internal_endpoint_of(self.leader) if self.leader is not None else None
-        if target is None or target == self.current:
-            target = self._next()
-        return self._move_to(target, "not_coordinator")
+        epoch = self.leader.get("epoch") if self.leader is not None else None
+        epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+        if target is None or target == self.current or self._known_unreachable(target, epoch):
+            return self._move_to(self._next(), "not_coordinator")
+        move = self._move_to(target, "not_coordinator")
+        self._current_epoch = epoch
+        return move
 
     def tick(self, now_ms: int) -> Move | None:
         """Registrations unanswered too long: try the next endpoint."""
@@ -114,6 +126,7 @@ class CoordinatorLink:
         self._unanswered_since_ms = None
         self._failures += 1
         self._register_at_ms = now_ms + self.backoff_ms()
+        self._unreachable = (self.current, self._current_epoch)
         return self._move_to(self._next(), "timeout")
 
     # -- what to do ------------------------------------------------------------------------
@@ -131,14 +144,24 @@ class CoordinatorLink:
     def backoff_ms(self) -> int:
         return min(BACKOFF_MAX_MS, BACKOFF_START_MS * (2 ** max(0, self._failures - 1)))
 
+    def _known_unreachable(self, endpoint: str, epoch: int | None) -> bool:
+        if self._unreachable is None or self._unreachable[0] != endpoint:
+            return False
+        seen = self._unreachable[1]
+        return seen is None or epoch is None or epoch <= seen
+
     def _next(self) -> str:
         if self.current in self.endpoints:
-            return self.endpoints[(self.endpoints.index(self.current) + 1) % len(self.endpoints)]
-        return self.endpoints[0]  # a leader we were sent to stopped answering: back to the list
+            target = self.endpoints[(self.endpoints.index(self.current) + 1) % len(self.endpoints)]
+        else:
+            target = self.endpoints[0]  # a leader we were sent to stopped answering: back to the list
+        if len(self.endpoints) > 1 and self._unreachable is not None and target == self._unreachable[0]:
+            target = self.endpoints[(self.endpoints.index(target) + 1) % len(self.endpoints)]  # past it
+        return target
 
     def _move_to(self, target: str, reason: str) -> Move | None:
         if target == self.current:
             return None
         move = Move(old=self.current, new=target, reason=reason, leader=self.leader)
-        self.current = target
+        self.current, self._current_epoch = target, None
         return move

@@ -581,8 +581,12 @@ export function bootstrapUrls(url) {
  * The bootstrap list and the coordinator a client talks to now (s.2), as the Python
  * client's `Coordinators`. NOT_COORDINATOR naming a leader (data.leader.endpoint) moves
  * the client there; naming none (mid-failover) or naming the current one moves it to the
- * next URL, as does a TIMEOUT when there are several. The caller retries after backoffMs():
- * 50 ms doubling to 2 s while the failures go on, reset by the first answer. No I/O.
+ * next URL, as does a TIMEOUT when there are several (or when the client was sent to a
+ * leader not on its list). The caller retries after backoffMs(): 50 ms doubling to 2 s
+ * while the failures go on, reset by the first answer. A leader that stopped answering is
+ * remembered with the epoch it was named at: standbys name it until its lease runs out,
+ * and a redirect to it at that epoch or older moves on through the list instead (each
+ * return to it cost a request timeout). No I/O.
  */
 export class Coordinators {
   static BACKOFF_START_MS = 50;
@@ -592,6 +596,8 @@ export class Coordinators {
     this.urls = bootstrapUrls(url);
     this.current = this.urls[0];
     this.failures = 0;
+    this.currentEpoch = null;   // the epoch `current` was named leader at, if it was
+    this.unreachable = null;    // {endpoint, epoch} of the leader that stopped answering
   }
 
   /**
@@ -601,16 +607,24 @@ export class Coordinators {
    */
   redirected(err, from = this.current) {
     if (!(err instanceof ZBrokerError)) return false;
-    const redirecting = err.code === "NOT_COORDINATOR" || (err.code === "TIMEOUT" && err.local && this.urls.length > 1);
+    const silent = err.code === "TIMEOUT" && err.local && (this.urls.length > 1 || !this.urls.includes(this.current));
+    const redirecting = err.code === "NOT_COORDINATOR" || silent;
     if (redirecting && from !== this.current) return true;
     if (err.code === "NOT_COORDINATOR") {
       const endpoint = err.data?.leader?.endpoint;
-      if (typeof endpoint === "string" && endpoint.length > 0 && endpoint !== this.current) this.current = endpoint;
-      else this.#rotate();
+      const epoch = Number.isInteger(err.data?.leader?.epoch) ? err.data.leader.epoch : null;
+      if (typeof endpoint === "string" && endpoint.length > 0 && endpoint !== this.current
+          && !this.#knownUnreachable(endpoint, epoch)) {
+        this.current = endpoint;
+        this.currentEpoch = epoch;
+      } else {
+        this.#rotate();
+      }
       this.failures += 1;
       return true;
     }
-    if (err.code === "TIMEOUT" && err.local && this.urls.length > 1) {
+    if (silent) {
+      this.unreachable = { endpoint: this.current, epoch: this.currentEpoch };
       this.#rotate();
       this.failures += 1;
       return true;
@@ -618,10 +632,21 @@ export class Coordinators {
     return false;
   }
 
+  #knownUnreachable(endpoint, epoch) {
+    const u = this.unreachable;
+    if (u === null || u.endpoint !== endpoint) return false;
+    return u.epoch === null || epoch === null || epoch <= u.epoch;
+  }
+
   #rotate() {
+    this.currentEpoch = null;
     const i = this.urls.indexOf(this.current);
     // A leader we were sent to that stopped answering is not on the list: back to its start.
     this.current = i < 0 ? this.urls[0] : this.urls[(i + 1) % this.urls.length];
+    if (this.urls.length > 1 && this.unreachable !== null && this.current === this.unreachable.endpoint) {
+      // Round the list past the one that stopped answering; an answer puts it back.
+      this.current = this.urls[(this.urls.indexOf(this.current) + 1) % this.urls.length];
+    }
   }
 
   backoffMs() {
@@ -630,6 +655,7 @@ export class Coordinators {
 
   answered() {
     this.failures = 0;
+    this.unreachable = null;
   }
 
   /** How many redirects one call follows before giving up: every URL a few times over. */

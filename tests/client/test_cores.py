@@ -381,6 +381,53 @@ def test_no_connection_to_the_current_coordinator_rotates_as_a_timeout_does():
     assert not Coordinators("tcp://a:1").redirected(Unavailable("no connection", endpoint="tcp://a:1"))
 
 
+def test_a_leader_that_stopped_answering_is_not_followed_back_until_a_newer_epoch_names_it():
+    # Standbys name the killed leader until its lease runs out; going back to it cost a
+    # request timeout each time (the failover benchmark's 10.5 s kill).
+    from zbroker.protocol.errors import Unavailable
+
+    def named(endpoint, epoch):
+        return NotCoordinator("not me", leader={"endpoint": endpoint, "node_id": endpoint, "epoch": epoch})
+
+    c = Coordinators("tcp://a:1,tcp://b:2")
+    assert c.redirected(named("tcp://dead:1", 4)) and c.current == "tcp://dead:1"
+    assert c.redirected(RequestTimeout("no reply")) and c.current == "tcp://a:1"
+    assert c.redirected(named("tcp://dead:1", 4)) and c.current == "tcp://b:2"  # not back to it
+    assert c.redirected(named("tcp://dead:1", 3)) and c.current == "tcp://a:1"  # older: neither
+    assert c.redirected(named("tcp://b:2", 5)) and c.current == "tcp://b:2"     # the new leader
+    assert c.redirected(Unavailable("no connection", endpoint="tcp://b:2")) and c.current == "tcp://a:1"
+    assert c.redirected(named("tcp://dead:1", 6)) and c.current == "tcp://dead:1"  # back, leading again
+    c.answered()
+    c.redirected(Unavailable("no connection", endpoint="tcp://dead:1"))
+    c.answered()  # an answer forgets what stopped answering
+    c.current = "tcp://a:1"
+    assert c.redirected(named("tcp://dead:1", 6)) and c.current == "tcp://dead:1"
+
+
+def test_rotation_goes_round_the_list_past_the_node_that_stopped_answering():
+    from zbroker.protocol.errors import Unavailable
+
+    c = Coordinators("tcp://a:1,tcp://b:2,tcp://c:3")
+    c.current = "tcp://c:3"  # the leader, from the list
+    assert c.redirected(Unavailable("no connection", endpoint="tcp://c:3")) and c.current == "tcp://a:1"
+    seen = []
+    for _ in range(4):  # standbys naming the dead leader, until its lease runs out
+        c.redirected(NotCoordinator("not me", leader={"endpoint": "tcp://c:3", "node_id": "c", "epoch": 2}))
+        seen.append(c.current)
+    assert seen == ["tcp://b:2", "tcp://a:1", "tcp://b:2", "tcp://a:1"]
+    c.answered()
+    assert [c.redirected(NotCoordinator("no leader", leader=None)) and c.current for _ in range(2)] == \
+        ["tcp://b:2", "tcp://c:3"]  # back on the round once anything answered
+
+
+def test_one_url_a_standby_sends_the_client_from_goes_back_to_it_when_the_leader_dies():
+    c = Coordinators("tcp://standby:1")
+    c.redirected(NotCoordinator("not me", leader={"endpoint": "tcp://leader:1", "node_id": "l", "epoch": 2}))
+    assert c.current == "tcp://leader:1"
+    assert c.redirected(RequestTimeout("no reply")) and c.current == "tcp://standby:1"
+    assert not c.redirected(RequestTimeout("no reply"))  # its own URL: the caller's, as before
+
+
 def test_a_single_coordinator_url_raises_its_timeouts_as_before():
     c = Coordinators("tcp://a:1")
     assert not c.redirected(RequestTimeout("no reply"))

@@ -38,9 +38,30 @@ def test_coordinators_follow_the_named_leader_rotate_otherwise_and_back_off(run_
     assert out["afterAnswer"] == 50 and out["attempts"] == 12
 
 
-def test_a_single_url_rotates_nowhere_on_a_timeout(run_node):
+def test_a_single_url_rotates_nowhere_on_a_timeout_but_leaves_a_leader_it_was_sent_to(run_node):
     out = selfcheck(run_node, "coordinators", {"urls": [A], "errors": [{"code": "TIMEOUT", "local": True}]})
     assert out["steps"] == [{"again": False, "current": A, "backoffMs": 50}]
+    out = selfcheck(run_node, "coordinators", {"urls": [A], "errors": [
+        {"code": "NOT_COORDINATOR", "leader": {"endpoint": L, "epoch": 2}},
+        {"code": "TIMEOUT", "local": True}]})
+    assert [(s["again"], s["current"]) for s in out["steps"]] == [(True, L), (True, A)]
+
+
+def test_a_leader_that_stopped_answering_is_not_followed_back_until_a_newer_epoch_names_it(run_node):
+    out = selfcheck(run_node, "coordinators", {"urls": [A, B], "errors": [
+        {"code": "NOT_COORDINATOR", "leader": {"endpoint": L, "epoch": 4}},
+        {"code": "TIMEOUT", "local": True},
+        {"code": "NOT_COORDINATOR", "leader": {"endpoint": L, "epoch": 4}},  # a standby still names it
+        {"code": "NOT_COORDINATOR", "leader": {"endpoint": L, "epoch": 5}},  # it leads again
+    ]})
+    assert [s["current"] for s in out["steps"]] == [L, A, B, L]
+    out = selfcheck(run_node, "coordinators", {"urls": [A, B, L], "errors": [
+        {"code": "NOT_COORDINATOR", "leader": None}, {"code": "NOT_COORDINATOR", "leader": None},  # to L
+        {"code": "TIMEOUT", "local": True},                                   # L died
+        {"code": "NOT_COORDINATOR", "leader": {"endpoint": L, "epoch": 1}},
+        {"code": "NOT_COORDINATOR", "leader": {"endpoint": L, "epoch": 1}},
+    ]})
+    assert [s["current"] for s in out["steps"]] == [B, L, A, B, A]  # round the list past L
 
 
 class FakeStandby:

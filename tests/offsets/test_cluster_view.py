@@ -82,8 +82,11 @@ def test_the_view_of_real_lease_takes_and_a_takeover(pg_dsn, pg_schema):
 
 
 @pytest.mark.postgres
-def test_status_prints_the_cluster_even_when_no_node_answers(pg_dsn, pg_schema, capsys):
-    from zbroker.cli import main
+def test_status_prints_the_cluster_even_when_no_node_answers(pg_dsn, pg_schema, capsys, monkeypatch):
+    from zbroker import cli
+
+    # Its logging setup would point structlog at this test's captured stderr for the session.
+    monkeypatch.setattr(cli, "_client_logging", lambda: None)
 
     url = with_schema(pg_dsn, pg_schema)
 
@@ -98,7 +101,7 @@ def test_status_prints_the_cluster_even_when_no_node_answers(pg_dsn, pg_schema, 
     asyncio.run(take())
     # Nothing listens at port 9 (discard): the client finds no connection.
     with pytest.raises(SystemExit) as exited:
-        main(["status", "--broker", "tcp://127.0.0.1:9", "--offsets", url, "--json"])
+        cli.main(["status", "--broker", "tcp://127.0.0.1:9", "--offsets", url, "--json"])
     assert exited.value.code == 1
     out = capsys.readouterr()
     shown = json.loads(out.out.splitlines()[0])["cluster"]

@@ -78,6 +78,31 @@ def test_unanswered_registrations_rotate_and_a_followed_leader_that_dies_sends_i
     assert link.register_due(2600 + link.backoff_ms())
 
 
+def test_a_leader_that_stopped_answering_is_not_followed_back_until_a_newer_epoch_names_it():
+    link = CoordinatorLink([A, B], timeout_ms=2500)
+    link.not_coordinator(leader("tcp://127.0.0.3:7400"), 0)  # epoch 3
+    link.registration_sent(0)
+    assert link.tick(2500).new == A  # C died
+    assert link.not_coordinator(leader("tcp://127.0.0.3:7400"), 2600).new == B  # A still names it: on
+    assert link.not_coordinator({"leader": {"endpoint": "tcp://127.0.0.3:7400", "epoch": 4}}, 2700).new == C
+    link.answered()
+    link.registration_sent(3000)
+    link.tick(5500)  # C died again, at epoch 4
+    link.answered()  # A answered: forgotten
+    assert link.not_coordinator({"leader": {"endpoint": "tcp://127.0.0.3:7400", "epoch": 4}}, 6000).new == C
+
+
+def test_rotation_goes_past_the_endpoint_that_stopped_answering():
+    link = CoordinatorLink([A, B, C], timeout_ms=2500)
+    link.not_coordinator({"leader": None}, 0)
+    link.not_coordinator({"leader": None}, 0)
+    assert link.current == C
+    link.registration_sent(0)
+    assert link.tick(2500).new == A
+    stale = {"leader": {"endpoint": "tcp://127.0.0.3:7400", "epoch": 1}}  # C's internal endpoint is :7401
+    assert [link.not_coordinator(stale, 2600 + i).new for i in range(3)] == [B, A, B]
+
+
 def test_one_endpoint_and_no_redirect_never_moves():
     link = CoordinatorLink(A)
     for now in range(0, 60_000, 1000):

@@ -102,6 +102,15 @@ class Coordinators:
     names the leader (``data.leader.endpoint``) moves the client there, and one
     that names none, or a timeout, moves it to the next URL of the list; the
     caller retries after `backoff` seconds, so a failover is a pause, not an error.
+
+    A leader that stopped answering (timeout, or no connection) is remembered with
+    the epoch it was named at: standbys keep naming it until its lease runs out by
+    the database's clock, and following them back to it cost a request timeout each
+    time (5 s; the failover benchmark's worst kill took 10.5 s that way). A redirect
+    to it at that epoch or older moves the client on through the list instead; one
+    at a newer epoch (it came back and leads again) is followed. Any answer forgets it.
+    A leader the client was sent to is left on a timeout even with one URL: it goes
+    back to the list.
     """
 
     BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 2.0
@@ -110,6 +119,8 @@ class Coordinators:
         self.urls = bootstrap_urls(url)
         self.current = self.urls[0]
         self._failures = 0
+        self._current_epoch: int | None = None  # the epoch `current` was named leader at, if it was
+        self._unreachable: tuple[str, int | None] | None = None
 
     @property
     def several(self) -> bool:
@@ -122,27 +133,42 @@ class Coordinators:
         if code is ErrorCode.NOT_COORDINATOR:
             leader = (getattr(error, "data", None) or {}).get("leader")
             endpoint = leader.get("endpoint") if isinstance(leader, dict) else None
-            if isinstance(endpoint, str) and endpoint and endpoint != self.current:
-                self.current = endpoint
+            epoch = leader.get("epoch") if isinstance(leader, dict) else None
+            epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+            if isinstance(endpoint, str) and endpoint and endpoint != self.current \
+                    and not self._known_unreachable(endpoint, epoch):
+                self.current, self._current_epoch = endpoint, epoch
             else:
                 self._rotate()
             self._failures += 1
             return True
-        if self.several and (code is ErrorCode.TIMEOUT or (
+        if (self.several or self.current not in self.urls) and (code is ErrorCode.TIMEOUT or (
                 # No connection to it (the send gave up: a killed node refuses connections,
                 # and the socket queues nothing towards a peer not connected): as a timeout.
                 # Without this a client sent to a dead leader retried it for ever.
                 code is ErrorCode.UNAVAILABLE and (getattr(error, "data", None) or {}).get("endpoint") == self.current)):
+            self._unreachable = (self.current, self._current_epoch)
             self._rotate()
             self._failures += 1
             return True
         return False
 
+    def _known_unreachable(self, endpoint: str, epoch: int | None) -> bool:
+        if self._unreachable is None or self._unreachable[0] != endpoint:
+            return False
+        seen = self._unreachable[1]
+        return seen is None or epoch is None or epoch <= seen
+
     def _rotate(self) -> None:
+        self._current_epoch = None
         if self.current in self.urls:
             self.current = self.urls[(self.urls.index(self.current) + 1) % len(self.urls)]
         else:  # a leader we were sent to stopped answering: back to the list
             self.current = self.urls[0]
+        if self.several and self._unreachable is not None and self.current == self._unreachable[0]:
+            # Round the list past the one that stopped answering (the second 5 s of a failover
+            # was the rotation coming back to the killed node); an answer puts it back.
+            self.current = self.urls[(self.urls.index(self.current) + 1) % len(self.urls)]
 
     def backoff(self) -> float:
         """Seconds to wait before the next attempt: doubling with each failure in a row, capped."""
@@ -150,6 +176,7 @@ class Coordinators:
 
     def answered(self) -> None:
         self._failures = 0
+        self._unreachable = None
 
     def attempts(self) -> int:
         """How many redirects a call follows before giving up: every URL a few times over."""
