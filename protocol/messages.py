@@ -650,7 +650,7 @@ class ConfigureGroup(Message):
     max_in_flight: int | None = None
     dlq: str | None = None
     start: str | None = None
-    quarantine_after: int | None = None  # key_shared: failures in a row that park a key; 0 turns it off
+    quarantine_after: int | None = None  # key_shared, exclusive: failures in a row that park a key; 0 turns it off
     max_keys: int | None = None          # key_shared: keys in flight or held back per partition
 
     def check(self) -> None:

@@ -87,6 +87,7 @@ from zbroker.actors.group_coordinator.effects import (DeadLetter, FetchKeyHashes
                                                      PersistOffsets, Reply, ReplyError)
 from zbroker.actors.group_coordinator.group_state import Group, GroupConfig, Key, LeaseRecord, Member, ParkedPoll
 from zbroker.actors.group_coordinator.key_order import KeyOrder
+from zbroker.actors.group_coordinator.key_quarantine import ExclusiveQuarantine
 from zbroker.actors.group_coordinator.partition_state import (AHEAD, TIMEOUT, DeadLettering, Lease, LogRange, PartitionState,
                                                       Piece)
 from zbroker.actors.group_coordinator.ranges import RangeSet
@@ -444,12 +445,18 @@ class GroupCoordinatorCore:
                 out.append(FetchKeyHashes(group_name, key[0], key[1], start))
 
     def _sync_keys(self, group: Group, state: PartitionState) -> None:
-        """Give a key_shared group's state its key order, or take it away (mode changed)."""
+        """Give a key_shared group's state its key order, an exclusive group's with quarantine
+        its key quarantine, or take it away (mode or quarantine changed)."""
         handle = (group.name, state.key)
-        if group.config.mode == "key_shared":
-            if state.keys is None:
-                state.keys = KeyOrder(group.config.max_keys)
-            state.keys.max_keys = group.config.max_keys
+        config = group.config
+        kind = (KeyOrder if config.mode == "key_shared" else
+                ExclusiveQuarantine if config.mode == "exclusive" and config.quarantine_after else None)
+        if kind is not None:
+            if type(state.keys) is not kind:
+                if state.keys is not None:
+                    state.keys.drop(state)
+                state.keys = kind(config.max_keys)
+            state.keys.max_keys = config.max_keys
             self._keyed[handle] = state
         elif state.keys is not None:
             state.keys.drop(state)
@@ -606,7 +613,8 @@ class GroupCoordinatorCore:
         acked, stale, omitted = (self._settle_ranges("ack", msg, group, member, msg.acks, now, out)
                                  if msg.acks else (0, [], 0))
         deliveries = self._lease_records(group, member, msg.max_records, now)
-        if not deliveries and msg.ahead and group.config.mode == "exclusive":
+        # Not with quarantine: an ahead lease would hand out records no one checked for a parked key.
+        if not deliveries and msg.ahead and group.config.mode == "exclusive" and not group.config.quarantine_after:
             deliveries = self._lease_ahead(group, member, min(msg.ahead, msg.max_records))
         if deliveries or msg.max_wait_ms == 0:
             out.append(Reply(token, self._poll_reply(group, deliveries, acked, stale, omitted)))

@@ -91,6 +91,14 @@ class KeyColumn:
     def reset(self, base: int) -> None:
         self.base, self.hashes = base, array("I")
 
+    def wanted_from(self, committed: int, log_end: int) -> int | None:
+        """The offset to fetch hashes from next (None: all known, or far enough ahead),
+        after forgetting most of what is below `committed`."""
+        self.trim_below(committed)
+        if self.end >= log_end or self.end >= committed + KEY_WINDOW:
+            return None
+        return self.end
+
     def trim_below(self, offset: int) -> None:
         """Forget hashes below `offset`, when that frees most of the column (a copy)."""
         cut = offset - self.base
@@ -339,10 +347,7 @@ class KeyOrder:
             return None
         if self.classified_to is None:
             self.classify(state, state.committed)
-        column.trim_below(state.committed)
-        if column.end >= log_end or column.end >= state.committed + KEY_WINDOW:
-            return None
-        return column.end
+        return column.wanted_from(state.committed, log_end)
 
     def quarantine_report(self, now_ms: int) -> list[dict]:
         out = []
