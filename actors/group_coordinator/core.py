@@ -86,7 +86,7 @@ from zbroker.actors.group_coordinator.assignor import assign
 from zbroker.actors.group_coordinator.effects import (DeadLetter, FetchKeyHashes, Log, PersistGroupConfig,
                                                      PersistOffsets, Reply, ReplyError)
 from zbroker.actors.group_coordinator.group_state import Group, GroupConfig, Key, LeaseRecord, Member, ParkedPoll
-from zbroker.actors.group_coordinator.key_order import KeyOrder
+from zbroker.actors.group_coordinator.key_order import KeyOrder, parked_from_rows, parked_rows
 from zbroker.actors.group_coordinator.key_quarantine import ExclusiveQuarantine
 from zbroker.actors.group_coordinator.partition_state import (AHEAD, TIMEOUT, DeadLettering, Lease, LogRange, PartitionState,
                                                       Piece)
@@ -194,8 +194,9 @@ class GroupCoordinatorCore:
 
     def load_offsets(self, rows: list, now_ms: int) -> list:
         """Stored progress, (group, topic, partition, committed, holes, generation, reset_epoch)
-        rows; afterwards the core serves requests."""
-        for group_name, topic, partition, committed, holes, generation, reset_epoch in rows:
+        rows, with the parked keys as an eighth element where there are any; afterwards the
+        core serves requests."""
+        for group_name, topic, partition, committed, holes, generation, reset_epoch, *quarantine in rows:
             if generation == TOMBSTONE_GENERATION:  # deleted offsets: only their epoch is kept
                 self._raise_epoch_floor(group_name, reset_epoch)
                 continue
@@ -204,6 +205,8 @@ class GroupCoordinatorCore:
             group.reset_epoch = max(group.reset_epoch, reset_epoch)
             state = self._add_state(group, (topic, partition), fresh=True)
             state.load(committed, holes, now_ms)
+            if quarantine and quarantine[0] and state.keys is not None:  # else the group no longer quarantines
+                state.keys.parked.update(parked_from_rows(quarantine[0], now_ms))
             state.durable_committed, state.durable_epoch = committed, reset_epoch
         self._loaded = True
         self._grown_topics.clear()  # no group has members yet: nothing to rebalance
@@ -429,7 +432,8 @@ class GroupCoordinatorCore:
                                                        "persisted": self._max_holes}))
             state.holes_truncated = truncated
             out.append(PersistOffsets(group_name, key[0], key[1], state.committed, holes,
-                                      group.generation, group.reset_epoch))
+                                      group.generation, group.reset_epoch,
+                                      [] if state.keys is None else parked_rows(state.keys.parked)))
         self._dirty.clear()
 
     def _want_key_hashes(self, out: list, now: int) -> None:
@@ -468,6 +472,7 @@ class GroupCoordinatorCore:
             for event, fields in state.keys.events:
                 if event == "key_quarantined":
                     self._metrics["keys_quarantined"] += 1
+                    self._dirty[(group.name, state.key)] = state  # the quarantine is persisted with the holes
                 out.append(Log(event, {"group": group.name, "topic": state.topic, "partition": state.partition,
                                        **fields}))
             state.keys.events.clear()
@@ -1096,6 +1101,7 @@ class GroupCoordinatorCore:
                 continue
             records = sum(end - start for start, end, _ in doomed)
             self._dead_letter(group, state, doomed, out)
+            self._dirty[(group.name, state.key)] = state
             self._metrics["keys_released"] += 1
             released.append({"topic": state.topic, "partition": state.partition, "key_hash": h, "records": records})
             out.append(Log("key_released", {"group": group.name, "topic": state.topic, "partition": state.partition,

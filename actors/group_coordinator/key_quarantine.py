@@ -31,6 +31,10 @@ most MAX_PARKED_KEYS per partition: past that a failing record follows
 `max_deliveries` as without quarantine (logged), which also bounds what is
 persisted with the offsets.
 
+After a restart the parked keys come back with the offsets (core.load_offsets);
+their records, ready again with reason "restart", are held as leasing meets
+them, which it does in offset order once their hashes are known.
+
 Cost: nothing per record while no key is parked (ranges as before); while one
 is, one hash lookup per record leased.
 """
@@ -40,17 +44,13 @@ from __future__ import annotations
 from bisect import insort
 from typing import TYPE_CHECKING, Callable
 
-from zbroker.actors.group_coordinator.key_order import MAX_HELD, RELEASED, KeyColumn, ParkedKey
+from zbroker.actors.group_coordinator.key_order import MAX_HELD, MAX_PARKED_KEYS, RELEASED, KeyColumn, ParkedKey
 from zbroker.actors.group_coordinator.partition_state import NEW, Lease, Piece, Ready
 from zbroker.actors.group_coordinator.ranges import RangeMap
 from zbroker.protocol.batch import NO_KEY_HASH
 
 if TYPE_CHECKING:
     from zbroker.actors.group_coordinator.partition_state import PartitionState
-
-# Parked keys per partition and group, at most. Each is persisted with the offsets
-# (hash, failures, reason of up to 200 bytes): 1000 keep a row well under 256 KB.
-MAX_PARKED_KEYS = 1000
 
 
 class ExclusiveQuarantine:
@@ -179,11 +179,6 @@ class ExclusiveQuarantine:
                     if self.column.get(offset) == h:
                         region.remove(offset, offset + 1)
                         self._hold(offset, ready, h)
-
-    def restore(self, state: PartitionState, parked: dict[int, ParkedKey]) -> None:
-        """Parked keys loaded after a restart; their records are held as leasing meets them
-        (the column is refetched from the committed offset)."""
-        self.parked.update(parked)
 
     def release(self, state: PartitionState, h: int, to_dlq: bool,
                 now_ms: int) -> list[tuple[int, int, Ready]] | None:

@@ -6,6 +6,8 @@ once; only a parked key's records are held back, and leasing goes past them.
 
 from __future__ import annotations
 
+import pytest
+
 from zbroker.actors.group_coordinator.core import GroupConfig
 from zbroker.actors.group_coordinator.effects import DeadLetter, FetchKeyHashes, Log
 from zbroker.actors.group_coordinator.key_order import RELEASED
@@ -120,3 +122,56 @@ def test_turning_quarantine_off_makes_the_held_records_ready_again():
     d.ok("configure_group", m.ConfigureGroup(group="g", quarantine_after=0))
     x = d.resync(x)
     assert d.offsets(d.poll(x)) == [0, 1]
+
+
+# -- the quarantine across a coordinator restart (persisted with the holes) --------------
+
+def park_p(d: KeyDriver, x) -> None:
+    """Fail the first record (key p) until its key is parked (quarantine_after=1)."""
+    got = d.poll(x, max_records=1)
+    assert d.offsets(got) == [0]
+    d.settle("nack", x, [["t", 0, got.deliveries[0][2], 0, 1]], reason="boom")
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "key_shared"])
+def test_the_quarantine_is_persisted_with_the_holes_and_survives_a_restart(mode):
+    config = GroupConfig(mode=mode, quarantine_after=1, max_deliveries=5)
+    keys = ["p", "q", "p", "r"]
+    d = KeyDriver({("t", 0): keys}, config=config)
+    x = d.join()
+    mark = d.mark()
+    park_p(d, x)
+    persisted = d.persisted(mark)[-1]
+    assert persisted.quarantine == [[key_hash(b"p"), 1, "nack:boom"]]
+    assert persisted.as_advance()[7] == persisted.quarantine
+    rest = d.poll(x)
+    assert d.offsets(rest) == [1, 3]
+    d.ack_all(x, rest)
+    rows = [d.persisted()[-1].as_advance()]
+
+    again = KeyDriver({("t", 0): keys}, config=config, rows=rows, lease_id_base=10**6)
+    listed = again.ok("list_quarantine", m.ListQuarantine(group="g")).keys
+    assert [(r["key_hash"], r["failures"], r["reason"]) for r in listed] == [(key_hash(b"p"), 1, "nack:boom")]
+    y = again.join()
+    assert again.offsets(again.poll(y)) == []  # p@0 and p@2 are held, not redelivered as "restart"
+    assert again.partition()["blocker"]["state"] == "quarantined"
+    listed = again.ok("list_quarantine", m.ListQuarantine(group="g")).keys
+    assert listed[0]["first_offset"] == 0 and listed[0]["held"] == 2
+    mark = again.mark()
+    again.ok("release_key", m.ReleaseKey(group="g", key="p"))
+    assert again.persisted(mark)[-1].quarantine == []  # the release is persisted too
+    assert len(again.persisted(mark)[-1].as_advance()) == 7
+    flowed = []
+    for _ in range(3):
+        got = again.poll(y)
+        flowed += again.offsets(got)
+        again.ack_all(y, got)
+    assert flowed == [0, 2] and again.committed() == 4
+
+
+def test_a_stored_quarantine_of_a_group_that_no_longer_quarantines_is_dropped():
+    rows = [["g", "t", 0, 0, [], 1, 0, [[key_hash(b"p"), 3, "nack"]]]]
+    d = KeyDriver({("t", 0): ["p"]}, config=GroupConfig(mode="exclusive"), rows=rows)
+    assert d.ok("list_quarantine", m.ListQuarantine(group="g")).keys == []
+    x = d.join()
+    assert d.offsets(d.poll(x)) == [0]

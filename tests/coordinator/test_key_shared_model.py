@@ -313,9 +313,8 @@ class KeySharedMachine(RuleBasedStateMachine):
     def restart(self, now):
         if now:
             return  # restarts are rare, so that the other rules get far between them
-        rows = [["g", "t", p, e.committed, e.holes, e.generation, e.reset_epoch] for p, e in self.persisted.items()]
-        self.model.in_flight.clear()
-        self.model.parked.clear()  # the quarantine is not persisted yet (docs/SEMANTICS.md)
+        rows = [e.as_advance() for e in self.persisted.values()]
+        self.model.in_flight.clear()  # the parked keys stay parked: persisted with the holes
         self.attempts.clear()
         self.start_core(rows)
 
