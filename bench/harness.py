@@ -61,8 +61,11 @@ PRODUCE_BULK = "produce_send_many"  # zbroker only: the same produce through the
 
 PRODUCE_VARIANTS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched")
 WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "capacity", "scale_out", "partitions", "redelivery",
-             "commits", "memory")
-ZBROKER_ONLY = ("capacity", "scale_out", "partitions", "redelivery")
+             "key_shared", "commits", "memory")
+ZBROKER_ONLY = ("capacity", "scale_out", "partitions", "redelivery", "key_shared")
+# Records of the key_shared-against-shared rows at scale 1 (bench.key_shared): each of
+# the 2 x 2 rounds consumes them all with 8 consumer processes.
+BASE_KEY_SHARED_RECORDS = 50_000
 # The broker-capacity rows send this many times the Python rows' records (bench.zbroker_adapter).
 CAPACITY_RECORDS_FACTOR = 5
 # Records per row of the partition-count table (100,000 at scale 1, as issue #29 measured).
@@ -291,6 +294,10 @@ class Harness:
         if "redelivery" in selected:
             phases["redelivery"] = self._measure(adapter.name, "redelivery", counts.leases, pids,
                                                  lambda phase: adapter.redelivery(counts.leases, phase))
+        if "key_shared" in selected:
+            count = max(2_000, round(BASE_KEY_SHARED_RECORDS * self.config.scale))
+            phases["key_shared"] = self._zbroker_only(adapter, "key_shared",
+                                                      lambda make_phase: adapter.key_shared(count, make_phase))
 
     def _latency(self, adapter: Adapter, workload: str, pids: Callable[[], list[int]],
                  rate: int | None = None, **options: Any) -> dict[str, Any]:
