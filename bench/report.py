@@ -548,14 +548,17 @@ def _render_key_shared(entry: dict[str, Any], notes: _Footnotes) -> str:
     lines = [f"\nkey_shared against shared: {_num(entry.get('records'))} records, {entry.get('keys')} keys, "
              f"{entry.get('partitions')} partitions, {entry.get('consumers')} consumer processes, median of "
              f"{entry.get('rounds')} rounds each (bench.key_shared):\n",
-             "| mode | records/s | handler-to-ack p50 / p99 ms | server CPU µs/record |", "|---|---:|---:|---:|"]
-    for mode, row in entry["modes"].items():
-        lines.append(f"| {mode} | {_num(row.get('msgs_s'))} | {row.get('handler_to_ack_ms_p50')} / "
-                     f"{row.get('handler_to_ack_ms_p99')} | {_num(row.get('server_cpu_us_per_record'), 1)} |")
-    ratio = entry.get("key_shared_over_shared")
-    lines.append(f"\nkey_shared / shared: {'n/a' if ratio is None else f'{ratio:.0%}'} "
-                 f"(goal >= 70 %: {'met' if entry.get('goal_met') else 'not met'})\n")
-    return "\n".join(lines)
+             "| records per poll | mode | records/s | handler-to-ack p50 / p99 ms | server CPU µs/record | "
+             "key_shared / shared (goal >= 70 %) |", "|---:|---|---:|---:|---:|---|"]
+    by_poll = entry.get("by_poll") or {str(entry.get("poll_records")): entry}
+    for poll, block in by_poll.items():
+        ratio = block.get("key_shared_over_shared")
+        verdict = "n/a" if ratio is None else f"{ratio:.0%} ({'met' if block.get('goal_met') else 'not met'})"
+        for mode, row in block["modes"].items():
+            lines.append(f"| {poll} | {mode} | {_num(row.get('msgs_s'))} | {row.get('handler_to_ack_ms_p50')} / "
+                         f"{row.get('handler_to_ack_ms_p99')} | {_num(row.get('server_cpu_us_per_record'), 1)} | "
+                         f"{verdict if mode == 'key_shared' else ''} |")
+    return "\n".join(lines) + "\n"
 
 
 def _render_commits(entry: dict[str, Any], notes: _Footnotes) -> str:
