@@ -29,7 +29,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--only", default="",
                         help="comma-separated workloads: produce (all four variants), produce_1k, "
                              "produce_fsync_always, produce_unbatched, consume, latency, scale_out, "
-                             "redelivery, commits, memory, coordinator_failover, console_overhead, replication")
+                             "redelivery, key_shared, commits, memory, coordinator_failover, console_overhead, replication")
     parser.add_argument("--peers", default=",".join(harness.Config.peers), help="comma-separated peers to compare")
     parser.add_argument("--no-peers", action="store_true", help="zbroker and the ceiling only")
     parser.add_argument("--no-zbroker", action="store_true", help="peers and the ceiling only")

@@ -61,12 +61,15 @@ PRODUCE_BULK = "produce_send_many"  # zbroker only: the same produce through the
 
 PRODUCE_VARIANTS = ("produce", "produce_1k", "produce_fsync_always", "produce_unbatched")
 WORKLOADS = (*PRODUCE_VARIANTS, "consume", "latency", "capacity", "scale_out", "partitions", "redelivery",
-             "commits", "memory", "coordinator_failover", "console_overhead", "replication")
+             "key_shared", "commits", "memory", "coordinator_failover", "console_overhead", "replication")
 # Workloads that are modules of their own (run_commits), with no adapter and no peers.
 STANDALONE = {"commits": "bench.commit_absorption", "memory": "bench.memory",
               "coordinator_failover": "bench.coordinator_failover",
               "console_overhead": "bench.console_overhead", "replication": "bench.replication"}
-ZBROKER_ONLY = ("capacity", "scale_out", "partitions", "redelivery")
+ZBROKER_ONLY = ("capacity", "scale_out", "partitions", "redelivery", "key_shared")
+# Records of the key_shared-against-shared rows at scale 1 (bench.key_shared): each of
+# the 2 x 2 rounds consumes them all with 8 consumer processes.
+BASE_KEY_SHARED_RECORDS = 50_000
 # The broker-capacity rows send this many times the Python rows' records (bench.zbroker_adapter).
 CAPACITY_RECORDS_FACTOR = 5
 # Records per row of the partition-count table (100,000 at scale 1, as issue #29 measured).
@@ -294,6 +297,10 @@ class Harness:
         if "redelivery" in selected:
             phases["redelivery"] = self._measure(adapter.name, "redelivery", counts.leases, pids,
                                                  lambda phase: adapter.redelivery(counts.leases, phase))
+        if "key_shared" in selected:
+            count = max(2_000, round(BASE_KEY_SHARED_RECORDS * self.config.scale))
+            phases["key_shared"] = self._zbroker_only(adapter, "key_shared",
+                                                      lambda make_phase: adapter.key_shared(count, make_phase))
 
     def _latency(self, adapter: Adapter, workload: str, pids: Callable[[], list[int]],
                  rate: int | None = None, **options: Any) -> dict[str, Any]:

@@ -212,7 +212,7 @@ def summarize(results: dict[str, Any], machine: dict[str, Any] | None = None,
     workloads["produce_send_many"] = ({"status": _status_text(bulk), "msgs_s": bulk.get("msgs_s"),
                                       "server_cpu_us_per_record": bulk.get("server_cpu_us_per_record")}
                                      if bulk else {"status": "not run"})
-    for name in ("capacity", "scale_out", "partitions", "redelivery"):
+    for name in ("capacity", "scale_out", "partitions", "redelivery", "key_shared"):
         if zb is None:
             workloads[name] = {"status": "not run"}
         elif zb.get("status") != "ok":
@@ -389,6 +389,7 @@ def render_markdown(summary: dict[str, Any], chart: str | None = None) -> str:
     out.append(_render_scale_out(w.get("scale_out", {}), notes))
     out.append(_render_partition_counts(w.get("partitions", {}), notes))
     out.append(_render_redelivery(w.get("redelivery", {}), notes))
+    out.append(_render_key_shared(w.get("key_shared", {}), notes))
     out.append(_render_commits(w.get("commits", {}), notes))
     out.append(_render_replication(w.get("replication", {}), notes))
     out.append(_render_memory(w.get("memory", {}), notes))
@@ -548,6 +549,25 @@ def _render_redelivery(entry: dict[str, Any], notes: _Footnotes) -> str:
             f"{_num(entry.get('duplicates_seen'))}, delivered to it while the first was alive: "
             f"{_num(entry.get('delivered_while_victim_alive'))}; consumer session timeout "
             f"{_num(entry.get('session_timeout_ms'))} ms{flag}\n")
+
+
+def _render_key_shared(entry: dict[str, Any], notes: _Footnotes) -> str:
+    if "modes" not in entry:
+        return f"\nkey_shared against shared (8 consumers, 1,000 keys): {_status_cell(entry, notes)}\n"
+    lines = [f"\nkey_shared against shared: {_num(entry.get('records'))} records, {entry.get('keys')} keys, "
+             f"{entry.get('partitions')} partitions, {entry.get('consumers')} consumer processes, median of "
+             f"{entry.get('rounds')} rounds each (bench.key_shared):\n",
+             "| records per poll | mode | records/s | handler-to-ack p50 / p99 ms | server CPU µs/record | "
+             "key_shared / shared (goal >= 70 %) |", "|---:|---|---:|---:|---:|---|"]
+    by_poll = entry.get("by_poll") or {str(entry.get("poll_records")): entry}
+    for poll, block in by_poll.items():
+        ratio = block.get("key_shared_over_shared")
+        verdict = "n/a" if ratio is None else f"{ratio:.0%} ({'met' if block.get('goal_met') else 'not met'})"
+        for mode, row in block["modes"].items():
+            lines.append(f"| {poll} | {mode} | {_num(row.get('msgs_s'))} | {row.get('handler_to_ack_ms_p50')} / "
+                         f"{row.get('handler_to_ack_ms_p99')} | {_num(row.get('server_cpu_us_per_record'), 1)} | "
+                         f"{verdict if mode == 'key_shared' else ''} |")
+    return "\n".join(lines) + "\n"
 
 
 def _render_commits(entry: dict[str, Any], notes: _Footnotes) -> str:

@@ -414,6 +414,17 @@ class ZBroker(Adapter):
                                          f"{PRODUCE_BATCH} records per produce request, acks as ranges on the "
                                          "next poll", **self._with_broker(run)}
 
+    def key_shared(self, count: int, make_phase: Callable[[str, int], Phase]) -> dict[str, Any]:
+        """key_shared against shared, 8 consumer processes, 1,000 keys (bench.key_shared)."""
+        from bench import key_shared
+
+        def run(broker: _Broker) -> dict[str, Any]:
+            topic = broker.create_topic(f"{self.main_topic}-key-shared", partitions=2)
+            key_shared.prefill(broker.url, topic, count)
+            return key_shared.run(broker.url, topic, count, self.run_id, make_phase)
+
+        return self._with_broker(run)
+
     def redelivery(self, leases: int, phase: Phase) -> dict[str, Any]:
         """A consumer dies holding `leases` records; time until another member has them all."""
         _, _, Consumer, _ = _client_api()

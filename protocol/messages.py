@@ -650,7 +650,7 @@ class ConfigureGroup(Message):
     max_in_flight: int | None = None
     dlq: str | None = None
     start: str | None = None
-    quarantine_after: int | None = None  # key_shared: failures in a row that park a key; 0 turns it off
+    quarantine_after: int | None = None  # key_shared, exclusive: failures in a row that park a key; 0 turns it off
     max_keys: int | None = None          # key_shared: keys in flight or held back per partition
 
     def check(self) -> None:
@@ -1076,7 +1076,9 @@ class Advance(Message):
     """Coordinator -> writer.
 
     advances: [[group, topic, partition, committed_offset, holes, generation, reset_epoch], ...]
-    where holes is [[start, end], ...], acked ranges above committed_offset.
+    where holes is [[start, end], ...], acked ranges above committed_offset. A row may
+    carry an eighth element, quarantine: [[key_hash, failures, reason], ...], the keys
+    parked there (none when absent; the writer checks its elements).
     """
     advances: list
 
@@ -1084,7 +1086,7 @@ class Advance(Message):
         # Exact types, as msgpack decodes them (so a bool, an int subclass, is no integer here):
         # this runs for every advance, 100,000 and more a second, and a generator per row showed.
         for i, a in enumerate(self.advances):
-            if not (type(a) is list and len(a) == 7 and type(a[0]) is str and type(a[1]) is str
+            if not (type(a) is list and (len(a) == 7 or len(a) == 8 and type(a[7]) is list) and type(a[0]) is str and type(a[1]) is str
                     and type(a[2]) is int and type(a[3]) is int and type(a[5]) is int and type(a[6]) is int
                     and type(a[4]) is list):
                 raise ProtocolError("advance must be [group, topic, partition, committed, holes, "
@@ -1115,6 +1117,8 @@ def split_advances(rows: list, max_bytes: int) -> list[list]:
     for row in rows:
         size = (_ADVANCE_ROW_FIXED_BYTES + len(row[0].encode()) + len(row[1].encode())
                 + _ADVANCE_HOLE_BYTES * len(row[4]))
+        if len(row) > 7:  # parked keys: two integers and a reason each
+            size += sum(_ADVANCE_HOLE_BYTES + 5 + len(q[2].encode()) for q in row[7])
         if current and used + size > max_bytes:
             groups.append(current)
             current, used = [], 0
@@ -1155,7 +1159,8 @@ class LoadOffsets(Message):
 
 @reply("load_offsets")
 class LoadOffsetsReply(Message):
-    """rows: [[group, topic, partition, committed_offset, holes, generation, reset_epoch], ...]
+    """rows: [[group, topic, partition, committed_offset, holes, generation, reset_epoch], ...],
+    a row with parked keys carrying them as an eighth element (as in `Advance`).
 
     ``more`` is true when further rows follow: ask again with ``after`` = the last row's key.
     """
@@ -1164,7 +1169,8 @@ class LoadOffsetsReply(Message):
 
     def check(self) -> None:
         for i, r in enumerate(self.rows):
-            if not (isinstance(r, list) and len(r) == 7 and isinstance(r[0], str) and isinstance(r[1], str)
+            if not (isinstance(r, list) and (len(r) == 7 or len(r) == 8 and isinstance(r[7], list))
+                    and isinstance(r[0], str) and isinstance(r[1], str)
                     and all(_is_int(x) for x in (r[2], r[3], r[5], r[6])) and isinstance(r[4], list)
                     and all(isinstance(h, list) and len(h) == 2 and all(_is_int(x) for x in h) for h in r[4])):
                 raise ProtocolError("rows must be [group, topic, partition, committed, holes, generation, "

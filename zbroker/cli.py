@@ -846,9 +846,9 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--dlq")
     conf.add_argument("--start", choices=["earliest", "latest"])
     conf.add_argument("--quarantine-after", type=_non_negative,
-                      help="key_shared: park a key after N failures in a row of one record (0: never)")
+                      help="key_shared, exclusive: park a key after N failures in a row of one record (0: never)")
     conf.add_argument("--max-keys", type=_group_limit, help="key_shared: keys in flight or held back per partition")
-    quarantine = gsub.add_parser("quarantine", parents=[inner], help="list a key_shared group's quarantined keys")
+    quarantine = gsub.add_parser("quarantine", parents=[inner], help="list a group's quarantined keys (key_shared, exclusive)")
     quarantine.add_argument("group")
     release = gsub.add_parser("release", parents=[inner], help="release a quarantined key")
     release.add_argument("group")

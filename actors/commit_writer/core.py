@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 The coordinator sends ``advance`` requests: lists of
-``[group, topic, partition, committed_offset, holes, generation, reset_epoch]``.
+``[group, topic, partition, committed_offset, holes, generation, reset_epoch]``,
+and an eighth element, the group's parked keys there, when it has any.
 The core keeps, per key ``(group, topic, partition)``, only the newest value
 (by the monotonic guard of `storage.offsets.base`: higher reset epoch wins,
 then a higher or equal offset), so memory follows the number of keys, never
@@ -71,7 +72,7 @@ from typing import Any
 
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import ProtocolError, ShuttingDown, StaleEpoch, Unavailable, ZBrokerError
-from zbroker.storage.offsets.base import OffsetRow
+from zbroker.storage.offsets.base import MAX_STORED_QUARANTINE, OffsetRow
 from zbroker.storage.offsets.metadata import LeaseState
 
 Key = tuple[str, str, int]
@@ -170,7 +171,9 @@ def check_advance(a: list, index: int) -> None:
 
     `protocol` already checked the shape and element types.
     """
-    g, t, p, c, holes, gen, ep = a
+    g, t, p, c, holes, gen, ep = a[:7]
+    if len(a) == 8:
+        check_quarantine(a[7], index, g, t, p)
     if not (0 < len(g) <= MAX_NAME_CHARS and 0 < len(t) <= MAX_NAME_CHARS) or "\x00" in g or "\x00" in t:
         raise ProtocolError(f"group and topic must be 1..{MAX_NAME_CHARS} characters without NUL",
                             op="advance", index=index)
@@ -189,13 +192,23 @@ def check_advance(a: list, index: int) -> None:
         floor = h[1]
 
 
+def check_quarantine(quarantine: list, index: int, g: str, t: str, p: int) -> None:
+    """The parked keys of an advance: at most MAX_STORED_QUARANTINE [key_hash, failures, reason]."""
+    if not (type(quarantine) is list and len(quarantine) <= MAX_STORED_QUARANTINE and all(
+            type(q) is list and len(q) == 3 and type(q[0]) is int and 0 < q[0] < 1 << 32
+            and type(q[1]) is int and 0 <= q[1] <= MAX_INT64 and type(q[2]) is str and len(q[2]) <= 1000
+            for q in quarantine)):
+        raise ProtocolError(f"quarantine must be at most {MAX_STORED_QUARANTINE} [key_hash, failures, reason]",
+                            op="advance", index=index, group=g, topic=t, partition=p)
+
+
 def _newer_or_equal(a: list, b: list) -> bool:
     """The monotonic guard on wire lists: would `a` be applied over `b`?"""
     return a[6] > b[6] or (a[6] == b[6] and a[3] >= b[3])
 
 
 def _to_row(a: list) -> OffsetRow:
-    return OffsetRow(a[0], a[1], a[2], a[3], [(h[0], h[1]) for h in a[4]], a[5], a[6])
+    return OffsetRow(a[0], a[1], a[2], a[3], [(h[0], h[1]) for h in a[4]], a[5], a[6], a[7] if len(a) > 7 else [])
 
 
 # -- the core ----------------------------------------------------------------------------

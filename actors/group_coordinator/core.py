@@ -86,7 +86,8 @@ from zbroker.actors.group_coordinator.assignor import assign
 from zbroker.actors.group_coordinator.effects import (DeadLetter, FetchKeyHashes, Log, PersistGroupConfig,
                                                      PersistOffsets, Reply, ReplyError)
 from zbroker.actors.group_coordinator.group_state import Group, GroupConfig, Key, LeaseRecord, Member, ParkedPoll
-from zbroker.actors.group_coordinator.key_order import KeyOrder
+from zbroker.actors.group_coordinator.key_order import KeyOrder, parked_from_rows, parked_rows
+from zbroker.actors.group_coordinator.key_quarantine import ExclusiveQuarantine
 from zbroker.actors.group_coordinator.partition_state import (AHEAD, TIMEOUT, DeadLettering, Lease, LogRange, PartitionState,
                                                       Piece)
 from zbroker.actors.group_coordinator.ranges import RangeSet
@@ -229,8 +230,9 @@ class GroupCoordinatorCore:
 
     def load_offsets(self, rows: list, now_ms: int) -> list:
         """Stored progress, (group, topic, partition, committed, holes, generation, reset_epoch)
-        rows; afterwards the core serves requests."""
-        for group_name, topic, partition, committed, holes, generation, reset_epoch in rows:
+        rows, with the parked keys as an eighth element where there are any; afterwards the
+        core serves requests."""
+        for group_name, topic, partition, committed, holes, generation, reset_epoch, *quarantine in rows:
             if generation == TOMBSTONE_GENERATION:  # deleted offsets: only their epoch is kept
                 self._raise_epoch_floor(group_name, reset_epoch)
                 continue
@@ -239,6 +241,8 @@ class GroupCoordinatorCore:
             group.reset_epoch = max(group.reset_epoch, reset_epoch)
             state = self._add_state(group, (topic, partition), fresh=True)
             state.load(committed, holes, now_ms)
+            if quarantine and quarantine[0] and state.keys is not None:  # else the group no longer quarantines
+                state.keys.parked.update(parked_from_rows(quarantine[0], now_ms))
             state.durable_committed, state.durable_epoch = committed, reset_epoch
         for group in self._groups.values():
             # A group that lost some partitions' offsets (delete_topic) goes on above their
@@ -468,7 +472,8 @@ class GroupCoordinatorCore:
                                                        "persisted": self._max_holes}))
             state.holes_truncated = truncated
             out.append(PersistOffsets(group_name, key[0], key[1], state.committed, holes,
-                                      group.generation, group.reset_epoch))
+                                      group.generation, group.reset_epoch,
+                                      [] if state.keys is None else parked_rows(state.keys.parked)))
         self._dirty.clear()
 
     def _want_key_hashes(self, out: list, now: int) -> None:
@@ -484,12 +489,18 @@ class GroupCoordinatorCore:
                 out.append(FetchKeyHashes(group_name, key[0], key[1], start))
 
     def _sync_keys(self, group: Group, state: PartitionState) -> None:
-        """Give a key_shared group's state its key order, or take it away (mode changed)."""
+        """Give a key_shared group's state its key order, an exclusive group's with quarantine
+        its key quarantine, or take it away (mode or quarantine changed)."""
         handle = (group.name, state.key)
-        if group.config.mode == "key_shared":
-            if state.keys is None:
-                state.keys = KeyOrder(group.config.max_keys)
-            state.keys.max_keys = group.config.max_keys
+        config = group.config
+        kind = (KeyOrder if config.mode == "key_shared" else
+                ExclusiveQuarantine if config.mode == "exclusive" and config.quarantine_after else None)
+        if kind is not None:
+            if type(state.keys) is not kind:
+                if state.keys is not None:
+                    state.keys.drop(state)
+                state.keys = kind(config.max_keys)
+            state.keys.max_keys = config.max_keys
             self._keyed[handle] = state
         elif state.keys is not None:
             state.keys.drop(state)
@@ -501,6 +512,7 @@ class GroupCoordinatorCore:
             for event, fields in state.keys.events:
                 if event == "key_quarantined":
                     self._metrics["keys_quarantined"] += 1
+                    self._dirty[(group.name, state.key)] = state  # the quarantine is persisted with the holes
                 out.append(Log(event, {"group": group.name, "topic": state.topic, "partition": state.partition,
                                        **fields}))
             state.keys.events.clear()
@@ -646,7 +658,8 @@ class GroupCoordinatorCore:
         acked, stale, omitted = (self._settle_ranges("ack", msg, group, member, msg.acks, now, out)
                                  if msg.acks else (0, [], 0))
         deliveries = self._lease_records(group, member, msg.max_records, now)
-        if not deliveries and msg.ahead and group.config.mode == "exclusive":
+        # Not with quarantine: an ahead lease would hand out records no one checked for a parked key.
+        if not deliveries and msg.ahead and group.config.mode == "exclusive" and not group.config.quarantine_after:
             deliveries = self._lease_ahead(group, member, min(msg.ahead, msg.max_records))
         if deliveries or msg.max_wait_ms == 0:
             out.append(Reply(token, self._poll_reply(group, deliveries, acked, stale, omitted)))
@@ -1128,6 +1141,7 @@ class GroupCoordinatorCore:
                 continue
             records = sum(end - start for start, end, _ in doomed)
             self._dead_letter(group, state, doomed, out)
+            self._dirty[(group.name, state.key)] = state
             self._metrics["keys_released"] += 1
             released.append({"topic": state.topic, "partition": state.partition, "key_hash": h, "records": records})
             out.append(Log("key_released", {"group": group.name, "topic": state.topic, "partition": state.partition,

@@ -36,6 +36,8 @@ class PersistOffsets:
     lowest first, at most the core's `max_persisted_holes`. The writer replies
     with what became durable; the shell passes that to `core.on_durable`.
     A higher `reset_epoch` must override a higher `committed` (see reset_group).
+    `quarantine` lists the keys parked there, [[key_hash, failures, reason], ...]
+    (key_order.MAX_PARKED_KEYS at most), persisted with the holes.
     """
     group: str
     topic: str
@@ -44,11 +46,16 @@ class PersistOffsets:
     holes: list[list[int]] = field(hash=False)
     generation: int
     reset_epoch: int
+    quarantine: list = field(default_factory=list, hash=False)
 
     def as_advance(self) -> list:
-        """The element of an `Advance` message (protocol.messages.Advance)."""
-        return [self.group, self.topic, self.partition, self.committed, self.holes,
-                self.generation, self.reset_epoch]
+        """The element of an `Advance` message (protocol.messages.Advance): seven fields, and
+        the quarantine as an eighth only when there is one."""
+        row = [self.group, self.topic, self.partition, self.committed, [list(h) for h in self.holes],
+               self.generation, self.reset_epoch]
+        if self.quarantine:
+            row.append(self.quarantine)
+        return row
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ class GroupConfig:
     max_in_flight: int = 1000        # leased records, per member and per partition
     dlq: str | None = None           # dead-letter topic; None means "<topic>.dlq"
     start: str = "earliest"          # "earliest" | "latest": where a group without a stored offset begins
-    quarantine_after: int = 0        # key_shared: failures in a row that park a key; 0 = never
+    quarantine_after: int = 0        # key_shared, exclusive: failures in a row that park a key; 0 = never
     max_keys: int = 10_000           # key_shared: keys in flight or held back, per partition
 
     def __post_init__(self) -> None:

@@ -59,6 +59,9 @@ MAX_HELD = 100_000
 # Key hashes kept per partition beyond the lowest committed offset of its key_shared groups.
 KEY_WINDOW = 1_000_000
 RELEASED = "released"
+# Parked keys per partition and group, at most; each is persisted with the offsets
+# ([hash, failures, reason of up to 200 bytes]), so 1000 keep a row under 256 KB.
+MAX_PARKED_KEYS = 1000
 
 
 class KeyColumn:
@@ -91,6 +94,14 @@ class KeyColumn:
     def reset(self, base: int) -> None:
         self.base, self.hashes = base, array("I")
 
+    def wanted_from(self, committed: int, log_end: int) -> int | None:
+        """The offset to fetch hashes from next (None: all known, or far enough ahead),
+        after forgetting most of what is below `committed`."""
+        self.trim_below(committed)
+        if self.end >= log_end or self.end >= committed + KEY_WINDOW:
+            return None
+        return self.end
+
     def trim_below(self, offset: int) -> None:
         """Forget hashes below `offset`, when that frees most of the column (a copy)."""
         cut = offset - self.base
@@ -105,6 +116,17 @@ class ParkedKey:
     since_ms: int
     reason: str
     failures: int
+
+
+def parked_rows(parked: dict[int, ParkedKey]) -> list[list]:
+    """The parked keys as persisted with the offsets: [[key_hash, failures, reason], ...]."""
+    return [[h, info.failures, info.reason] for h, info in parked.items()]
+
+
+def parked_from_rows(rows: list, now_ms: int) -> dict[int, ParkedKey]:
+    """Parked keys loaded after a restart. Their age counts from the load: the stored
+    times were another process's monotonic clock."""
+    return {h: ParkedKey(now_ms, reason, failures) for h, failures, reason in rows[:MAX_PARKED_KEYS]}
 
 
 class KeyOrder:
@@ -161,7 +183,9 @@ class KeyOrder:
             h = hashes[offset - base]
             if h != NO_KEY_HASH:
                 keyed = pending.get(h)
-                if keyed is not None:  # an earlier record of the key is unfinished: held
+                if keyed is None and h in self.parked:  # parked, loaded so, with nothing unfinished
+                    keyed = pending[h] = deque()
+                if keyed is not None:  # an earlier record of the key is unfinished (or parked): held
                     if held.count() >= MAX_HELD:
                         self.paused = "held"
                         break
@@ -276,6 +300,9 @@ class KeyOrder:
         h = self.column.get(offset)
         if h is None or h == NO_KEY_HASH or h not in self.pending:
             return False
+        if h not in self.parked and len(self.parked) >= MAX_PARKED_KEYS:
+            self.events.append(("quarantine_full", {"key_hash": h, "offset": offset, "limit": MAX_PARKED_KEYS}))
+            return False
         self.held.set(offset, offset + 1, ready)
         if h not in self.parked:
             self.parked[h] = ParkedKey(now_ms, ready.reason, ready.attempts)
@@ -339,10 +366,7 @@ class KeyOrder:
             return None
         if self.classified_to is None:
             self.classify(state, state.committed)
-        column.trim_below(state.committed)
-        if column.end >= log_end or column.end >= state.committed + KEY_WINDOW:
-            return None
-        return column.end
+        return column.wanted_from(state.committed, log_end)
 
     def quarantine_report(self, now_ms: int) -> list[dict]:
         out = []

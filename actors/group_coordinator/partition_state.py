@@ -218,13 +218,7 @@ class PartitionState:
         while limit > 0 and self.ready and len(grants) < max_pieces:
             start, end, ready = self.ready.first()
             end = min(end, start + limit)
-            self.ready.remove(start, end)
-            lease = Lease(new_lease_id(), member_id, ready.attempts + 1, ready.reason, deadline, now_ms)
-            self.leased.set(start, end, lease)
-            grants.append((start, end, lease))
-            self.redeliveries += end - start
-            kind = reason_kind(ready.reason)
-            self.redeliveries_by_reason[kind] = self.redeliveries_by_reason.get(kind, 0) + end - start
+            grants.append(self.lease_ready(start, end, ready, member_id, new_lease_id(), deadline, now_ms))
             limit -= end - start
         if (limit > 0 and log_end > self.next_new and self.ahead is None  # an ahead lease owns the new ones
                 and len(grants) < max_pieces):
@@ -234,6 +228,17 @@ class PartitionState:
             grants.append((start, end, lease))
             self.next_new = end
         return grants
+
+    def lease_ready(self, start: int, end: int, ready: Ready, member_id: str, lease_id: int,
+                    deadline_ms: int, now_ms: int) -> Piece:
+        """Lease ready records [start, end) again (a redelivery)."""
+        self.ready.remove(start, end)
+        lease = Lease(lease_id, member_id, ready.attempts + 1, ready.reason, deadline_ms, now_ms)
+        self.leased.set(start, end, lease)
+        self.redeliveries += end - start
+        kind = reason_kind(ready.reason)
+        self.redeliveries_by_reason[kind] = self.redeliveries_by_reason.get(kind, 0) + end - start
+        return start, end, lease
 
     def available(self, log_end: int) -> int:
         """How many records `take` could hand out now (key_shared: at most)."""
@@ -305,8 +310,9 @@ class PartitionState:
 
         `max_deliveries` None means "never dead-letter" (used for revocation, which
         is not the consumer's failure). Returns the pieces that must be dead-lettered.
-        With `quarantine_after` (key_shared groups), a keyed record that failed that many
-        times in a row parks its key instead (key_order.KeyOrder.park).
+        With `quarantine_after` (key_shared and exclusive groups), a keyed record that failed
+        that many times in a row parks its key instead (key_order.KeyOrder.park,
+        key_quarantine.ExclusiveQuarantine.park), and one of a parked key is held.
         """
         doomed = []
         if quarantine_after and max_deliveries is not None and self.keys is not None:
@@ -329,13 +335,16 @@ class PartitionState:
         """Park the keys of the records in `pieces` that reached `quarantine_after` failures;
         returns the pieces left to requeue."""
         rest = []
+        parked, column = self.keys.parked, self.keys.column
         for start, end, lease in pieces:
-            if lease.attempt < quarantine_after:
+            if lease.attempt < quarantine_after and not parked:
                 rest.append((start, end, lease))
                 continue
             for offset in range(start, end):
                 ready = Ready(lease.attempt, reason, ready_at_ms, now_ms)
-                if self.keys.park(self, offset, ready, now_ms):
+                if lease.attempt < quarantine_after and column.get(offset) not in parked:
+                    rest.append((offset, offset + 1, lease))
+                elif self.keys.park(self, offset, ready, now_ms):
                     self.leased.remove(offset, offset + 1)
                 else:  # keyless: nothing to park, it is requeued as usual
                     rest.append((offset, offset + 1, lease))

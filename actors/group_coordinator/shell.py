@@ -462,8 +462,7 @@ class CoordinatorShell:
                 self.reply_error(self.tokens.pop(effect.token), effect.error)
                 self.open_polls.discard(effect.token)
             elif isinstance(effect, fx.PersistOffsets):
-                row = [effect.group, effect.topic, effect.partition, effect.committed,
-                       [list(h) for h in effect.holes], effect.generation, effect.reset_epoch]
+                row = effect.as_advance()
                 key = (effect.group, effect.topic, effect.partition)
                 self.unconfirmed[key] = row
                 self.to_send[key] = row

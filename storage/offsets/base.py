@@ -65,15 +65,25 @@ class OffsetRow:
     holes: list[tuple[int, int]]
     generation: int
     reset_epoch: int
+    # Parked keys (issue 28): [[key_hash, failures, reason], ...]; [] for none.
+    quarantine: list = dataclasses.field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, str, int]:
         return (self.group_id, self.topic, self.partition)
 
     def to_wire(self) -> list:
-        """A LoadOffsetsReply row: [group, topic, partition, committed, holes, generation, reset_epoch]."""
-        return [self.group_id, self.topic, self.partition, self.committed_offset,
-                [[s, e] for s, e in self.holes], self.generation, self.reset_epoch]
+        """A LoadOffsetsReply row: [group, topic, partition, committed, holes, generation, reset_epoch],
+        and the quarantine as an eighth element when there is one."""
+        row = [self.group_id, self.topic, self.partition, self.committed_offset,
+               [[s, e] for s, e in self.holes], self.generation, self.reset_epoch]
+        if self.quarantine:
+            row.append(self.quarantine)
+        return row
+
+    def quarantine_or_none(self) -> list | None:
+        """The quarantine column's value: NULL for none, as rows written before it."""
+        return self.quarantine or None
 
 
 _MAX_INT64 = (1 << 63) - 1
@@ -101,6 +111,31 @@ def stored_holes(text: str, key: tuple[str, str, int]) -> list[tuple[int, int]]:
         log.warning("offsets.holes_unreadable", group=key[0], topic=key[1], partition=key[2],
                     holes=str(text)[:200], reason=str(exc),
                     consequence="read as no holes: the acked offsets above the committed one are delivered again")
+        return []
+
+
+MAX_STORED_QUARANTINE = 1000
+
+
+def stored_quarantine(text: str | None, key: tuple[str, str, int]) -> list:
+    """The quarantine column as `upsert` writes it: NULL, or JSON ``[[key_hash, failures, reason], ...]``.
+
+    Anything else is read as no quarantine, with a warning, for the reason
+    `stored_holes` gives: those keys' records are then delivered again.
+    """
+    if text is None:
+        return []
+    try:
+        rows = json.loads(text)
+        if not (type(rows) is list and len(rows) <= MAX_STORED_QUARANTINE and all(
+                type(r) is list and len(r) == 3 and type(r[0]) is int and 0 < r[0] < 1 << 32
+                and type(r[1]) is int and r[1] >= 0 and type(r[2]) is str for r in rows)):
+            raise ValueError(f"not a list of at most {MAX_STORED_QUARANTINE} [key_hash, failures, reason]")
+        return rows
+    except (ValueError, TypeError) as exc:
+        log.warning("offsets.quarantine_unreadable", group=key[0], topic=key[1], partition=key[2],
+                    quarantine=str(text)[:200], reason=str(exc),
+                    consequence="read as no quarantine: the parked keys' records are delivered again")
         return []
 
 

@@ -48,6 +48,7 @@ import asyncpg
 from zbroker.protocol.errors import StaleEpoch
 from zbroker.storage.offsets.base import (
     MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations, stored_holes,
+    stored_quarantine,
 )
 from zbroker.storage.offsets.metadata import (
     EPOCHS_TABLE, LEASE_TABLE, PARTITIONS_TABLE, TOPICS_TABLE, LeaseState, Metadata, MetadataChanges,
@@ -74,12 +75,14 @@ _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 # CPU at 100,000 advances/s, against one C json.dumps call for the whole batch.
 _UPSERT = """
 INSERT INTO {s}.{table} AS cur
-    (group_id, topic, partition, committed_offset, holes, generation, reset_epoch, updated_at)
-SELECT r ->> 0, r ->> 1, (r ->> 2)::int4, (r ->> 3)::int8, r -> 4, (r ->> 5)::int8, (r ->> 6)::int8, now()
+    (group_id, topic, partition, committed_offset, holes, generation, reset_epoch, updated_at, quarantine)
+SELECT r ->> 0, r ->> 1, (r ->> 2)::int4, (r ->> 3)::int8, r -> 4, (r ->> 5)::int8, (r ->> 6)::int8, now(),
+       NULLIF(r -> 7, 'null'::jsonb)
 FROM jsonb_array_elements($1::text::jsonb) AS u(r)
 ON CONFLICT (group_id, topic, partition) DO UPDATE SET
     committed_offset = excluded.committed_offset,
     holes = excluded.holes,
+    quarantine = excluded.quarantine,
     generation = excluded.generation,
     reset_epoch = excluded.reset_epoch,
     updated_at = excluded.updated_at,
@@ -98,13 +101,14 @@ WITH fence AS (
 ), written AS (
     INSERT INTO {s}.{table} AS cur
         (group_id, topic, partition, committed_offset, holes, generation, reset_epoch, updated_at,
-         coordinator_epoch)
+         coordinator_epoch, quarantine)
     SELECT r ->> 0, r ->> 1, (r ->> 2)::int4, (r ->> 3)::int8, r -> 4, (r ->> 5)::int8, (r ->> 6)::int8, now(),
-           fence.epoch
+           fence.epoch, NULLIF(r -> 7, 'null'::jsonb)
     FROM jsonb_array_elements($1::text::jsonb) AS u(r) CROSS JOIN fence
     ON CONFLICT (group_id, topic, partition) DO UPDATE SET
         committed_offset = excluded.committed_offset,
         holes = excluded.holes,
+        quarantine = excluded.quarantine,
         generation = excluded.generation,
         reset_epoch = excluded.reset_epoch,
         updated_at = excluded.updated_at,
@@ -198,13 +202,15 @@ class _ConditionFailed(Exception):
     """A write_metadata condition did not hold: roll the transaction back."""
 
 _SELECT_FIRST = """
-SELECT group_id, topic, partition, committed_offset, holes::text AS holes, generation, reset_epoch
+SELECT group_id, topic, partition, committed_offset, holes::text AS holes, generation, reset_epoch,
+       quarantine::text AS quarantine
 FROM {s}.{table} ORDER BY group_id, topic, partition LIMIT $1
 """
 # The row comparison and the ORDER BY use the same (column) collation, so pages neither
 # overlap nor skip; both walk the primary key's index.
 _SELECT_AFTER = """
-SELECT group_id, topic, partition, committed_offset, holes::text AS holes, generation, reset_epoch
+SELECT group_id, topic, partition, committed_offset, holes::text AS holes, generation, reset_epoch,
+       quarantine::text AS quarantine
 FROM {s}.{table} WHERE (group_id, topic, partition) > ($1, $2, $3)
 ORDER BY group_id, topic, partition LIMIT $4
 """
@@ -310,7 +316,7 @@ class PostgresOffsetStore(OffsetStore):
         if not batch:
             return 0
         payload = _dumps([[r.group_id, r.topic, r.partition, r.committed_offset, r.holes, r.generation,
-                           r.reset_epoch] for r in batch])
+                           r.reset_epoch, r.quarantine_or_none()] for r in batch])
 
         async def run(conn: asyncpg.Connection) -> int:
             self._stats["statements"] += 1
@@ -390,7 +396,8 @@ class PostgresOffsetStore(OffsetStore):
                 records = await conn.fetch(self._select_first_sql, limit)
             else:
                 records = await conn.fetch(self._select_after_sql, *after, limit)
-            return [OffsetRow(r[0], r[1], r[2], r[3], stored_holes(r[4], (r[0], r[1], r[2])), r[5], r[6])
+            return [OffsetRow(r[0], r[1], r[2], r[3], stored_holes(r[4], (r[0], r[1], r[2])), r[5], r[6],
+                              stored_quarantine(r[7], (r[0], r[1], r[2])))
                     for r in records]
 
         return await self._with_conn("load_page", run)

@@ -38,6 +38,7 @@ from typing import Callable, Iterable, TypeVar
 from zbroker.protocol.errors import StaleEpoch
 from zbroker.storage.offsets.base import (
     MIGRATIONS_TABLE, TABLE, OffsetRow, OffsetStore, OffsetStoreError, fold, load_migrations, stored_holes,
+    stored_quarantine,
 )
 from zbroker.storage.offsets.metadata import (
     PARTITIONS_TABLE, SINGLE_NODE_EPOCH, TOPICS_TABLE, LeaseState, Metadata, MetadataChanges,
@@ -48,12 +49,14 @@ T = TypeVar("T")
 
 _UPSERT = """
 INSERT INTO {s}.{table} AS cur
-    (group_id, topic, partition, committed_offset, holes, generation, reset_epoch, updated_at, coordinator_epoch)
-SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, value ->> 5, value ->> 6, ?, ?
+    (group_id, topic, partition, committed_offset, holes, generation, reset_epoch, updated_at, coordinator_epoch,
+     quarantine)
+SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, value ->> 5, value ->> 6, ?, ?, value ->> 7
 FROM json_each(?) WHERE true
 ON CONFLICT (group_id, topic, partition) DO UPDATE SET
     committed_offset = excluded.committed_offset,
     holes = excluded.holes,
+    quarantine = excluded.quarantine,
     generation = excluded.generation,
     reset_epoch = excluded.reset_epoch,
     updated_at = excluded.updated_at,
@@ -62,14 +65,15 @@ WHERE excluded.reset_epoch > cur.reset_epoch
    OR (excluded.reset_epoch = cur.reset_epoch AND excluded.committed_offset >= cur.committed_offset)
 """
 # "WHERE true" is required: without it SQLite parses "ON CONFLICT" as a join constraint.
-# value ->> 4 yields the holes array as JSON text, which is what the column stores.
+# value ->> 4 yields the holes array as JSON text, which is what the column stores;
+# value ->> 7 the quarantine likewise, or NULL for JSON null.
 
 _SELECT_FIRST = """
-SELECT group_id, topic, partition, committed_offset, holes, generation, reset_epoch
+SELECT group_id, topic, partition, committed_offset, holes, generation, reset_epoch, quarantine
 FROM {s}.{table} ORDER BY group_id, topic, partition LIMIT ?
 """
 _SELECT_AFTER = """
-SELECT group_id, topic, partition, committed_offset, holes, generation, reset_epoch
+SELECT group_id, topic, partition, committed_offset, holes, generation, reset_epoch, quarantine
 FROM {s}.{table} WHERE (group_id, topic, partition) > (?, ?, ?)
 ORDER BY group_id, topic, partition LIMIT ?
 """
@@ -234,7 +238,8 @@ class SQLiteOffsetStore(OffsetStore):
                              epoch=SINGLE_NODE_EPOCH, got=coordinator_epoch, operation="upsert")
         epoch = coordinator_epoch or 0
         payload = json.dumps([[r.group_id, r.topic, r.partition, r.committed_offset,
-                               [list(h) for h in r.holes], r.generation, r.reset_epoch] for r in batch],
+                               [list(h) for h in r.holes], r.generation, r.reset_epoch, r.quarantine_or_none()]
+                              for r in batch],
                              separators=(",", ":"))
         now_ms = int(time.time() * 1000)
 
@@ -288,8 +293,8 @@ class SQLiteOffsetStore(OffsetStore):
         def run(conn: sqlite3.Connection) -> list[OffsetRow]:
             cursor = (conn.execute(self._select_first_sql, (limit,)) if after is None
                       else conn.execute(self._select_after_sql, (*after, limit)))
-            return [OffsetRow(g, t, p, c, stored_holes(h, (g, t, p)), gen, ep)
-                    for g, t, p, c, h, gen, ep in cursor]
+            return [OffsetRow(g, t, p, c, stored_holes(h, (g, t, p)), gen, ep, stored_quarantine(q, (g, t, p)))
+                    for g, t, p, c, h, gen, ep, q in cursor]
 
         return await self._call("load_page", run)
 

@@ -41,7 +41,8 @@ MAX_DELIVERIES = 4
 class KeyHistory:
     """What a key_shared group promises, as an independent model of one topic."""
 
-    def __init__(self) -> None:
+    def __init__(self, ordered: bool = True) -> None:
+        self.ordered = ordered  # key_shared; an exclusive group may have one key in flight many times
         self.keys: dict[int, list] = {p: [] for p in range(P)}
         self.finished: dict[int, set[int]] = {p: set() for p in range(P)}
         self.in_flight: dict[tuple[int, int], int] = {}  # (partition, offset) -> deadline
@@ -52,6 +53,7 @@ class KeyHistory:
         assert (p, offset) not in self.in_flight, f"{p}/{offset} delivered twice at once"
         if key is not None:
             assert (p, key) not in self.parked, f"{p}/{offset}: key {key!r} is quarantined"
+        if key is not None and self.ordered:
             busy = [o for (q, o) in self.in_flight if q == p and self.keys[p][o] == key]
             assert not busy, f"{p}/{offset}: key {key!r} already in flight at {busy}"
             early = [o for o in range(offset) if self.keys[p][o] == key and o not in self.finished[p]]
@@ -100,13 +102,15 @@ def test_the_model_catches_bad_histories():
 
 
 class KeySharedMachine(RuleBasedStateMachine):
+    MODE = "key_shared"
+
     def __init__(self) -> None:
         super().__init__()
-        self.model = KeyHistory()
+        self.model = KeyHistory(ordered=self.MODE == "key_shared")
         self.now = 10_000
         self.incarnation = 0
         self.tokens = itertools.count(1)
-        self.config = GroupConfig(mode="key_shared", ack_timeout_ms=ACK_TIMEOUT, max_deliveries=MAX_DELIVERIES,
+        self.config = GroupConfig(mode=self.MODE, ack_timeout_ms=ACK_TIMEOUT, max_deliveries=MAX_DELIVERIES,
                                   quarantine_after=QUARANTINE_AFTER, max_in_flight=5)
         self.persisted: dict[int, PersistOffsets] = {}
         self.start_core([])
@@ -195,6 +199,18 @@ class KeySharedMachine(RuleBasedStateMachine):
         reply = self.call("join", m.Join(group="g", topics=["t"], session_timeout_ms=10**9))
         self.members[reply.member_id] = reply.generation
         self.leases.setdefault(reply.member_id, [])
+        if self.MODE == "exclusive":
+            self.forget_revoked()
+
+    def forget_revoked(self) -> None:
+        """Exclusive: a join moves partitions, and their old owner's leases are revoked
+        (not a failure): the model forgets them as in flight."""
+        report = self.call("describe_group", m.DescribeGroup(group="g")).group
+        owner = {part["partition"]: part.get("owner") for part in report["partitions"]}
+        for member, entries in self.leases.items():
+            for p, offset, lease in entries:
+                if owner.get(p) != member and self.live_lease.get((p, offset)) == lease:
+                    self.model.ended(p, offset)
 
     @precondition(lambda self: self.members)
     @rule(i=st.integers(0, 5))
@@ -206,8 +222,9 @@ class KeySharedMachine(RuleBasedStateMachine):
         assert isinstance(self.call("leave", m.Leave(group="g", member_id=member, generation=generation)),
                           m.LeaveReply)
         del self.members[member]
-        for p, offset, _lease in self.leases.pop(member, []):
-            self.model.ended(p, offset)  # revoked: not a failure
+        for p, offset, lease in self.leases.pop(member, []):
+            if self.live_lease.get((p, offset)) == lease:
+                self.model.ended(p, offset)  # revoked: not a failure
 
     @precondition(lambda self: self.members)
     @rule(i=st.integers(0, 2), max_records=st.integers(1, 6), fetched=st.booleans())
@@ -296,9 +313,8 @@ class KeySharedMachine(RuleBasedStateMachine):
     def restart(self, now):
         if now:
             return  # restarts are rare, so that the other rules get far between them
-        rows = [["g", "t", p, e.committed, e.holes, e.generation, e.reset_epoch] for p, e in self.persisted.items()]
-        self.model.in_flight.clear()
-        self.model.parked.clear()  # the quarantine is not persisted yet (docs/SEMANTICS.md)
+        rows = [e.as_advance() for e in self.persisted.values()]
+        self.model.in_flight.clear()  # the parked keys stay parked: persisted with the holes
         self.attempts.clear()
         self.start_core(rows)
 
@@ -326,10 +342,10 @@ class KeySharedMachine(RuleBasedStateMachine):
             self.model.parked.clear()
             if not self.members:
                 self.join()
-            member = sorted(self.members)[0]
-            self.poll(0, 6)
-            while self.leases[member]:
-                self.settle(0, "ack")
+            for i, member in enumerate(sorted(self.members)):  # exclusive: each owns some partitions
+                self.poll(i, 6)
+                while self.leases[member]:
+                    self.settle(0, "ack")
         raise AssertionError(f"not drained: finished up to "
                              f"{[self.model.first_unfinished(p) for p in range(P)]} of "
                              f"{[len(self.model.keys[p]) for p in range(P)]}")
@@ -350,3 +366,13 @@ KeySharedMachine.__init__ = _with_attempts
 TestKeySharedInterleavings = KeySharedMachine.TestCase
 TestKeySharedInterleavings.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
+
+
+class ExclusiveQuarantineMachine(KeySharedMachine):
+    """The same interleavings for an exclusive group with quarantine: one owner per
+    partition, many records of a key in flight at once, and the quarantine rules."""
+    MODE = "exclusive"
+
+
+TestExclusiveQuarantineInterleavings = ExclusiveQuarantineMachine.TestCase
+TestExclusiveQuarantineInterleavings.settings = TestKeySharedInterleavings.settings

@@ -32,7 +32,7 @@ def test_migrate_twice_is_idempotent(backend):
         first = open_offset_store(backend.url())
         second = open_offset_store(backend.url())
         try:
-            assert await first.migrate() == [1, 2]
+            assert await first.migrate() == [1, 2, 3]
             assert await first.migrate() == []
             assert await second.migrate() == []  # another process, same schema
             assert await first.upsert([row(committed=3)]) == 1
@@ -51,7 +51,7 @@ def test_concurrent_migrations_apply_once(backend):
         stores = [open_offset_store(url) for _ in range(3)]
         try:
             applied = await asyncio.gather(*(s.migrate() for s in stores))
-            assert sorted(applied) == [[], [], [1, 2]]
+            assert sorted(applied) == [[], [], [1, 2, 3]]
         finally:
             for s in stores:
                 await s.close()
@@ -81,6 +81,25 @@ def test_round_trip_with_holes(backend):
         assert all(isinstance(h, tuple) for r in loaded for h in r.holes)
         other = next(r for r in loaded if r.group_id == "other")
         assert other.to_wire() == ["other", "t", 0, 1, [[2, MAX_INT64]], 1, 0]  # plain lists on the wire
+
+    asyncio.run(body())
+
+
+def test_the_quarantine_travels_with_the_holes_and_is_cleared_by_a_row_without_one(backend):
+    parked = [[4_000_000_000, 3, "nack:bad ✓ \"quoted\""], [17, 1, "timeout"]]
+
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            await store.upsert([dataclasses.replace(row(committed=5, holes=[(6, 7)]), quarantine=parked)])
+            loaded = await store.load_all()
+            assert loaded[0].quarantine == parked and loaded[0].holes == [(6, 7)]
+            assert loaded[0].to_wire()[7] == parked
+            await store.upsert([row(committed=5, holes=[(6, 8)])])  # released: no quarantine now
+            loaded = await store.load_all()
+            assert loaded[0].quarantine == [] and len(loaded[0].to_wire()) == 7
+        finally:
+            await store.close()
 
     asyncio.run(body())
 

@@ -348,6 +348,8 @@ def test_an_outage_bounds_waiting_requests_by_the_keys_they_name_not_only_by_the
     adv(0, 5, [[6, 9], [8, 10]]),    # overlapping
     adv(0, 5, [[6]]), adv(0, 5, [[6, "7"]]), adv(0, 5, [[6, True]]), adv(0, 5, [7]),
     adv(group=""), adv(topic="x" * 256), adv(group="a\x00b"),
+    adv() + [[[0, 1, "r"]]], adv() + [[[1 << 32, 1, "r"]]], adv() + [[[5, -1, "r"]]],  # parked keys:
+    adv() + [[[5, 1, 7]]], adv() + [[[5, 1]]], adv() + [[[5, 1, "r"]] * 1001],        # hash, count, reason
 ])
 def test_values_the_store_would_refuse_are_a_bad_request(core, bad):
     effects = core.on_advance("r", [adv(1, 1), bad], 0)
@@ -361,6 +363,13 @@ def test_values_at_the_limits_are_accepted(core):
     effects = core.on_advance("r", [adv((1 << 31) - 1, big - 2, [[big - 1, big]], generation=-big, epoch=big),
                                     adv(0, 0, group="g" * 255, topic="ü" * 255)], 0)
     assert not of(effects, ReplyError)
+
+
+def test_an_advance_carries_its_parked_keys_to_the_store(core):
+    parked = [[17, 2, "nack:boom"]]
+    assert not of(core.on_advance("r", [adv(0, 3) + [parked], adv(1, 4)], 0), ReplyError)
+    flush = one(core.on_tick(100), Flush)
+    assert {r.partition: r.quarantine for r in flush.rows} == {0: parked, 1: []}
 
 
 # -- load_offsets and shutdown ---------------------------------------------------------------
