@@ -360,6 +360,16 @@ class ConsumerCore:
         if added and self.acks_since is None and now is not None:
             self.acks_since = now
 
+    def poll_refused(self, err: ZBrokerError, acks: list, now: float | None = None) -> bool:
+        """A poll carrying ``acks`` was answered with ``err``. Answered after it waited (the error
+        carries ``acked``), its acks were applied; refused on arrival, none were, and they go again.
+        True when the member must re-join before polling again (FENCED, UNKNOWN_MEMBER)."""
+        if "acked" in err.data:
+            self.stats["acked"] += int(err.data["acked"])
+        else:
+            self.hold_again(acks, now)
+        return err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER)
+
     def applied(self, count: int, stale: list) -> None:
         """An ack (or a poll carrying acks) was answered: ``count`` applied, ``stale`` refused."""
         self.stats["acked"] += count
