@@ -170,13 +170,15 @@ def test_a_lease_fetch_is_sized_from_the_lease_and_what_earlier_fetches_brought(
     assert sizer.max_bytes(0, 100) == fetch_bytes(0, 100) == 25_600  # before any fetch: 256 bytes a record
     sizer.learn(frame_bytes=400_000, records=100)  # 4 KB records: the estimate follows at once
     assert sizer.max_bytes(0, 100) == 100 * (400_000 * 5 // 400 + 1)
-    for _ in range(20):  # then small ones: it comes down, halving the gap each fetch
+    sizer.learn(frame_bytes=100_000, records=100)  # then smaller ones: it comes down, halving the gap
+    assert sizer.per_record == (5001 + 1251) // 2
+    for _ in range(20):  # small records: never below where it started
         sizer.learn(frame_bytes=3_000, records=100)
-    assert sizer.per_record == 3_000 * 5 // 400 + 1
+    assert sizer.per_record == 256
     assert sizer.max_bytes(0, 1) == 4096  # bounded below (one batch header and more) ...
     assert FetchSizer(per_record=1 << 20).max_bytes(0, 1000) == 8 << 20  # ... and above
     sizer.learn(frame_bytes=0, records=0)  # an empty reply teaches nothing
-    assert sizer.per_record == 3_000 * 5 // 400 + 1
+    assert sizer.per_record == 256
 
 
 def frame(first: int, count: int) -> bytes:
@@ -196,7 +198,7 @@ def test_the_core_plans_a_lease_fetch_learns_its_size_and_asks_for_the_rest():
     assert (fetch.topic, fetch.partition, fetch.offset, fetch.max_bytes) == ("t", 0, 0, 4096)
     got, rest, given_up = core.lease_fetch_replied(delivery, 0, fetch_reply(0, 4), None, now=1.0)
     assert [r.offset for r in got] == [0, 1, 2, 3] and rest == 4 and given_up == []  # cut short: the rest next
-    assert core.fetch_sizer.per_record < 256  # and the next fetch is sized from what these took
+    assert core.fetch_sizer.per_record == 256  # small records: the next fetch keeps the floor
     got, rest, _ = core.lease_fetch_replied(delivery, 4, fetch_reply(4, 10), None, now=1.0)
     assert [r.offset for r in got] == list(range(4, 10)) and rest is None  # records past the lease end dropped
 
