@@ -4,6 +4,7 @@ clock an argument. No sockets, no broker, no private attributes."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import pathlib
 
 import pytest
@@ -34,6 +35,51 @@ def test_the_cores_import_neither_zmq_asyncio_time_nor_socket(module):
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
     assert not imported & FORBIDDEN, f"{module} imports {imported & FORBIDDEN}"
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from pkg import module`
+    return names
+
+
+def forbidden_reach(module: str) -> dict[str, set[str]]:
+    """The forbidden imports reached from ``zbroker.client.<module>`` through the zbroker modules
+    it imports (the `zbroker.client` package's own __init__ aside: it is the public face and
+    imports the drivers), by the module that makes each."""
+    seen, todo, found = set(), [f"zbroker.client.{module}"], {}
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            spec = importlib.util.find_spec(name) if name.startswith("zbroker.") else None
+        except ModuleNotFoundError:  # `from zbroker.x import SomeClass`: a name, not a module
+            spec = None
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        for imported in imports_of(pathlib.Path(spec.origin)):
+            top = imported.split(".")[0]
+            if top in FORBIDDEN:
+                found.setdefault(name, set()).add(top)
+            elif top == "zbroker":
+                todo.append(imported)
+    return found
+
+
+@pytest.mark.parametrize("module", ["consumer_core", "producer_core", "transport", "admin_calls"])
+def test_nothing_a_core_imports_imports_zmq_asyncio_time_or_socket_either(module):
+    assert not forbidden_reach(module)
+
+
+def test_the_transitive_check_sees_a_driver_side_module():
+    assert forbidden_reach("sockets") == {"zbroker.client.sockets": {"zmq"}, "zbroker.client.keys": {"zmq"}}
 
 
 def test_the_import_check_sees_a_forbidden_import():

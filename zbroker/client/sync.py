@@ -683,7 +683,7 @@ class Consumer:
                 if sock.poll(poll_timeout_ms(interval)):
                     env = codec.decode_reply(sock.recv_multipart())
                     if env.error is not None and env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
-                        if env.error.code == ErrorCode.UNKNOWN_MEMBER or not env.error.data.get("member_known", True):
+                        if membership_lost(env.error)[0]:
                             self.core.member_lost = True
                         self._needs_rejoin.set()
         except zmq.ZMQError:
