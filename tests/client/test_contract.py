@@ -74,6 +74,10 @@ class SyncConsumer:
     def assignment(self) -> list:
         return self.inner.assignment
 
+    @property
+    def read_ahead_stats(self) -> dict:
+        return self.inner.core.ahead.stats
+
     def close(self) -> None:
         self.inner.close()
 
@@ -144,6 +148,10 @@ class AsyncConsumerWrapped:
     @property
     def assignment(self) -> list:
         return self.inner.assignment
+
+    @property
+    def read_ahead_stats(self) -> dict:
+        return self.inner.core.ahead.stats
 
     def close(self) -> None:
         self.driver.run(self.inner.close())
@@ -248,6 +256,11 @@ def check_every_ahead_mode_hands_out_each_record_once_in_order(driver, broker, *
         consumer.flush_acks()
         assert [r.offset for r in got] == list(range(100))
         assert [r.value for r in got] == [b"a%d" % i for i in range(50)] + [b"b%d" % i for i in range(50)]
+        # The mode is live in this driver: records came from read-ahead fetches, or none were sent.
+        if mode.get("read_ahead", True):
+            assert consumer.read_ahead_stats["served"] > 0, consumer.read_ahead_stats
+        else:
+            assert consumer.read_ahead_stats["fetches"] == 0
         wait_committed(admin, topic, {(topic, 0): 100})
         assert consumer.poll(max_records=100, timeout=0.3) == []
 

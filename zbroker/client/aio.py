@@ -23,7 +23,7 @@ import zmq.asyncio
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
-from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, BatchAccumulator, ChunkedSettle, ConsumedRecord,
+from zbroker.client.core import (RANGES_PER_REQUEST, BatchAccumulator, ChunkedSettle, ConsumedRecord,
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
                                  checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
@@ -528,7 +528,6 @@ class AsyncConsumer:
         self.session_timeout_ms = session_timeout_ms
         self.ack_batch = ack_batch
         self.ack_interval_s = ack_interval_ms / 1000.0
-        self.acks = AckAccumulator()
         self._heartbeat_task: asyncio.Task | None = None
         self._ack_timer: asyncio.Task | None = None  # sleeping until the held acks are due
         self._ack_timers: set[asyncio.Task] = set()  # sleeping or sending
@@ -553,6 +552,7 @@ class AsyncConsumer:
     assignment = core_field("assignment")
     mode = core_field("mode")
     stats = core_field("stats")
+    acks = core_field("acks")  # the core's accumulator: `poll_refused` and `hold_again` put acks back there
 
     conn = connection_field()
 
@@ -763,9 +763,7 @@ class AsyncConsumer:
             err = env.error
             if err is None:
                 return env.msg
-            if "acked" not in err.data:  # refused on arrival: none of its acks were applied
-                self._hold_again(sent.acks)
-            if err.code not in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER) or attempt == 2:
+            if not self.core.poll_refused(err, sent.acks) or attempt == 2:
                 raise err
             await self._rejoin_unless_done(err, sent.member_id, sent.generation)
         raise AssertionError("unreachable")
@@ -930,6 +928,10 @@ class AsyncConsumer:
             self._ack_timers.add(self._ack_timer)
             self._ack_timer.add_done_callback(self._ack_timers.discard)
 
+    async def ack_many(self, records: Iterable[ConsumedRecord]) -> None:
+        for record in records:
+            await self.ack(record)
+
     async def _send_acks_when_due(self) -> None:
         try:
             await asyncio.sleep(self.ack_interval_s)
@@ -1000,8 +1002,7 @@ class AsyncConsumer:
             ended.set_result(outcome)
 
     def _hold_again(self, ranges: Iterable[list]) -> None:
-        for r in ranges:
-            self.acks.add_range(r)
+        self.core.hold_again(ranges)
 
     async def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
         """Records applied, over as many requests as the ranges need."""

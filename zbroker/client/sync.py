@@ -683,7 +683,7 @@ class Consumer:
                 if sock.poll(poll_timeout_ms(interval)):
                     env = codec.decode_reply(sock.recv_multipart())
                     if env.error is not None and env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
-                        if env.error.code == ErrorCode.UNKNOWN_MEMBER or not env.error.data.get("member_known", True):
+                        if membership_lost(env.error)[0]:
                             self.core.member_lost = True
                         self._needs_rejoin.set()
         except zmq.ZMQError:
@@ -907,11 +907,7 @@ class Consumer:
         if env.error is None:
             self._on_poll_acks(env.msg)
             return env.msg
-        if "acked" in env.error.data:  # answered with an error after it waited: its acks were applied
-            self.stats["acked"] += int(env.error.data["acked"])
-        else:
-            self._hold_again(acks)  # a poll that failed on arrival applied none of them
-        if env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
+        if self.core.poll_refused(env.error, acks, time.monotonic()):
             if generation == self.generation:  # not re-joined since it was sent: do it now
                 if env.error.code == ErrorCode.UNKNOWN_MEMBER:
                     self.member_id = ""
