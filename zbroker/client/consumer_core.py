@@ -21,7 +21,10 @@ and decides, with ``now`` passed in where time matters.
   served from the read-ahead's frames as they arrive (`serve_ahead`).
 * Planning: the poll's wait clamp (`max_wait_ms`), the fetch size of a lease
   (`fetch_bytes`: sized from the lease, not the 1 MiB default that returned
-  thousands of records past its end).
+  thousands of records past its end), and which leases share a request: the
+  deliveries of one poll that live on one partition actor go in one
+  `fetch_many` (`plan_fetches`), unless that actor predates it
+  (`single_fetch_only`, learnt from its UNKNOWN_OP).
 """
 
 from __future__ import annotations
@@ -49,6 +52,26 @@ def max_wait_ms(timeout_s: float) -> int:
 def fetch_bytes(start: int, end: int) -> int:
     """max_bytes for fetching the leased offsets [start, end): about what they take, no more."""
     return max(MIN_FETCH_BYTES, (end - start) * FETCH_BYTES_PER_RECORD)
+
+
+def plan_fetches(routed: list[tuple[str, Any]], single_only: set[str]) -> list[tuple[str, list]]:
+    """(endpoint, item) pairs as requests: per endpoint in the order first seen, the items
+    together (at most MAX_PARTS_PER_REQUEST a request), or one each for an actor in
+    `single_only`."""
+    by_endpoint: dict[str, list[list]] = {}
+    for endpoint, item in routed:
+        groups = by_endpoint.setdefault(endpoint, [[]])
+        if groups[-1] and (endpoint in single_only or len(groups[-1]) >= m.MAX_PARTS_PER_REQUEST):
+            groups.append([])
+        groups[-1].append(item)
+    return [(endpoint, group) for endpoint, groups in by_endpoint.items() for group in groups]
+
+
+def fetch_many_request(wanted: list[tuple[str, int, int, int]]) -> m.FetchMany:
+    """One `fetch_many` for (topic, partition, start, end) leased ranges of one actor, each
+    part sized as `fetch_bytes` sizes a single fetch."""
+    parts = [[topic, partition, start, fetch_bytes(start, end)] for topic, partition, start, end in wanted]
+    return m.FetchMany(parts=parts, max_bytes=sum(part[3] for part in parts))
 
 
 def core_field(name: str) -> property:
@@ -96,6 +119,7 @@ class ConsumerCore:
         # The latest stale ranges, for inspection (stats["stale"] counts them all): a consumer
         # runs for months, and every lease that expired or moved before its ack adds ranges.
         self.stale: collections.deque = collections.deque(maxlen=MAX_STALE_KEPT)
+        self.single_fetch_only: set[str] = set()  # endpoints of actors without fetch_many (UNKNOWN_OP)
         self.stats = {"polled": 0, "acked": 0, "stale": 0, "rejoins": 0}
 
     # -- membership ---------------------------------------------------------------------------

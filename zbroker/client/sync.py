@@ -30,8 +30,10 @@ from zbroker.protocol.errors import (ErrorCode, Fenced, RequestTimeout, StaleLea
 from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedRecord, checked_topics, DeliveryHandle, MetadataCache, PendingBatch,
                                  group_by_lease, checked_partition, checked_record, checked_timestamp,
                                  in_request_sized_chunks, record_size_estimate)
-from zbroker.client.consumer_core import AHEAD_RETRY_S, ConsumerCore, core_field, fetch_bytes, max_wait_ms
-from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
+from zbroker.client.consumer_core import (AHEAD_RETRY_S, ConsumerCore, core_field, fetch_bytes, fetch_many_request,
+                                          max_wait_ms, plan_fetches)
+from zbroker.client.producer_core import (RETRIABLE_PRODUCE, ProduceError, ProducerCore, SentTogether,
+                                          produce_many_request)
 from zbroker.client.transport import (DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation,
                                       client_dealer, curve_from_env, poll_timeout_ms)
 
@@ -395,9 +397,46 @@ class Producer:
             self._pump(timeout)
 
     def _dispatch_lingered(self, now: float) -> None:
-        for b in self.acc.due(now, self.linger_s):
-            self._dispatch(b)
+        self._dispatch_all(self.acc.due(now, self.linger_s))
         self._oldest_open = self.acc.oldest_opened_at()
+
+    def _dispatch_all(self, batches: list[PendingBatch]) -> None:
+        """Admit `batches` to the window and send them, one request per partition actor
+        for those admitted together (`ProducerCore.group_by_actor`)."""
+        core, admitted = self.core, []
+        for batch in batches:
+            if admitted and not core.has_room(batch):
+                self._send_all(admitted)  # what fits goes now; the replies make room for the rest
+                admitted = []
+            while not core.has_room(batch) and not self.stop_waiting():
+                self._pump(self.conn.request_timeout)
+            core.admit(batch)
+            admitted.append(batch)
+        self._send_all(admitted)
+
+    def _send_all(self, batches: list[PendingBatch]) -> None:
+        """Send (or resend) batches admitted to the window: a `produce_many` per actor."""
+        routed = []
+        for batch in batches:
+            try:
+                routed.append((self.conn.endpoint(batch.topic, batch.partition), batch))
+            except ZBrokerError as err:
+                batch.attempts += 1
+                self._failed(batch, err)
+        for endpoint, group in self.core.group_by_actor(routed):
+            if len(group) == 1:
+                self._send(group[0])
+                continue
+            for batch in group:
+                batch.attempts += 1
+            msg, frame = produce_many_request(group)
+            try:
+                corr = self.conn.send(endpoint, msg, (frame,))
+            except ZBrokerError as err:
+                for batch in group:
+                    self._failed(batch, err)
+                continue
+            self.core.sent(corr, SentTogether(endpoint, group), time.monotonic())
 
     def send_many(self, topic: str, values: list[bytes], partition: int | None = None) -> None:
         """Fast path for key-less, header-less values: whole batches at once."""
@@ -475,8 +514,7 @@ class Producer:
                 self.conn.refresh([topic])
             except ZBrokerError:
                 pass
-        for batch in due:
-            self._send(batch)
+        self._send_all(due)
 
     def _pump(self, timeout_s: float) -> None:
         wait = min(timeout_s, 0.05)
@@ -498,15 +536,13 @@ class Producer:
         self._resend_due(now)
 
     def _on_reply(self, env: codec.Envelope) -> None:
-        batch = self.core.replied(env.corr_id, env.error, env.msg, time.monotonic())
-        if batch is not None:
-            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=env.error.code.value,
-                      reason=env.error.message, attempts=batch.attempts)
+        for batch, err in self.core.settle(env.corr_id, env.error, env.msg, time.monotonic()):
+            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
+                      reason=err.message, attempts=batch.attempts)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered and wait until all of it is acknowledged."""
-        for batch in self.acc.drain():
-            self._dispatch(batch)
+        self._dispatch_all(self.acc.drain())
         self._oldest_open = None
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.core.busy():
@@ -1158,13 +1194,38 @@ class Consumer:
                 return
             pending[corr] = (i, [topic, partition, lease, start, end, attempt, reason])
 
+        routed = []
         for i, d in enumerate(deliveries):
             start = d[3]
             if reading_ahead:
                 start = self._serve_from_read_ahead(d, parts[i], ahead_deadline)
                 if start >= d[4]:
                     continue
-            fetch(i, d, start)
+            try:
+                routed.append((self.conn.endpoint(d[0], d[1]), (i, d, start)))
+            except ZBrokerError as err:
+                self._fetch_failed(d[0], d[1], err)
+        # The deliveries of one actor go in one fetch_many (issue #29: at 1,024 partitions a
+        # poll's thousand records came one or two per partition, a fetch each).
+        together: dict[int, tuple[str, list]] = {}
+        for endpoint, group in plan_fetches(routed, self.core.single_fetch_only):
+            if len(group) == 1:
+                fetch(group[0][0], group[0][1], group[0][2])
+                continue
+            request = fetch_many_request([(d[0], d[1], start, d[4]) for _i, d, start in group])
+            try:
+                together[self.conn.send(endpoint, request)] = (endpoint, group)
+            except ZBrokerError as err:
+                for _i, d, _start in group:
+                    self._fetch_failed(d[0], d[1], err)
+        for corr, (endpoint, group) in together.items():
+            for i, d, start, frame, err in self._fetched_together(corr, endpoint, group):
+                if err is not None:
+                    self._fetch_failed(d[0], d[1], err)
+                elif frame is None:  # an actor without fetch_many: the usual fetch
+                    fetch(i, d, start)
+                else:
+                    self._take_fetched(i, d, start, frame, parts, fetch, in_many=True)
         while pending:
             corr, (i, d) = next(iter(pending.items()))
             del pending[corr]
@@ -1178,16 +1239,44 @@ class Consumer:
             if env.error is not None:
                 self._fetch_failed(topic, partition, env.error)
                 continue
-            try:
-                got = decode_fetched(env.frames[0] if env.frames else b"", topic, partition, from_offset=start,
-                                     until_offset=end, make=ConsumedRecord, extra=(lease, attempt, reason))
-            except ZBrokerError as err:  # a damaged batch: its lease expires, the other deliveries go on
-                self._fetch_failed(topic, partition, err)
-                continue
-            parts[i].extend(got)
-            if got and got[-1].offset + 1 < end:
-                fetch(i, d, got[-1].offset + 1)  # max_bytes cut the range short: fetch the rest
+            self._take_fetched(i, d, start, env.frames[0] if env.frames else b"", parts, fetch)
         return parts
+
+    def _fetched_together(self, corr: int, endpoint: str, group: list) -> list:
+        """The parts of one fetch_many's reply: (i, delivery, start, frame, error) each; frame
+        None and no error for all of them when the actor predates fetch_many."""
+        try:
+            env = self.conn.wait_for(corr)
+        except RequestTimeout as err:
+            self.conn.correlation.orphan(corr)
+            return [(i, d, start, None, err) for i, d, start in group]
+        if env.error is not None:
+            if env.error.code is ErrorCode.UNKNOWN_OP:
+                self.core.single_fetch_only.add(endpoint)
+                return [(i, d, start, None, None) for i, d, start in group]
+            return [(i, d, start, None, env.error) for i, d, start in group]
+        try:
+            frames = m.split_fetched(env.msg, env.frames[0] if env.frames else b"")
+        except ZBrokerError as err:
+            return [(i, d, start, None, err) for i, d, start in group]
+        return [(i, d, start, frame, None if row[3] is None else ZBrokerError.from_wire(row[3]))
+                for (i, d, start), frame, row in zip(group, frames, env.msg.parts)]
+
+    def _take_fetched(self, i: int, d: list, start: int, frame: Any, parts: list, fetch: Callable,
+                      in_many: bool = False) -> None:
+        """File what one fetch (``in_many``: a part of a fetch_many) brought of delivery `d`."""
+        topic, partition, lease, _start, end, attempt, reason = d
+        try:
+            got = decode_fetched(frame, topic, partition, from_offset=start, until_offset=end, make=ConsumedRecord,
+                                 extra=(lease, attempt, reason))
+        except ZBrokerError as err:  # a damaged batch: its lease expires, the other deliveries go on
+            self._fetch_failed(topic, partition, err)
+            return
+        parts[i].extend(got)
+        if got and got[-1].offset + 1 < end:
+            fetch(i, d, got[-1].offset + 1)  # max_bytes cut the range short: fetch the rest
+        elif in_many and not got:
+            fetch(i, d, start)  # the fetch_many's byte budget did not reach this part
 
     def _fetch_failed(self, topic: str, partition: int, err: ZBrokerError) -> None:
         log.warning("fetch.failed", topic=topic, partition=partition, code=err.code.value, reason=err.message)
