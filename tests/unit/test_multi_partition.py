@@ -181,3 +181,17 @@ def test_a_replicated_part_waits_for_its_high_watermark_and_a_follower_says_not_
     assert refused.msg.results[0][3]["data"]["leader"]["actor_id"] == "a"
     [fetch_refused] = b.handle("f", env(m.FetchMany(parts=[["t", 0, 0, 100]])), 1)
     assert fetch_refused.msg.parts[0][3]["code"] == "NOT_LEADER"
+
+
+def test_the_acl_checks_every_topic_a_many_partition_request_names():
+    from zbroker.actors.security import Acl, Permissions
+    from zbroker.protocol.errors import Unauthorized
+
+    acl = Acl("BROKER", {"K1": Permissions.from_dict({"produce": ["a"], "consume": ["a"]})}, {"K1": "one"})
+    acl.check("K1", "produce_many", m.ProduceMany(parts=[["a", 0, 0, -1, 1], ["a", 1, 0, -1, 1]]))
+    acl.check("K1", "fetch_many", m.FetchMany(parts=[["a", 0, 0, 10]]))
+    for op, msg in [("produce_many", m.ProduceMany(parts=[["a", 0, 0, -1, 1], ["b", 0, 0, -1, 1]])),
+                    ("fetch_many", m.FetchMany(parts=[["a", 0, 0, 10], ["b", 3, 0, 10]]))]:
+        with pytest.raises(Unauthorized) as info:
+            acl.check("K1", op, msg)
+        assert info.value.data["topic"] == "b"
