@@ -3,8 +3,8 @@
 Records one per partition-batch, round-robin over P partitions, go through
 `PartitionActorCore.handle` as the shell hands them over (encoded and decoded
 by `protocol.codec`, replies encoded): either one `produce` per batch, or one
-`produce_many` of `--group` batches; then fetched back one `fetch` per
-partition, or one `fetch_many` per group. No sockets and no fsync, so what is
+`produce_many` of `--group` batches; then fetched back a record at a time,
+one `fetch` per partition, or one `fetch_many` per group. No sockets and no fsync, so what is
 counted is the core's and the codec's work per record.
 
     valgrind --tool=callgrind --callgrind-out-file=/dev/null \\
@@ -67,14 +67,16 @@ def main() -> None:
         while fetched < args.records:
             n = min(args.group, args.records - fetched)
             partitions = sorted({(fetched + i) % args.partitions for i in range(n)})
+            # max_bytes 1: one batch (one record) each, as a consumer fetches a lease of one
+            # record, and the next fetch starts where this one ended (the log's read cache).
             if args.mode == "single":
                 for p in partitions:
                     corr += 1
                     _serve(core, codec.encode_request(m.Fetch(topic="t", partition=p, offset=offsets[p],
-                                                              max_bytes=4096), corr))
+                                                              max_bytes=1), corr))
             else:
                 corr += 1
-                parts = [["t", p, offsets[p], 4096] for p in partitions]
+                parts = [["t", p, offsets[p], 1] for p in partitions]
                 _serve(core, codec.encode_request(m.FetchMany(parts=parts), corr))
             for p in partitions:
                 offsets[p] += 1
