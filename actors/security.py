@@ -186,6 +186,8 @@ def _topics_touched(op: str, msg: Any) -> list[tuple[str, str]]:
         return [("produce", msg.topic)]
     if op == "fetch":
         return [("consume", msg.topic)]
+    if op in ("produce_many", "fetch_many"):
+        return [("produce" if op == "produce_many" else "consume", t) for t in {part[0] for part in msg.parts}]
     if op == "join":
         return [("consume", t) for t in msg.topics]
     if op in MEMBER_OPS and hasattr(msg, "ranges"):

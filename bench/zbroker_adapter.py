@@ -109,6 +109,7 @@ class _Broker:
         admin = Admin(self.url)
         try:
             admin.create_topic(name, partitions=partitions)
+            wait_until_open(admin, name, partitions)
         finally:
             admin.close()
         return name
@@ -142,6 +143,35 @@ def _default_scheduling(pids: list[int]) -> None:
                 os.sched_setscheduler(int(tid), other, os.sched_param(0))
             except OSError:
                 pass  # the thread ended meanwhile
+
+
+def wait_until_open(admin: Any, topic: str, partitions: int, timeout_s: float = 120.0) -> None:
+    """Wait until every partition of `topic` is open on its actor (each actor's own `status`).
+
+    A partition actor opens a new topic's logs one by one, each fsynced with its
+    directory: 1,024 of them took seconds on this machine's shared disk, and a
+    phase started at once measured the opening (its produce requests answered
+    NOT_OWNER and retried) rather than the produce path."""
+    from zbroker.protocol import messages as m
+    from zbroker.protocol.errors import RequestTimeout
+
+    deadline = time.monotonic() + timeout_s
+    conn = admin.conn
+    while True:
+        placed = conn.coordinator(m.Metadata(topics=[topic])).topics[0]["partitions"]
+        endpoints = {p["endpoint"] for p in placed if p.get("endpoint")}
+        opened = 0
+        for endpoint in endpoints:
+            try:  # an actor opening a thousand logs in one turn answers after it
+                status = conn.call(endpoint, m.Status(), timeout=max(0.1, deadline - time.monotonic())).msg
+            except RequestTimeout:
+                break
+            opened += sum(1 for row in status.actors[0]["partitions"] if row[0] == topic)
+        if opened >= partitions:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{opened} of {partitions} partitions of {topic} open after {timeout_s} s")
+        time.sleep(0.05)
 
 
 def _tail(path: str, lines: int = 5) -> str:

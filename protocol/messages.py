@@ -415,6 +415,122 @@ class Fetch(Message):
                                 got=self.follow, limit=MAX_FETCH_FOLLOW)
 
 
+# -- many partitions of one actor in one request (hello feature "multi_partition") ---------
+# A topic of 1,024 partitions spread its records one or two per partition per produce and
+# per fetch: one message, one reply and one wake-up per partition (issue #29). These carry
+# the partitions one actor owns in one message each way, as Kafka's produce and fetch do
+# per broker; the per-partition work inside stays what `produce` and `fetch` do.
+# A part takes at most 258 bytes of header (a 200-byte topic, five uint64s): 2,048 of them
+# stay within half the 1 MiB header limit, and so does a reply with an error per part.
+MAX_PARTS_PER_REQUEST = 2048
+
+
+def _check_parts(op: str, parts: list, width: int, shape: str) -> None:
+    if not parts or len(parts) > MAX_PARTS_PER_REQUEST:
+        raise ProtocolError(f"{op!r} carries 1 to {MAX_PARTS_PER_REQUEST} parts", op=op, field="parts",
+                            limit=MAX_PARTS_PER_REQUEST, got=len(parts))
+    for i, part in enumerate(parts):
+        if not (type(part) is list and len(part) == width and type(part[0]) is str
+                and all(type(x) is int for x in part[1:])):
+            raise ProtocolError(f"parts items must be {shape}", op=op, field="parts", index=i)
+        if not 0 <= part[1] < 1 << 31:
+            raise ProtocolError("'partition' out of range", op=op, field="parts.partition", index=i, got=part[1])
+        if len(part[0].encode()) > MAX_TOPIC_NAME_CHARS:
+            raise ProtocolError("part names no topic: longer than any topic name", op=op, field="parts.topic",
+                                index=i, limit=MAX_TOPIC_NAME_CHARS)
+
+
+@request("produce_many")
+class ProduceMany(Message):
+    """parts: [[topic, partition, producer_id, sequence, length], ...]; frame 1 holds the
+    parts' batch payloads back to back, `length` bytes each, in the order of `parts`."""
+    parts: list
+
+    def check(self) -> None:
+        _check_parts(self.op, self.parts, 5, "[topic, partition, producer_id, sequence, length]")
+        for i, (_topic, _partition, producer_id, sequence, length) in enumerate(self.parts):
+            if not 0 <= producer_id < 1 << 63:
+                raise ProtocolError("'producer_id' must be in [0, 2**63)", op=self.op, field="parts.producer_id",
+                                    index=i, got=producer_id)
+            if not (0 if producer_id else -1) <= sequence < 1 << 31:
+                raise ProtocolError("'sequence' must be in [0, 2**31) for an idempotent producer, else -1",
+                                    op=self.op, field="parts.sequence", index=i, got=sequence)
+            if length < 1:
+                raise ProtocolError("a part's payload is at least one byte", op=self.op, field="parts.length",
+                                    index=i, got=length)
+
+
+def split_payloads(parts: list, frame: Any) -> list:
+    """The parts' payloads: zero-copy slices of frame 1 of a `produce_many`, in order."""
+    view = memoryview(frame)
+    total = sum(part[4] for part in parts)
+    if total != len(view):
+        raise ProtocolError("the parts' lengths do not add up to frame 1", op="produce_many", field="parts.length",
+                            expected=total, got=len(view))
+    out, at = [], 0
+    for part in parts:
+        out.append(view[at:at + part[4]])
+        at += part[4]
+    return out
+
+
+@reply("produce_many")
+class ProduceManyReply(Message):
+    """results: [[base_offset, count, duplicate, error], ...] in the order of the request's
+    parts; error is nil, or an error map (PROTOCOL.md s.3) with the other three 0, 0, false."""
+    results: list
+
+    def check(self) -> None:
+        for i, r in enumerate(self.results):
+            if not (type(r) is list and len(r) == 4 and _is_int(r[0]) and _is_int(r[1]) and type(r[2]) is bool
+                    and (r[3] is None or type(r[3]) is dict)):
+                raise ProtocolError("results items must be [base_offset, count, duplicate, error]", op=self.op,
+                                    field="results", index=i)
+
+
+@request("fetch_many")
+class FetchMany(Message):
+    """parts: [[topic, partition, offset, max_bytes], ...]. Never waits: it is answered at once."""
+    parts: list
+    max_bytes: int = 1 << 20  # bounds frame 1 of the reply, all parts together
+
+    def check(self) -> None:
+        _check_parts(self.op, self.parts, 4, "[topic, partition, offset, max_bytes]")
+        for i, part in enumerate(self.parts):
+            if part[2] < 0 or part[3] < 0:
+                raise ProtocolError("'offset' and 'max_bytes' must be >= 0", op=self.op, field="parts", index=i)
+        _nonneg(self.op, max_bytes=self.max_bytes)
+
+
+@reply("fetch_many")
+class FetchManyReply(Message):
+    """parts: [[log_start, log_end, length, error], ...] in the order of the request's parts;
+    frame 1 holds each part's stored batches, `length` bytes, back to back."""
+    parts: list
+
+    def check(self) -> None:
+        for i, r in enumerate(self.parts):
+            if not (type(r) is list and len(r) == 4 and all(_is_int(x) and x >= 0 for x in r[:3])
+                    and (r[3] is None or type(r[3]) is dict)):
+                raise ProtocolError("parts items must be [log_start, log_end, length, error]", op=self.op,
+                                    field="parts", index=i)
+
+
+def split_fetched(reply: FetchManyReply, frame: Any) -> list:
+    """Each part's stored batches (a memoryview slice of frame 1; None for a part that
+    failed), in the order of the parts."""
+    view = memoryview(frame if frame is not None else b"")
+    total = sum(r[2] for r in reply.parts)
+    if total != len(view):
+        raise ProtocolError("the parts' lengths do not add up to frame 1", op="fetch_many", field="parts",
+                            expected=total, got=len(view))
+    out, at = [], 0
+    for r in reply.parts:
+        out.append(None if r[3] is not None else view[at:at + r[2]])
+        at += r[2]
+    return out
+
+
 @request("offset_for_time")
 class OffsetForTime(Message):
     """The first offset of the first batch appended at or after `time_ms` (wall-clock ms)."""

@@ -37,6 +37,15 @@ fetch
     A fetch with ``follow`` that caught up is parked again after each reply,
     so a consumer at the log end gets every append without fetching again;
     the shell sends its nth reply with the request's id + n (`Reply.nth`).
+many partitions in one request
+    `produce_many` and `fetch_many` carry several partitions of this actor
+    in one message. Each part of a produce_many goes through `produce` under
+    a `_PartToken`; its reply (now, after end_turn's fsync, or once a
+    replicated partition's high watermark covers it) is gathered, and the
+    request's one reply leaves when its last part is settled (`_gathered`,
+    applied to what every public method returns). A part's refusal is an
+    error inside the reply, never the request's. A fetch_many reads each
+    part as `fetch` would and never waits.
 opening a log
     A log is fsynced whole when it is opened (unless ``fsync=never``): the
     previous owner may have died between a write and its fsync.
@@ -191,6 +200,21 @@ class _ParkedFetch:
         return (self.deadline_ms, self.seq) < (other.deadline_ms, other.seq)
 
 
+@dataclasses.dataclass(slots=True)
+class _Gathering:
+    """A produce_many waiting for its parts: the reply leaves when `pending` reaches 0."""
+    token: Any
+    results: list
+    pending: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PartToken:
+    """The token a produce_many's part is produced under: its reply fills `index`."""
+    gathering: _Gathering
+    index: int
+
+
 class OpenFailed(Exception):
     """The log could not be opened yet (e.g. its previous owner still holds the lock)."""
 
@@ -231,6 +255,17 @@ def _below(data: bytes, end: int) -> bytes:
             break
         position += header.total_size
     return data if position == len(data) else data[:position]
+
+
+def _within(data: bytes, limit: int) -> bytes:
+    """The whole stored batches at the start of `data` that together fit in `limit` bytes."""
+    position = 0
+    while position < len(data):
+        size = parse_batch_header(data, position).total_size
+        if position + size > limit:
+            break
+        position += size
+    return data[:position]
 
 
 def partitions_for_open_files(limit: int) -> int:
@@ -293,7 +328,9 @@ class PartitionActorCore:
         # log range, the console's zbroker_bytes_produced_total (a counter reset when it restarts).
         self.bytes_in: dict[tuple[str, int], int] = {}
         self.counters = {"produce_requests": 0, "records_appended": 0, "bytes_appended": 0,
-                         "duplicates": 0, "fetch_requests": 0, "errors": 0, "fsyncs": 0}
+                         "duplicates": 0, "fetch_requests": 0, "errors": 0, "fsyncs": 0,
+                         "produce_many_requests": 0, "fetch_many_requests": 0}
+        self._gathering = 0  # produce_many requests with parts not yet settled
 
     # -- assignment -------------------------------------------------------------------------
 
@@ -324,7 +361,7 @@ class PartitionActorCore:
         self._wanted = {k: c for k, c in wanted.items() if k not in self.logs}
         self._why_not_open = {k: why for k, why in self._why_not_open.items() if k in self._wanted}
         self._open_wanted(now_ms, now_ms if wall_ms is None else wall_ms)
-        return effects + self._sync_replicas(now_ms)
+        return self._gathered(effects + self._sync_replicas(now_ms))
 
     def _sync_replicas(self, now_ms: int) -> list:
         """Give every open log the replica state its assignment names (or none)."""
@@ -496,6 +533,9 @@ class PartitionActorCore:
         ``assign`` is obeyed only on the coordinator's connection: on the client
         socket anyone could otherwise make this actor open (or drop) partitions.
         """
+        return self._gathered(self._dispatch(token, env, now_ms, wall_ms, from_coordinator))
+
+    def _dispatch(self, token: Any, env, now_ms: int, wall_ms: int | None, from_coordinator: bool) -> list:
         op = env.op
         try:
             if op in ("assign", "delete_partitions") and not from_coordinator:
@@ -504,12 +544,17 @@ class PartitionActorCore:
                 return self.produce(token, env.msg, env.frames, now_ms, wall_ms=wall_ms)
             if op == "fetch":
                 return self.fetch(token, env.msg, now_ms, env.corr_id)
+            if op == "produce_many":
+                return self.produce_many(token, env.msg, env.frames, now_ms, wall_ms=wall_ms)
+            if op == "fetch_many":
+                return self.fetch_many(token, env.msg)
             if op == "offset_for_time":
                 return self.offset_for_time(token, env.msg)
             if op == "hello":
                 return [Reply(token, m.HelloReply(version=m.PROTOCOL_VERSION, server="zbroker",
                                                    actor=f"partition-log:{self.actor_id}",
-                                                   limits=self.limits.to_dict(), features=["replication"]))]
+                                                   limits=self.limits.to_dict(),
+                                                   features=["replication", "multi_partition"]))]
             if op == "status":
                 return [Reply(token, m.StatusReply(actors=[self.status(now_ms)]))]
             if op == "assign":
@@ -558,6 +603,99 @@ class PartitionActorCore:
             self._wake_after_sync.add(key)
             return reply
         return self._wake_parked(key, now_ms) + reply
+
+    def produce_many(self, token: Any, msg: m.ProduceMany, frames: list, now_ms: int, *,
+                     wall_ms: int | None = None) -> list:
+        """Each part as `produce` would take it; one reply once every part is settled."""
+        self.counters["produce_many_requests"] += 1
+        if len(frames) != 1:
+            raise ProtocolError("produce_many carries exactly one payload frame", frames=len(frames))
+        payloads = m.split_payloads(msg.parts, frames[0])
+        gathering = _Gathering(token, [None] * len(msg.parts), len(msg.parts))
+        self._gathering += 1
+        effects: list = []
+        for index, (topic, partition, producer_id, sequence, _length) in enumerate(msg.parts):
+            part = m.Produce(topic=topic, partition=partition, producer_id=producer_id, sequence=sequence)
+            try:
+                effects += self.produce(_PartToken(gathering, index), part, [payloads[index]], now_ms,
+                                        wall_ms=wall_ms)
+            except ZBrokerError as err:
+                self.counters["errors"] += 1
+                effects.append(ReplyError(_PartToken(gathering, index), "produce", detached(err)))
+        return effects
+
+    def _gathered(self, effects: list) -> list:
+        """Part replies of produce_many requests folded into their requests' replies."""
+        if not self._gathering:
+            return effects
+        out = []
+        for effect in effects:
+            token = getattr(effect, "token", None)
+            if type(token) is not _PartToken:
+                out.append(effect)
+                continue
+            gathering = token.gathering
+            if isinstance(effect, Reply):
+                r = effect.msg
+                gathering.results[token.index] = [r.base_offset, r.count, r.duplicate, None]
+            else:
+                gathering.results[token.index] = [0, 0, False, effect.error.to_wire()]
+            gathering.pending -= 1
+            if gathering.pending == 0:
+                self._gathering -= 1
+                out.append(Reply(gathering.token, m.ProduceManyReply(results=gathering.results)))
+        return out
+
+    def fetch_many(self, token: Any, msg: m.FetchMany) -> list:
+        """Each part read as `fetch` reads it, within the request's byte budget; a part the
+        budget no longer reaches gets nothing (length 0) and is fetched again."""
+        self.counters["fetch_many_requests"] += 1
+        budget = min(max(msg.max_bytes, 1), self.limits.max_fetch_bytes)
+        rows, chunks, touched_dirty = [], [], False
+        for topic, partition, offset, max_bytes in msg.parts:
+            key = (topic, partition)
+            try:
+                plog = self._owned_log(key)
+                visible_end = self._visible_end(key, plog)
+                data = b""
+                if budget > 0:
+                    data = self._read_visible(key, plog, offset, min(max(max_bytes, 1), budget), visible_end)
+                    if chunks and len(data) > budget:
+                        # Only the first part with records may pass the budget (by its first
+                        # batch, so that a consumer always makes progress), as in Kafka.
+                        data = _within(data, budget)
+                elif not 0 <= offset <= plog.log_end:
+                    plog.read(offset, 1)  # the same OFFSET_OUT_OF_RANGE as a part that is read
+            except ZBrokerError as err:
+                rows.append([0, 0, 0, detached(err).to_wire()])
+                continue
+            budget -= len(data)
+            rows.append([plog.log_start, visible_end, len(data), None])
+            if data:
+                chunks.append(data)
+                touched_dirty = touched_dirty or key in self._dirty_since_sync
+        reply = Reply(token, m.FetchManyReply(parts=rows), (b"".join(chunks),))
+        if touched_dirty and self.fsync.mode == "always":
+            self._held_replies.append(reply)  # as `_after_sync`: no records before their fsync
+            return []
+        return [reply]
+
+    def _visible_end(self, key: tuple[str, int], plog: PartitionLog) -> int:
+        """Where a consumer's view of the partition ends: the log end, or a replicated
+        partition's high watermark (NOT_LEADER from a follower)."""
+        if self.replicas and key in self.replicas:
+            replica = self.replicas[key]
+            if not replica.is_leader:
+                raise replica.not_leader_error()
+            return replica.high_watermark
+        return plog.log_end
+
+    def _read_visible(self, key: tuple[str, int], plog: PartitionLog, offset: int, max_bytes: int,
+                      visible_end: int) -> bytes:
+        if self.replicas and key in self.replicas:
+            # Consumers see only what is on min_insync replicas.
+            return _below(plog.read(offset, max_bytes), visible_end) if offset < visible_end else b""
+        return plog.read(offset, max_bytes)
 
     def _produce_replicated(self, token: Any, msg: m.Produce, key: tuple[str, int], plog: PartitionLog,
                             payload: Any, count: int, now_ms: int) -> list:
@@ -645,13 +783,9 @@ class PartitionActorCore:
         """The `nth` reply of a fetch, read from `offset`; with `now_ms`, a followed fetch
         that still has replies and bytes left and caught up with the log end is parked
         again (its reply says `more`). `now_ms=None` ends it (deadline, shutdown)."""
-        visible_end = plog.log_end
-        if self.replicas and (msg.topic, msg.partition) in self.replicas:
-            # Consumers see only what is on min_insync replicas.
-            visible_end = self.replicas[(msg.topic, msg.partition)].high_watermark
-            data = _below(plog.read(offset, bytes_left), visible_end) if offset < visible_end else b""
-        else:
-            data = plog.read(offset, bytes_left)
+        key = (msg.topic, msg.partition)
+        visible_end = self.replicas[key].high_watermark if self.replicas and key in self.replicas else plog.log_end
+        data = self._read_visible(key, plog, offset, bytes_left, visible_end)
         next_offset = offset
         if data:
             span = stored_range(data)
@@ -774,8 +908,8 @@ class PartitionActorCore:
         if replica is None:
             return []
         if reply is not None:
-            return self._replica_effects(key, replica.on_isr_recorded(reply, now_ms), now_ms)
-        return self._replica_effects(key, replica.on_isr_refused(error, now_ms), now_ms)
+            return self._gathered(self._replica_effects(key, replica.on_isr_recorded(reply, now_ms), now_ms))
+        return self._gathered(self._replica_effects(key, replica.on_isr_refused(error, now_ms), now_ms))
 
     # -- replication: follower side ---------------------------------------------------------
 
@@ -833,7 +967,7 @@ class PartitionActorCore:
         for key in self._wake_after_sync:
             held += self._wake_parked(key, now_ms)
         self._wake_after_sync.clear()
-        return held
+        return self._gathered(held)
 
     def sync_dirty(self) -> None:
         for key in self._dirty_since_sync:
@@ -885,7 +1019,7 @@ class PartitionActorCore:
                 if plog.enforce_retention(wall):
                     self._changed.add(key)
                     log.info("partition.retention", topic=key[0], partition=key[1], log_start=plog.log_start)
-        return effects
+        return self._gathered(effects)
 
     def next_deadline(self) -> int | None:
         candidates = [self._next_full_report_ms]

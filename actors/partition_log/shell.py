@@ -451,7 +451,7 @@ def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> Non
         frames = codec.encode_error(effect.op or op, corr_id, effect.error)
     else:  # pragma: no cover - the core returns only the two kinds above
         raise TypeError(f"unknown effect {effect!r}")
-    _send(route, frames, must_arrive=op == "produce")
+    _send(route, frames, must_arrive=op in ("produce", "produce_many"))
 
 
 # Replies wait here for the end of the loop turn (`runtime.Outbox`); one per process.

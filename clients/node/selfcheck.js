@@ -317,6 +317,40 @@ const commands = {
     });
   },
 
+  // produce_many and fetch_many (s.8.3): keyed records over 8 partitions of one actor go in
+  // one request; a poll's deliveries of that actor are fetched in one; each record once.
+  "multi-partition"(_input, url) {
+    return scenario(url, { requestTimeoutMs: 5_000, retryTimeoutMs: 20_000 }, async (client, results) => {
+      await client.createTopic("mp", 8);
+      const records = Array.from({ length: 400 }, (_x, i) => ({ key: `k${i}`, value: `v${i}` }));
+      const produced = await client.produceKeyed("mp", records);
+      results.partitions = produced.length;
+      results.produced = produced.reduce((n, r) => n + r.count, 0);
+      const consumer = client.consumer("mp-g", ["mp"], { sessionTimeoutMs: 60_000 });
+      const seen = new Set();
+      let duplicates = 0;
+      for (let round = 0; round < 100 && seen.size < records.length; round++) {
+        const deliveries = await consumer.poll({ maxRecords: 1000, maxWaitMs: 500 });
+        for (const d of deliveries) {
+          for (const r of d.records) {
+            const v = r.value.toString();
+            if (seen.has(v)) duplicates += 1;
+            seen.add(v);
+          }
+        }
+        if (deliveries.length > 0) await consumer.ack(deliveries);
+      }
+      results.consumed = seen.size;
+      results.duplicates = duplicates;
+      const endpoint = await client.endpointFor("mp", 0);
+      const conn = await client.actorConnection(endpoint);
+      results.features = conn.features;
+      const { header } = await conn.request("status", {});
+      results.counters = header.actors[0].counters;
+      consumer.close();
+    });
+  },
+
   // More stale ranges than a STALE_LEASE lists (s.6: at most 1000, the rest counted in
   // data.stale_omitted), as ack() and as a poll's acks, against a real broker.
   "stale-omitted"(_input, url) {

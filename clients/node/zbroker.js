@@ -925,7 +925,84 @@ export class Client {
       if (!byPartition.has(p)) byPartition.set(p, []);
       byPartition.get(p).push(rec);
     }
-    return Promise.all([...byPartition].map(([p, recs]) => this.produce(topic, recs, { ...options, partition: p })));
+    // The partitions of one actor that serves produce_many go in one request (s.8.3, "Many
+    // partitions in one request"); the rest, and every partition of an older actor, alone.
+    const byActor = new Map();
+    const alone = [];
+    for (const [p, recs] of byPartition) {
+      const conn = byPartition.size > 1 ? await this.#multiPartitionActor(topic, p) : null;
+      if (conn === null) { alone.push([p, recs]); continue; }
+      if (!byActor.has(conn)) byActor.set(conn, []);
+      byActor.get(conn).push([p, recs]);
+    }
+    const results = new Map();
+    const runs = alone.map(([p, recs]) => this.produce(topic, recs, { ...options, partition: p })
+      .then((r) => results.set(p, r)));
+    for (const [conn, group] of byActor) {
+      const payloads = group.map(([p, recs]) => [p, encodeRecords(recs, { key: options.key,
+        timestampMs: options.timestampMs ?? Date.now() })]);
+      runs.push(this.#produceMany(topic, payloads, conn).then((rs) => rs.forEach((r) => results.set(r.partition, r))));
+    }
+    await Promise.all(runs);
+    return [...byPartition.keys()].map((p) => results.get(p));
+  }
+
+  /** The connection to the actor of (topic, partition) if it serves produce_many and fetch_many, else null. */
+  multiPartitionActorFor(topic, partition) {
+    return this.#multiPartitionActor(topic, partition);
+  }
+
+  async #multiPartitionActor(topic, partition) {
+    try {
+      const conn = await this.actorConnection(await this.endpointFor(topic, partition));
+      return conn.features?.includes("multi_partition") ? conn : null;
+    } catch {
+      return null;  // the single-partition path retries and reports it
+    }
+  }
+
+  /** One produce_many of [partition, payload] batches, each on its partition's producer stream. */
+  #produceMany(topic, payloads, conn) {
+    const streams = payloads.map(([p]) => this.#producerStream(topic, p));
+    const run = Promise.all(streams.map((s) => s.tail)).then(() => this.#produceManyOnce(topic, payloads, streams, conn));
+    for (const s of streams) s.tail = run.catch(() => {});
+    return run;
+  }
+
+  async #produceManyOnce(topic, payloads, streams, conn) {
+    const parts = payloads.map(([p, payload], i) => {
+      const s = streams[i];
+      if (s.sequence > 0x7fffffff) {
+        s.producerId = randomProducerId();
+        s.sequence = 0;
+      }
+      return [topic, p, s.producerId, s.sequence, payload.length];
+    });
+    // Each part that is not settled here goes again alone, under the same sequence (the
+    // log keeps a batch that did land once, s.13): what a single produce would retry.
+    const alone = (i) => this.#produceOne(streams[i], topic, payloads[i][0], payloads[i][1]);
+    let header;
+    try {
+      ({ header } = await conn.request("produce_many", { parts },
+        { frames: [Buffer.concat(payloads.map(([, payload]) => payload))] }));
+    } catch (err) {
+      if (!(err instanceof ZBrokerError) || !(err.code === "UNKNOWN_OP" || err.retriable || REFRESH_CODES.has(err.code))) {
+        throw err;
+      }
+      if (err.code === "UNKNOWN_OP") conn.features = conn.features.filter((f) => f !== "multi_partition");
+      return Promise.all(payloads.map((_x, i) => alone(i)));
+    }
+    return Promise.all(header.results.map(async ([baseOffset, count, duplicate, error], i) => {
+      const partition = payloads[i][0];
+      if (error === null || error === undefined) {
+        streams[i].sequence += 1;
+        return { topic, partition, baseOffset, count, duplicate: duplicate === true };
+      }
+      const err = ZBrokerError.fromWire("produce", error);
+      if (err.retriable || REFRESH_CODES.has(err.code)) return alone(i);
+      streams[i].sequence += 1;  // as #produceOne: never reuse a sequence that may be taken
+      throw err;
+    }));
   }
 
   /** The partition for the next key-less batch of `topic`. */
@@ -1177,13 +1254,64 @@ export class Consumer {
     if (reply.ack_timeout_ms !== undefined) this.ackTimeoutMs = reply.ack_timeout_ms;
     const deliveries = reply.deliveries.map(([topic, partition, leaseId, start, end, attempt, reason]) =>
       ({ topic, partition, leaseId, start, end, attempt, reason, records: [] }));
-    await Promise.all(deliveries.map((d) => this.#fetchLease(d, fetchMaxBytes)));
+    await this.#fetchDeliveries(deliveries, fetchMaxBytes);
     return deliveries;
   }
 
-  /** Fetch [start, end) of a delivery from the partition actor that owns it (s.14 step 4). */
-  async #fetchLease(d, maxBytes) {
-    let offset = d.start;
+  /**
+   * The records of every delivery: the deliveries of one actor that serves fetch_many in
+   * one request (s.8.3), and what that did not bring (an error, a byte budget used up)
+   * by the usual fetch from where it stopped.
+   */
+  async #fetchDeliveries(deliveries, maxBytes) {
+    const byActor = new Map();
+    const alone = [];
+    for (const d of deliveries) {
+      const conn = deliveries.length > 1 ? await this.client.multiPartitionActorFor(d.topic, d.partition) : null;
+      if (conn === null) { alone.push(d); continue; }
+      if (!byActor.has(conn)) byActor.set(conn, []);
+      byActor.get(conn).push(d);
+    }
+    const runs = alone.map((d) => this.#fetchLease(d, maxBytes));
+    for (const [conn, group] of byActor) {
+      if (group.length === 1) { runs.push(this.#fetchLease(group[0], maxBytes)); continue; }
+      runs.push(this.#fetchTogether(conn, group, maxBytes));
+    }
+    await Promise.all(runs);
+  }
+
+  async #fetchTogether(conn, group, maxBytes) {
+    const parts = group.map((d) => [d.topic, d.partition, d.start, maxBytes ?? 1 << 20]);
+    let reply;
+    try {
+      reply = await conn.request("fetch_many", { parts, max_bytes: maxBytes });
+    } catch (err) {
+      if (err instanceof ZBrokerError && err.code === "UNKNOWN_OP") {
+        conn.features = conn.features.filter((f) => f !== "multi_partition");
+      }
+      await Promise.all(group.map((d) => this.#fetchLease(d, maxBytes)));  // it reports what keeps failing
+      return;
+    }
+    const blob = reply.frames[0] ?? new Uint8Array(0);
+    let pos = 0;
+    const rest = [];
+    reply.header.parts.forEach(([, , length, error], i) => {
+      const d = group[i];
+      const slice = blob.subarray(pos, pos + length);
+      pos += length;
+      if (error !== null && error !== undefined) { rest.push([d, d.start]); return; }
+      const decoded = decodeStoredBatches(slice, { fromOffset: d.start, untilOffset: d.end, verifyCrc: true,
+        topic: d.topic, partition: d.partition });
+      for (const record of decoded.records) d.records.push(record);
+      const next = decoded.batches.length > 0 ? decoded.nextOffset : d.start;
+      if (next < d.end) rest.push([d, next]);
+    });
+    await Promise.all(rest.map(([d, from]) => this.#fetchLease(d, maxBytes, from)));
+  }
+
+  /** Fetch [start, end) of a delivery (from `from`) from the partition actor that owns it (s.14 step 4). */
+  async #fetchLease(d, maxBytes, from = d.start) {
+    let offset = from;
     const deadline = Date.now() + this.client.retryTimeoutMs;
     while (offset < d.end) {
       let res;

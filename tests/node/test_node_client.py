@@ -192,3 +192,14 @@ def test_stale_ranges_a_stale_lease_does_not_list_are_still_reported(run_node, t
         assert len(result["stale"]) == 1000
         assert result.get("staleOmitted") == 500, result.keys()
     assert r["stats"]["staleRanges"] == 3000
+
+
+def test_node_client_sends_many_partitions_of_one_actor_in_one_request(run_node, tmp_path):
+    """produceKeyed over 8 partitions of one actor: one produce_many; the poll's deliveries:
+    fetch_many. Every record arrives once (s.8.3, "Many partitions in one request")."""
+    r = _selfcheck(run_node, tmp_path, "multi-partition", timeout=120)
+    assert r["partitions"] == 8 and r["produced"] == 400, r
+    assert r["consumed"] == 400 and r["duplicates"] == 0, r
+    assert "multi_partition" in r["features"], r
+    assert r["counters"]["produce_many_requests"] == 1 and r["counters"]["produce_requests"] == 8, r
+    assert r["counters"]["fetch_many_requests"] >= 1, r

@@ -29,7 +29,10 @@ and decides, with ``now`` passed in where time matters.
 * Planning: the poll's wait clamp (`max_wait_ms`), the fetch size of a lease
   (`FetchSizer`: the records in the lease times the bytes a record took in the
   fetches before, bounded; the 1 MiB default returned thousands of records past
-  the lease end, PROTOCOL.md item 1).
+  the lease end, PROTOCOL.md item 1), and which leases share a request: the
+  deliveries of one poll that live on one partition actor go in one
+  `fetch_many` (`plan_fetches`), unless that actor predates it
+  (`single_fetch_only`, learnt from its UNKNOWN_OP).
 * Group calls (`GroupCallRetry`): FENCED or UNKNOWN_MEMBER re-joins and sends
   again (twice at most), NOT_COORDINATOR (or a timeout, with several URLs)
   follows the coordinator and re-joins there, anything else is the caller's.
@@ -173,6 +176,27 @@ def failure_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:200]
 
 
+def plan_fetches(routed: list[tuple[str, Any]], single_only: set[str]) -> list[tuple[str, list]]:
+    """(endpoint, item) pairs as requests: per endpoint in the order first seen, the items
+    together (at most MAX_PARTS_PER_REQUEST a request), or one each for an actor in
+    `single_only`."""
+    by_endpoint: dict[str, list[list]] = {}
+    for endpoint, item in routed:
+        groups = by_endpoint.setdefault(endpoint, [[]])
+        if groups[-1] and (endpoint in single_only or len(groups[-1]) >= m.MAX_PARTS_PER_REQUEST):
+            groups.append([])
+        groups[-1].append(item)
+    return [(endpoint, group) for endpoint, groups in by_endpoint.items() for group in groups]
+
+
+def fetch_many_request(wanted: list[tuple[str, int, int, int]],
+                       per_record: int = FETCH_BYTES_PER_RECORD) -> m.FetchMany:
+    """One `fetch_many` for (topic, partition, start, end) leased ranges of one actor, each
+    part sized as `fetch_bytes` sizes a single fetch."""
+    parts = [[topic, partition, start, fetch_bytes(start, end, per_record)] for topic, partition, start, end in wanted]
+    return m.FetchMany(parts=parts, max_bytes=sum(part[3] for part in parts))
+
+
 def core_field(name: str) -> property:
     """A driver attribute that is its core's: the driver reads and sets it under its own name."""
     return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value))
@@ -231,6 +255,7 @@ class ConsumerCore:
         # The latest stale ranges, for inspection (stats["stale"] counts them all): a consumer
         # runs for months, and every lease that expired or moved before its ack adds ranges.
         self.stale: collections.deque = collections.deque(maxlen=MAX_STALE_KEPT)
+        self.single_fetch_only: set[str] = set()  # endpoints of actors without fetch_many (UNKNOWN_OP)
         self.stats = {"polled": 0, "acked": 0, "stale": 0, "rejoins": 0}
 
     # -- membership ---------------------------------------------------------------------------
@@ -515,20 +540,51 @@ class ConsumerCore:
         the offset to fetch the rest from if max_bytes cut the lease short, id ranges given up).
         A partition that cannot be fetched costs only its own deliveries: their leases expire
         and come back, and the other partitions' records are handed out."""
-        topic, partition, lease, _start, end, attempt, reason = delivery
         if err is None and env is not None:
             err = env.error
         if err is not None:
-            return [], None, self.fetch_failed((topic, partition), err, now)
-        frame = env.frames[0] if env.frames else b""
+            return [], None, self.fetch_failed((delivery[0], delivery[1]), err, now)
+        return self.lease_part_fetched(delivery, start, env.frames[0] if env.frames else b"", now)
+
+    def lease_part_fetched(self, delivery: list, start: int, frame: Any, now: float,
+                           in_many: bool = False) -> tuple[list[ConsumedRecord], int | None, list[tuple[int, int]]]:
+        """What one fetch (``in_many``: one part of a fetch_many) brought of ``delivery`` from
+        ``start``: as `lease_fetch_replied`."""
+        topic, partition, lease, _start, end, attempt, reason = delivery
         try:
             self.fetched(frame)
             got = decode_fetched(frame, topic, partition, from_offset=start, until_offset=end, make=ConsumedRecord,
                                  extra=(lease, attempt, reason))
         except ZBrokerError as damaged:  # a damaged batch: its lease expires, the other deliveries go on
             return [], None, self.fetch_failed((topic, partition), damaged, now)
-        rest = got[-1].offset + 1 if got and got[-1].offset + 1 < end else None
+        if got:
+            rest = got[-1].offset + 1 if got[-1].offset + 1 < end else None
+        else:  # a fetch_many's byte budget may not reach a part: it is fetched alone
+            rest = start if in_many else None
         return got, rest, []
+
+    def lease_fetch_many(self, group: list[tuple[int, list, int]]) -> m.FetchMany:
+        """One fetch_many for the (index, delivery, start) items `plan_fetches` put together."""
+        return fetch_many_request([(d[0], d[1], start, d[4]) for _i, d, start in group], self.fetch_sizer.per_record)
+
+    def lease_fetch_many_replied(self, endpoint: str, group: list[tuple[int, list, int]], env: Envelope | None,
+                                 err: ZBrokerError | None) -> list[tuple[int, list, int, Any, ZBrokerError | None]]:
+        """(index, delivery, start, frame, error) per part of a fetch_many's answer; frame None
+        and no error for all of them when the actor predates fetch_many (fetch them alone:
+        it is remembered in `single_fetch_only`)."""
+        if err is None and env is not None:
+            err = env.error
+        if err is not None:
+            if err.code is ErrorCode.UNKNOWN_OP:
+                self.single_fetch_only.add(endpoint)
+                err = None
+            return [(i, d, start, None, err) for i, d, start in group]
+        try:
+            frames = m.split_fetched(env.msg, env.frames[0] if env.frames else b"")
+        except ZBrokerError as damaged:
+            return [(i, d, start, None, damaged) for i, d, start in group]
+        return [(i, d, start, frame, None if row[3] is None else ZBrokerError.from_wire(row[3]))
+                for (i, d, start), frame, row in zip(group, frames, env.msg.parts)]
 
     def fetch_failed(self, key: tuple[str, int], err: ZBrokerError, now: float) -> list[tuple[int, int]]:
         log.warning("fetch.failed", topic=key[0], partition=key[1], code=err.code.value, reason=err.message)

@@ -436,12 +436,19 @@ class BatchAccumulator:
 
     def oldest_opened_at(self) -> float | None:
         """When the longest-waiting open batch got its first record (None: nothing buffered)."""
-        return min(b.opened_at for b in self._open.values()) if self._open else None
+        return next(iter(self._open.values())).opened_at if self._open else None  # opened first (see `due`)
 
     def due(self, now: float, linger_s: float) -> list[PendingBatch]:
         """Batches whose first record has waited at least the linger time."""
         # The same float form as Producer.linger_deadline(), so a deadline reached is a batch sent.
-        keys = [k for k, b in self._open.items() if b.opened_at + linger_s <= now]
+        # `_open` is in the order the batches were opened (a closed one leaves it, a new one
+        # goes last): the due ones are a prefix. Scanning every open batch cost 1,024 steps
+        # per linger at 1,024 partitions.
+        keys = []
+        for k, b in self._open.items():
+            if b.opened_at + linger_s > now:
+                break
+            keys.append(k)
         return [self.close(k) for k in keys]
 
     def drain(self) -> list[PendingBatch]:

@@ -15,6 +15,14 @@ metadata (`leader_hint`) before the retry: a failover is a pause for the
 sender, not an error. A batch that fails for good is settled on its handles
 and goes into the failure report that the next flush raises (`take_failure`).
 
+Batches that go out together (those a linger expired at once, a flush, the
+retries due) are grouped per partition actor (`group_by_actor`): two or more
+for one actor travel as one `produce_many` (`produce_many_request`), so a
+topic of 1,024 partitions costs a request per actor, not per partition. Its
+reply settles each batch by its own part (`settle`); an actor that answers
+UNKNOWN_OP predates the op and gets single `produce` requests from then on,
+the batches resent at once without counting an attempt.
+
 Both drivers use this: the sync one pumps replies in `send`/`poll`/`flush`,
 the asyncio one in a task per batch. Time comes in as ``now``.
 """
@@ -24,11 +32,31 @@ from __future__ import annotations
 from typing import Any
 
 from zbroker.client.core import BatchAccumulator, PendingBatch
-from zbroker.protocol.errors import ErrorCode, RequestTimeout, ZBrokerError
+from zbroker.protocol import messages as m
+from zbroker.protocol.errors import ErrorCode, ProtocolError, RequestTimeout, ZBrokerError
 
 RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.NOT_LEADER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
                      ErrorCode.SHUTTING_DOWN}
 RETRY_STEP_S, RETRY_MAX_S = 0.05, 1.0
+# One produce_many carries at most this many bytes of payload: well within the actors'
+# 64 MiB frame limit, and a request the actor handles in a few milliseconds.
+MAX_MANY_BYTES = 8 << 20
+
+
+class SentTogether:
+    """The batches of one `produce_many`, and the actor they went to."""
+
+    __slots__ = ("endpoint", "batches")
+
+    def __init__(self, endpoint: str, batches: list[PendingBatch]) -> None:
+        self.endpoint = endpoint
+        self.batches = batches
+
+
+def produce_many_request(batches: list[PendingBatch]) -> tuple[m.ProduceMany, bytes]:
+    """The `produce_many` carrying `batches` (of one actor), and its payload frame."""
+    parts = [[b.topic, b.partition, b.producer_id, b.sequence, len(b.payload)] for b in batches]
+    return m.ProduceMany(parts=parts), b"".join(b.payload for b in batches)
 
 
 class ProduceError(ZBrokerError):
@@ -88,6 +116,7 @@ class ProducerCore:
         self.keep_results = False
         self.stats = {"batches": 0, "records": 0, "retries": 0, "duplicates": 0}
         self.hints: list[tuple[str, int, str]] = []  # (topic, partition, leader endpoint) for the driver's metadata
+        self.single_only: set[str] = set()  # endpoints of actors without produce_many (UNKNOWN_OP)
 
     # -- the window ------------------------------------------------------------------------
 
@@ -111,8 +140,25 @@ class ProducerCore:
 
     # -- what happened to a batch ----------------------------------------------------------
 
-    def sent(self, corr: int, batch: PendingBatch, now: float) -> None:
+    def sent(self, corr: int, batch: PendingBatch | SentTogether, now: float) -> None:
         self.in_flight[corr] = (batch, now)
+
+    def group_by_actor(self, routed: list[tuple[str, PendingBatch]]) -> list[tuple[str, list[PendingBatch]]]:
+        """(endpoint, batch) pairs as the requests to send: per endpoint in the order first
+        seen, a batch alone where its actor takes only `produce`, else as many as one
+        `produce_many` carries (MAX_PARTS_PER_REQUEST, MAX_MANY_BYTES)."""
+        by_endpoint: dict[str, list[list]] = {}  # endpoint -> [[bytes, batches], ...]
+        for endpoint, batch in routed:
+            groups = by_endpoint.setdefault(endpoint, [[0, []]])
+            group = groups[-1]
+            size = len(batch.payload)
+            if group[1] and (endpoint in self.single_only or len(group[1]) >= m.MAX_PARTS_PER_REQUEST
+                             or group[0] + size > MAX_MANY_BYTES):
+                group = [0, []]
+                groups.append(group)
+            group[0] += size
+            group[1].append(batch)
+        return [(endpoint, batches) for endpoint, groups in by_endpoint.items() for _size, batches in groups]
 
     def failed(self, batch: PendingBatch, err: ZBrokerError, now: float) -> bool:
         """An attempt failed: schedule a retry after a backoff (True), or fail the batch for good."""
@@ -131,21 +177,55 @@ class ProducerCore:
     def replied(self, corr: Any, error: ZBrokerError | None, reply: Any, now: float) -> PendingBatch | None:
         """A produce reply came (ignored if its attempt was given up on already); returns
         its batch if that failed for good now (for the driver to log)."""
+        failed = self.settle(corr, error, reply, now)
+        return failed[0][0] if failed else None
+
+    def settle(self, corr: Any, error: ZBrokerError | None, reply: Any,
+               now: float) -> list[tuple[PendingBatch, ZBrokerError]]:
+        """A produce or produce_many reply came (ignored if its attempt was given up on
+        already); returns the batches that failed for good now, with why (for the driver
+        to log)."""
         entry = self.in_flight.pop(corr, None)
         if entry is None:
-            return None
-        batch = entry[0]
-        if error is not None:
-            return None if self.failed(batch, error, now) else batch
+            return []
+        sent = entry[0]
+        if type(sent) is not SentTogether:
+            if error is not None:
+                return [] if self.failed(sent, error, now) else [(sent, error)]
+            self._acknowledged(sent, reply.base_offset, reply.count, reply.duplicate)
+            return []
+        if error is not None and error.code is ErrorCode.UNKNOWN_OP:
+            # An actor older than produce_many did nothing: each batch goes again, alone.
+            self.single_only.add(sent.endpoint)
+            for batch in sent.batches:
+                batch.attempts -= 1
+                self.retrying.append((now, batch))
+            return []
+        if error is None and len(reply.results) != len(sent.batches):
+            error = ProtocolError("produce_many reply has not one result per part", op="produce_many",
+                                  expected=len(sent.batches), got=len(reply.results))
+        gave_up = []
+        for index, batch in enumerate(sent.batches):
+            part_error = error
+            if part_error is None:
+                base_offset, count, duplicate, wire_error = reply.results[index]
+                if wire_error is None:
+                    self._acknowledged(batch, base_offset, count, duplicate)
+                    continue
+                part_error = ZBrokerError.from_wire(wire_error)
+            if not self.failed(batch, part_error, now):
+                gave_up.append((batch, part_error))
+        return gave_up
+
+    def _acknowledged(self, batch: PendingBatch, base_offset: int, count: int, duplicate: bool) -> None:
         self._release(batch)
         self.stats["batches"] += 1
-        self.stats["records"] += reply.count
-        if reply.duplicate:
+        self.stats["records"] += count
+        if duplicate:
             self.stats["duplicates"] += 1
         if self.keep_results:
-            self.results.append((batch.topic, batch.partition, reply.base_offset, reply.count))
-        batch.acknowledged(reply.base_offset)
-        return None
+            self.results.append((batch.topic, batch.partition, base_offset, count))
+        batch.acknowledged(base_offset)
 
     def timed_out(self, now: float) -> list[PendingBatch]:
         """Requests without a reply within the request timeout fail as TIMEOUT (and are
@@ -160,10 +240,11 @@ class ProducerCore:
             late.append(corr)
         given_up = []
         for corr in late:
-            batch, _sent = self.in_flight.pop(corr)
-            if not self.failed(batch, RequestTimeout("produce timed out", topic=batch.topic,
-                                                     partition=batch.partition), now):
-                given_up.append(batch)
+            sent, _at = self.in_flight.pop(corr)
+            for batch in (sent.batches if type(sent) is SentTogether else (sent,)):
+                if not self.failed(batch, RequestTimeout("produce timed out", topic=batch.topic,
+                                                         partition=batch.partition), now):
+                    given_up.append(batch)
         return given_up
 
     def due(self, now: float) -> list[PendingBatch]:

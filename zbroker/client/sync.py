@@ -34,8 +34,9 @@ from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedReco
 from zbroker.client import consumer_core
 from zbroker.client.consumer_core import (AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore,
                                           GroupCallRetry, connection_field, core_field, failure_reason, max_wait_ms,
-                                          membership_lost)
-from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
+                                          membership_lost, plan_fetches)
+from zbroker.client.producer_core import (RETRIABLE_PRODUCE, ProduceError, ProducerCore, SentTogether,
+                                          produce_many_request)
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
 from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
 
@@ -337,9 +338,46 @@ class Producer:
             self._pump(timeout)
 
     def _dispatch_lingered(self, now: float) -> None:
-        for b in self.acc.due(now, self.linger_s):
-            self._dispatch(b)
+        self._dispatch_all(self.acc.due(now, self.linger_s))
         self._oldest_open = self.acc.oldest_opened_at()
+
+    def _dispatch_all(self, batches: list[PendingBatch]) -> None:
+        """Admit `batches` to the window and send them, one request per partition actor
+        for those admitted together (`ProducerCore.group_by_actor`)."""
+        core, admitted = self.core, []
+        for batch in batches:
+            if admitted and not core.has_room(batch):
+                self._send_all(admitted)  # what fits goes now; the replies make room for the rest
+                admitted = []
+            while not core.has_room(batch) and not self.stop_waiting():
+                self._pump(self.conn.request_timeout)
+            core.admit(batch)
+            admitted.append(batch)
+        self._send_all(admitted)
+
+    def _send_all(self, batches: list[PendingBatch]) -> None:
+        """Send (or resend) batches admitted to the window: a `produce_many` per actor."""
+        routed = []
+        for batch in batches:
+            try:
+                routed.append((self.conn.endpoint(batch.topic, batch.partition), batch))
+            except ZBrokerError as err:
+                batch.attempts += 1
+                self._failed(batch, err)
+        for endpoint, group in self.core.group_by_actor(routed):
+            if len(group) == 1:
+                self._send(group[0])
+                continue
+            for batch in group:
+                batch.attempts += 1
+            msg, frame = produce_many_request(group)
+            try:
+                corr = self.conn.send(endpoint, msg, (frame,))
+            except ZBrokerError as err:
+                for batch in group:
+                    self._failed(batch, err)
+                continue
+            self.core.sent(corr, SentTogether(endpoint, group), time.monotonic())
 
     def send_many(self, topic: str, values: list[bytes], partition: int | None = None) -> None:
         """Fast path for key-less, header-less values: whole batches at once."""
@@ -417,8 +455,7 @@ class Producer:
                 self.conn.refresh([topic])
             except ZBrokerError:
                 pass
-        for batch in due:
-            self._send(batch)
+        self._send_all(due)
 
     def _pump(self, timeout_s: float) -> None:
         wait = min(timeout_s, 0.05)
@@ -440,15 +477,13 @@ class Producer:
         self._resend_due(now)
 
     def _on_reply(self, env: codec.Envelope) -> None:
-        batch = self.core.replied(env.corr_id, env.error, env.msg, time.monotonic())
-        if batch is not None:
-            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=env.error.code.value,
-                      reason=env.error.message, attempts=batch.attempts)
+        for batch, err in self.core.settle(env.corr_id, env.error, env.msg, time.monotonic()):
+            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
+                      reason=err.message, attempts=batch.attempts)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered and wait until all of it is acknowledged."""
-        for batch in self.acc.drain():
-            self._dispatch(batch)
+        self._dispatch_all(self.acc.drain())
         self._oldest_open = None
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.core.busy():
@@ -977,10 +1012,45 @@ class Consumer:
             except ZBrokerError as err:
                 self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
 
+        routed = []
         for i, d in enumerate(deliveries):
             start = self._serve_from_read_ahead(d, parts[i], ahead_deadline) if core.reading_ahead else d[3]
-            if start < d[4]:
-                fetch(i, d, start)
+            if start >= d[4]:
+                continue
+            try:
+                routed.append((conn.endpoint(d[0], d[1]), (i, d, start)))
+            except ZBrokerError as err:
+                self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
+        # The deliveries of one actor go in one fetch_many (issue #29: at 1,024 partitions a
+        # poll's thousand records came one or two per partition, a fetch each).
+        together: dict[int, tuple[str, list]] = {}
+        for endpoint, group in plan_fetches(routed, core.single_fetch_only):
+            if len(group) == 1:
+                fetch(*group[0])
+                continue
+            try:
+                together[conn.send(endpoint, core.lease_fetch_many(group))] = (endpoint, group)
+            except ZBrokerError as err:
+                for _i, d, _start in group:
+                    self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
+        for corr, (endpoint, group) in together.items():
+            env, err = None, None
+            try:
+                env = conn.wait_for(corr)
+            except RequestTimeout as timeout:
+                conn.correlation.orphan(corr)
+                err = timeout
+            for i, d, start, frame, part_err in core.lease_fetch_many_replied(endpoint, group, env, err):
+                if part_err is not None:
+                    self._give_up(core.fetch_failed((d[0], d[1]), part_err, time.monotonic()))
+                elif frame is None:  # an actor without fetch_many: the usual fetch
+                    fetch(i, d, start)
+                else:
+                    got, rest, given_up = core.lease_part_fetched(d, start, frame, time.monotonic(), in_many=True)
+                    self._give_up(given_up)
+                    parts[i].extend(got)
+                    if rest is not None:
+                        fetch(i, d, rest)
         while pending:
             corr, (i, d, start) = next(iter(pending.items()))
             del pending[corr]
