@@ -370,11 +370,14 @@ class DescribeTopicReply(Message):
 
 @request("produce")
 class Produce(Message):
-    """Frame 1 is the batch payload (see protocol.batch)."""
+    """Frame 1 is the batch payload (see protocol.batch). coordinator_epoch: set by a
+    coordinator appending a dead letter (its lease epoch); 0 from clients. A partition
+    actor refuses one below the highest coordinator epoch it has obeyed (STALE_EPOCH)."""
     topic: str
     partition: int
     producer_id: int = 0
     sequence: int = -1
+    coordinator_epoch: int = 0
 
     def check(self) -> None:
         _nonneg("produce", partition=self.partition, producer_id=self.producer_id)

@@ -191,9 +191,10 @@ class GroupCoordinatorCore:
         log.update(log_start, log_end, now_ms)
         return self._event(now_ms, lambda out: self._log_moved(key, grew, now_ms, out))
 
-    def load_offsets(self, rows: list, now_ms: int) -> list:
+    def load_offsets(self, rows: list, now_ms: int, reason: str = "restart") -> list:
         """Stored progress, (group, topic, partition, committed, holes, generation, reset_epoch)
-        rows; afterwards the core serves requests."""
+        rows; afterwards the core serves requests. `reason`: what redeliveries say, "restart",
+        or "coordinator_failover" when this node took over from another (issue 26)."""
         for group_name, topic, partition, committed, holes, generation, reset_epoch in rows:
             if generation == TOMBSTONE_GENERATION:  # deleted offsets: only their epoch is kept
                 self._raise_epoch_floor(group_name, reset_epoch)
@@ -202,7 +203,7 @@ class GroupCoordinatorCore:
             group.generation = max(group.generation, generation)
             group.reset_epoch = max(group.reset_epoch, reset_epoch)
             state = self._add_state(group, (topic, partition), fresh=True)
-            state.load(committed, holes, now_ms)
+            state.load(committed, holes, now_ms, reason)
             state.durable_committed, state.durable_epoch = committed, reset_epoch
         self._loaded = True
         self._grown_topics.clear()  # no group has members yet: nothing to rebalance

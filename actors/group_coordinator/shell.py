@@ -807,7 +807,10 @@ class CoordinatorShell:
         rows, self.loaded_rows = self.loaded_rows, []
         self.offsets_loaded = True
         self.log.info("offsets.loaded", rows=len(rows))
-        self.apply(self.core.load_offsets(rows, now), now)
+        # A later term of a cluster took over from a leader whose leases died with it (or
+        # with its term): its redeliveries say so.
+        reason = "coordinator_failover" if self.cluster and (self.epoch or 0) > 1 else "restart"
+        self.apply(self.core.load_offsets(rows, now, reason), now)
         for (topic, partition), part in self.topics.partitions.items():
             if part.owner is not None and part.log_end:
                 self.apply(self.core.on_log_range(topic, partition, part.log_start, part.log_end, now), now)
@@ -994,7 +997,7 @@ class CoordinatorShell:
 
         self.request(f"partition:{dlq.owner}".encode(),
                      m.Produce(topic=effect.dlq_topic, partition=0, producer_id=self.dead_letter_producer_id,
-                               sequence=seq), now, on_appended, (payload,))
+                               sequence=seq, coordinator_epoch=self.epoch or 0), now, on_appended, (payload,))
 
     # -- status -----------------------------------------------------------------------------
 
