@@ -238,6 +238,9 @@ class PostgresOffsetStore(OffsetStore):
             ("update_partitions", _META_UPDATE_PARTITIONS), ("select_topics", _META_SELECT_TOPICS),
             ("select_partitions", _META_SELECT_PARTITIONS))}
 
+    # How long this connection may sit idle inside an open transaction before the server ends it.
+    IDLE_IN_TRANSACTION_MS = "1000"
+
     # -- plumbing -------------------------------------------------------------------------
 
     async def _with_conn(self, operation: str, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
@@ -250,7 +253,13 @@ class PostgresOffsetStore(OffsetStore):
                         # A reply says "durable": make sure the server's commit means it even
                         # where synchronous_commit was turned off for everyone else.
                         server_settings={"application_name": self.application_name,
-                                         "synchronous_commit": "on"})
+                                         "synchronous_commit": "on",
+                                         # A writer paused (SIGSTOP) inside write_metadata's
+                                         # transaction would hold its FOR SHARE lock on the
+                                         # lease row, and with it every takeover, for as long
+                                         # as it stays paused: the server ends such a session.
+                                         # Its statements follow each other within milliseconds.
+                                         "idle_in_transaction_session_timeout": self.IDLE_IN_TRANSACTION_MS})
                     self._stats["connects"] += 1
                 return await fn(self._conn)
             except BaseException as exc:
