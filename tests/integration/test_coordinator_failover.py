@@ -8,6 +8,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
+import threading
+import time
 
 import asyncpg
 import pytest
@@ -16,8 +20,8 @@ import zmq
 from zbroker.client import Admin, Consumer, Producer
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
-from zbroker.protocol.errors import NotCoordinator, StaleLease
-from zbroker.supervisor import start_broker
+from zbroker.protocol.errors import NotCoordinator, StaleLease, ZBrokerError
+from zbroker.supervisor import free_port_block, start_broker
 from tests.support.pg import pg_execute, pg_fetch, with_schema
 from tests.support.waiting import wait_for
 
@@ -152,3 +156,137 @@ def test_a_paused_leader_resumed_after_its_successor_took_over_writes_nothing(tm
         pg_execute(pg_dsn, f'UPDATE "{pg_schema}".consumer_group_offsets SET coordinator_epoch = $1, '
                    "updated_at = now() WHERE group_id = 'g'", first["epoch"])
         assert _stale_writes(pg_dsn, pg_schema)["consumer_group_offsets"] == 1
+
+
+def _partition_actor(tmp_path, broker_urls, port):
+    """A partition actor of its own (its host: 127.0.0.3), as on a host apart from the nodes.
+    Its id sorts before the nodes' built-in p0, so a one-partition topic is placed on it."""
+    log = open(tmp_path / "a1.log", "ab")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "zbroker", "partition", "--broker", broker_urls,
+                                 "--data", str(tmp_path / "a1"), "--actor-id", "a1",
+                                 "--bind", f"tcp://127.0.0.3:{port}", "--log-level", "info"],
+                                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    finally:
+        log.close()
+
+
+class Load:
+    """An idempotent producer and a consumer group acking what they get, on their own threads,
+    through the nodes' bootstrap list; what was acknowledged and what was received."""
+
+    def __init__(self, urls):
+        self.urls = urls
+        self.acked: set[bytes] = set()
+        self.received: set[bytes] = set()
+        self.producing = threading.Event()
+        self.producing.set()
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._produce, daemon=True),
+                        threading.Thread(target=self._consume, daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    def _produce(self):
+        with Producer(self.urls, request_timeout=2.0) as producer:
+            n = 0
+            while self.producing.is_set():
+                batch = [b"v%06d" % (n + i) for i in range(20)]
+                try:
+                    for value in batch:
+                        producer.send("orders", value)
+                    producer.flush(timeout=30)
+                except ZBrokerError as err:  # not acknowledged: those values may or may not be in the log
+                    self.errors.append(f"produce: {err.code.value}")
+                    time.sleep(0.2)
+                else:
+                    self.acked.update(batch)
+                n += len(batch)
+                time.sleep(0.01)
+
+    def _consume(self):
+        consumer = None
+        while not self.stop.is_set():
+            try:
+                if consumer is None:
+                    consumer = Consumer(self.urls, group="g", topics=["orders"], request_timeout=2.0)
+                records = consumer.poll(max_records=100, timeout=0.5)
+                self.received.update(r.value for r in records)
+                consumer.ack_many(records)
+            except ZBrokerError as err:
+                # The client is expected to ride a failover out by itself; whatever it still
+                # raises is counted (and the member joins again), never hidden from the totals.
+                self.errors.append(f"consume: {err.code.value}")
+                with contextlib.suppress(ZBrokerError):
+                    consumer.close(leave=False)
+                consumer = None
+                time.sleep(0.2)
+        if consumer is not None:
+            with contextlib.suppress(ZBrokerError):
+                consumer.close()
+
+    def close(self):
+        self.producing.clear()
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def _committed(dsn, schema):
+    rows = pg_fetch(dsn, f'SELECT committed_offset FROM "{schema}".consumer_group_offsets '
+                    "WHERE group_id = 'g' AND topic = 'orders' AND partition = 0")
+    return rows[0]["committed_offset"] if rows else None
+
+
+def test_the_leader_killed_under_load_a_standby_takes_over_and_nothing_acknowledged_is_lost(
+        tmp_path, pg_dsn, pg_schema):
+    offsets = with_schema(pg_dsn, pg_schema)
+    port = free_port_block(1, host="127.0.0.3")
+    with _node(tmp_path, "a", "127.0.0.1", offsets) as a:
+        first = _leading(pg_dsn, pg_schema, a.url)
+        with _node(tmp_path, "b", "127.0.0.2", offsets) as b:
+            wait_for(lambda: _redirects_to(b.url, a.url), 60, "the standby to know the leader")
+            urls = f"{a.url},{b.url}"
+            actor = _partition_actor(tmp_path, urls, port)
+            try:
+                with Admin(a.url) as admin:
+                    wait_for(lambda: any(x["actor_id"] == "a1" for x in admin.status()["actors"]), 60,
+                             "the partition actor to register with the leader")
+                    admin.create_topic("orders", partitions=1)
+                    assert admin.metadata(["orders"])[0]["partitions"][0]["actor_id"] == "a1"
+                load = Load(urls)
+                committed = []
+                try:
+                    wait_for(lambda: (c := _committed(pg_dsn, pg_schema)) and c > 200 and committed.append(c) is None,
+                             120, "the group to commit under load on the first leader")
+                    for pid in [a.process.pid, *a.actor_pids()]:
+                        os.kill(pid, signal.SIGKILL)  # the whole node at once
+                    # The actor dials the surviving node. Partition actors following the leader
+                    # by themselves is not under test here: it is restarted, on its own data
+                    # directory and port, pointed at that node (which redirects to the leader).
+                    actor.terminate()
+                    actor.wait(30)
+                    actor = _partition_actor(tmp_path, b.url, port)
+                    taken = _leading(pg_dsn, pg_schema, b.url, timeout=120)
+                    assert taken["epoch"] > first["epoch"]
+                    acked_at_kill = len(load.acked)
+                    wait_for(lambda: (committed.append(_committed(pg_dsn, pg_schema)) or True)
+                             and len(load.acked) > acked_at_kill + 200, 180,
+                             "produce to go on through the new leader")
+                    load.producing.clear()
+                    load.threads[0].join(60)
+                    wait_for(lambda: (committed.append(_committed(pg_dsn, pg_schema)) or True)
+                             and load.acked <= load.received, 180,
+                             "every acknowledged record to reach the group through the new leader")
+                finally:
+                    load.close()
+                lost = sorted(load.acked - load.received)
+                assert lost == [], f"{len(lost)} acknowledged records never delivered: {lost[:5]}"
+                seen = [c for c in committed if c is not None]
+                assert seen == sorted(seen), f"a committed offset went back: {seen}"
+                rows = pg_fetch(pg_dsn, f'SELECT coordinator_epoch FROM "{pg_schema}".consumer_group_offsets')
+                assert {r["coordinator_epoch"] for r in rows} == {taken["epoch"]}
+            finally:
+                actor.terminate()
+                actor.wait(30)
