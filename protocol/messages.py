@@ -1170,6 +1170,7 @@ class LoadMetadataReply(Message):
     partitions: [[topic, partition, replicas, leader, leader_epoch, isr], ...]"""
     topics: list
     partitions: list
+    group_configs: list = dataclasses.field(default_factory=list)  # [[group, config map], ...]
 
 
 @request("write_metadata")
@@ -1186,6 +1187,7 @@ class WriteMetadata(Message):
     update_topics: list = dataclasses.field(default_factory=list)
     delete_topics: list = dataclasses.field(default_factory=list)
     partitions: list = dataclasses.field(default_factory=list)
+    group_configs: list = dataclasses.field(default_factory=list)  # [[group, config map | nil], ...]
 
     def check(self) -> None:
         for i, d in enumerate(self.delete_topics):

@@ -46,7 +46,7 @@ from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched, encode_records, key_hashes
 from zbroker.protocol.errors import (ErrorCode, NotCoordinator, ProtocolError, ShuttingDown, TopicExists, Unauthorized,
                                      Unavailable, UnknownOp, ZBrokerError)
-from zbroker.storage.offsets.metadata import SINGLE_NODE_EPOCH, LeaseState
+from zbroker.storage.offsets.metadata import SINGLE_NODE_EPOCH, LeaseState, MetadataChanges
 
 TURN_BUDGET = 512
 WRITER_IDENTITY = b"writer"
@@ -206,9 +206,7 @@ class CoordinatorShell:
         # from before a restart (or a failover) must not match a lease handed out after it.
         base = (time.time_ns() // 1_000_000) << 20
         self.core = GroupCoordinatorCore(lease_id_base=base)
-        self.group_configs: dict[str, dict] = dict(self.meta.load(self.meta.groups_path) or {})
-        for group, config in self.group_configs.items():
-            self.core.restore_group_config(group, GroupConfig.from_dict(config))
+        self.group_configs: dict[str, dict] = {}  # from the store, with the topics
         # Correlation ids, like lease ids, never repeat across incarnations (see Outbound).
         self.outbound = Outbound(self.log, first_id=base)
         self.stored = StoredMetadata()
@@ -373,7 +371,7 @@ class CoordinatorShell:
             self.log.warning("metadata.load_failed", reason=None if env is None or env.error is None
                              else env.error.message)
             return
-        meta = metadata_from_wire(env.msg.topics, env.msg.partitions)
+        meta = metadata_from_wire(env.msg.topics, env.msg.partitions, env.msg.group_configs)
         self.stored.on_loaded(meta)
         legacy = self.meta.load(self.meta.topics_path) if self.meta.topics_path.exists() else None
         if legacy and not meta.topics:
@@ -389,16 +387,34 @@ class CoordinatorShell:
                 self.retire_topics_file(0)
         for name, topic in self.topics.topics.items():
             self.core.set_topic(name, topic["partitions"])
+        self.restore_group_configs(meta.group_configs)
         self.ready = True
         self.log.info("metadata.loaded", topics=len(self.topics.topics), epoch=self.epoch)
         self.answer_parked(now)
         self.pump_metadata(now)
         self.pump_writer(now)
 
+    def restore_group_configs(self, stored: dict[str, dict]) -> None:
+        """Group configs from the store; a groups.msgpack from before goes into it once."""
+        legacy = self.meta.load(self.meta.groups_path) if self.meta.groups_path.exists() else None
+        configs = dict(stored)
+        if legacy and not stored:
+            configs = dict(legacy)
+            self.stored.write(MetadataChanges(group_configs=tuple(sorted(configs.items()))))
+            self.stored.when_durable(lambda ok: ok and self.retire_file(self.meta.groups_path, len(configs)))
+        elif legacy is not None:
+            self.retire_file(self.meta.groups_path, 0)
+        self.group_configs = configs
+        for group, config in configs.items():
+            self.core.restore_group_config(group, GroupConfig.from_dict(config))
+
     def retire_topics_file(self, migrated: int) -> None:
-        path = self.meta.topics_path
+        self.retire_file(self.meta.topics_path, migrated)
+
+    def retire_file(self, path: Path, migrated: int) -> None:
+        """A metadata file now in the store: renamed, never read again."""
         os.replace(path, path.with_name(path.name + ".migrated"))
-        self.log.info("metadata.migrated_from_file", topics=migrated, file=str(path))
+        self.log.info("metadata.migrated_from_file", entries=migrated, file=str(path))
 
     def on_metadata_written(self, item: Pending, env: codec.Envelope | None) -> None:
         self.metadata_loading = False
@@ -421,8 +437,8 @@ class CoordinatorShell:
                     self.next_metadata_ms = runtime.now_ms() + LOAD_RETRY_MS
                     return
                 assert item.changes is not None
-                landed = self.stored.already_applied(item.changes, metadata_from_wire(reload.msg.topics,
-                                                                                     reload.msg.partitions))
+                landed = self.stored.already_applied(item.changes, metadata_from_wire(
+                    reload.msg.topics, reload.msg.partitions, reload.msg.group_configs))
                 self.finish_metadata_write(landed, runtime.now_ms())
 
             self.request(WRITER_IDENTITY, m.LoadMetadata(), now, verify)
@@ -691,7 +707,8 @@ class CoordinatorShell:
                     self.group_configs.pop(effect.group, None)
                 else:
                     self.group_configs[effect.group] = effect.config
-                self.meta.save(self.meta.groups_path, self.group_configs)
+                self.stored.write(MetadataChanges(group_configs=((effect.group, effect.config),)))
+                self.pump_metadata(now)
             elif isinstance(effect, fx.Log):
                 self.log.info(effect.event, **effect.fields)
             elif isinstance(effect, PersistTopics):

@@ -56,11 +56,13 @@ class Pending:
     attempts: int = 0
 
 
-def metadata_from_wire(topics: list, partitions: list) -> Metadata:
+def metadata_from_wire(topics: list, partitions: list, group_configs: list = ()) -> Metadata:
     """A ``load_metadata`` reply's lists; ProtocolError for anything malformed."""
     loaded = [TopicMeta.from_wire(t, "load_metadata") for t in topics]
     states = [PartitionState.from_wire(p, "load_metadata") for p in partitions]
-    return Metadata({t.name: t for t in loaded}, {ps.key: ps for ps in states})
+    configs = {g[0]: g[1] for g in group_configs
+               if isinstance(g, list) and len(g) == 2 and isinstance(g[0], str) and isinstance(g[1], dict)}
+    return Metadata({t.name: t for t in loaded}, {ps.key: ps for ps in states}, configs)
 
 
 def snapshot_from_store(meta: Metadata) -> dict:
@@ -87,6 +89,7 @@ class StoredMetadata:
     def __init__(self, rng: random.Random | None = None) -> None:
         self.topics: dict[str, TopicMeta] = {}
         self.partitions: dict[Key, PartitionState] = {}
+        self.group_configs: dict[str, dict] = {}
         self.loaded = False
         self.queue: collections.deque[Pending] = collections.deque()
         self.in_flight: Pending | None = None
@@ -97,6 +100,7 @@ class StoredMetadata:
     def on_loaded(self, meta: Metadata) -> None:
         self.topics = dict(meta.topics)
         self.partitions = dict(meta.partitions)
+        self.group_configs = dict(meta.group_configs)
         self.loaded = True
 
     def _record(self, changes: MetadataChanges) -> None:
@@ -108,17 +112,29 @@ class StoredMetadata:
             self.topics[t.name] = t
         for u in changes.partitions:
             self.partitions[u.state.key] = u.state
+        for group, config in changes.group_configs:
+            if config is None:
+                self.group_configs.pop(group, None)
+            else:
+                self.group_configs[group] = config
 
     def already_applied(self, changes: MetadataChanges, meta: Metadata) -> bool:
         """Does `meta` (reloaded) hold everything `changes` wrote?"""
         return (all(meta.topics.get(t.name) == t for t in (*changes.create_topics, *changes.update_topics))
                 and all(name not in meta.topics for name, _i in changes.delete_topics)
-                and all(meta.partitions.get(u.state.key) == u.state for u in changes.partitions))
+                and all(meta.partitions.get(u.state.key) == u.state for u in changes.partitions)
+                and all(meta.group_configs.get(g) == c for g, c in changes.group_configs))
 
     # -- the queue -----------------------------------------------------------------------------
 
     def decide(self, effect: Any) -> Pending:
         item = Pending(decision=effect)
+        self.queue.append(item)
+        return item
+
+    def write(self, changes: MetadataChanges) -> Pending:
+        """A change set of the caller's own (group configs, a migration), in its turn."""
+        item = Pending(changes=changes)
         self.queue.append(item)
         return item
 

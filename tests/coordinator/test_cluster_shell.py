@@ -165,3 +165,22 @@ def test_a_leader_that_cannot_renew_stops_by_itself_and_a_new_term_reloads_the_s
     _answer_lease(shell, wire, later + 2500, holder="a", held=True, epoch=9, endpoint=shell.endpoint)
     assert shell.epoch == 9 and not shell.ready
     wire.take("load_metadata")
+
+
+def test_group_configs_are_in_the_store_and_a_groups_file_from_before_moves_there_once(tmp_path):
+    legacy = MetaFiles(tmp_path / "coordinator")
+    legacy.save(legacy.groups_path, {"old": {"max_deliveries": 3}})
+    shell, replies = _single(tmp_path)
+    assert shell.group_configs == {"old": {"max_deliveries": 3}}
+    shell.on_offsets_loaded(codec.Envelope(op="load_offsets", corr_id=1, msg=m.LoadOffsetsReply(rows=[], more=False),
+                                           error=None, frames=[]))
+    writer = MetadataWriter(tmp_path / "offsets.sqlite3")
+    assert writer.stored().group_configs["old"] == {"max_deliveries": 3}
+    assert not legacy.groups_path.exists() and legacy.groups_path.with_name("groups.msgpack.migrated").exists()
+    shell.on_request(b"client", _env(m.ConfigureGroup(group="billing", max_deliveries=4)), 1)
+    assert isinstance(replies[-1], m.ConfigureGroupReply)
+    assert writer.stored().group_configs["billing"]["max_deliveries"] == 4
+    # A coordinator starting from the store alone (another node, say) has both.
+    again, _replies = _single(tmp_path)
+    assert set(again.group_configs) == {"old", "billing"}
+    assert again.group_configs["billing"]["max_deliveries"] == 4

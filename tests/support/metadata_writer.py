@@ -49,10 +49,11 @@ class MetadataWriter:
             if isinstance(msg, m.LoadMetadata):
                 meta = self.loop.run_until_complete(self.store.load_metadata())
                 reply: m.Message = m.LoadMetadataReply(topics=[t.to_wire() for t in meta.topics.values()],
-                                                       partitions=[p.to_wire() for p in meta.partitions.values()])
+                                                       partitions=[p.to_wire() for p in meta.partitions.values()],
+                                                       group_configs=[[g, c] for g, c in meta.group_configs.items()])
             elif isinstance(msg, m.WriteMetadata):
                 changes = MetadataChanges.from_wire(msg.create_topics, msg.update_topics, msg.delete_topics,
-                                                    msg.partitions)
+                                                    msg.partitions, msg.group_configs)
                 applied = self.loop.run_until_complete(self.store.write_metadata(changes, msg.coordinator_epoch))
                 if applied:
                     self.writes.append(changes)
