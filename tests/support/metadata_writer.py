@@ -40,6 +40,10 @@ class MetadataWriter:
         self.writes: list[MetadataChanges] = []
 
     def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        if self in _open:
+            _open.remove(self)
         self.loop.run_until_complete(self.store.close())
         self.loop.close()
 
