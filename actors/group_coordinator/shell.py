@@ -185,6 +185,9 @@ class CoordinatorShell:
         self.leader: LeaderKnown | None = None
         self.lease_requests: dict[int, int] = {}  # outbound corr id -> leadership request id
         self.epoch: int | None = None  # the term this node leads in; None: standing by
+        # The term this node stood down from with its state kept: resumed if the next lease
+        # it takes is the very next epoch (nobody led in between), rebuilt otherwise.
+        self.dormant_epoch: int | None = None
         # Requests that came before this term could serve them (metadata still loading, or
         # no lease answer yet): served, or answered, once it can. (arrival ms, identity, env, sock)
         self.parked: list[tuple[int, bytes, codec.Envelope, zmq.Socket | None]] = []
@@ -241,9 +244,18 @@ class CoordinatorShell:
         """Lead at `epoch`: everything in memory is rebuilt from the store (topics and replica
         state, then committed offsets with their holes); partition actors are relearnt as
         they re-register. Requests wait (`parked`) until the metadata is loaded."""
-        self._term_state(epoch)
+        if self.dormant_epoch is not None and epoch == self.dormant_epoch + 1:
+            # Epochs grow by one at every take: this node took the one after its own, so
+            # no other node led in between and the store holds nothing this memory lacks
+            # (a database outage longer than the lease, with this node the only one).
+            self.log.info("coordinator.resumed", epoch=epoch, previous_epoch=self.dormant_epoch)
+            self.topics.coordinator_epoch = epoch
+            self.to_send.update(self.unconfirmed)  # the writer dropped them with the old epoch
+        else:
+            self._term_state(epoch)
+            self.log.info("coordinator.leading", epoch=epoch, node_id=self.node_id)
+        self.dormant_epoch = None
         self.epoch = epoch
-        self.log.info("coordinator.leading", epoch=epoch, node_id=self.node_id)
         self.pump_metadata(now)
 
     def end_term(self, reason: str, now: int) -> None:
@@ -256,9 +268,14 @@ class CoordinatorShell:
         error = self.not_coordinator()
         for key in list(self.tokens):
             self.reply_error(self.tokens.pop(key), error)
-        self.stored.abandon()
+        for key in list(self.open_polls):
+            self.core.cancel_parked(key)
+        self.open_polls.clear()
+        self.reset_requests.clear()
+        self.held_resets.clear()
         self.answer_parked(now)
-        self._term_state(None)
+        # Kept, not served, until the next term says whether it may go on (start_term).
+        self.dormant_epoch = epoch
 
     def not_coordinator(self) -> NotCoordinator:
         leader = self.leader

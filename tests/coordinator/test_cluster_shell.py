@@ -184,3 +184,25 @@ def test_group_configs_are_in_the_store_and_a_groups_file_from_before_moves_ther
     again, _replies = _single(tmp_path)
     assert set(again.group_configs) == {"old", "billing"}
     assert again.group_configs["billing"]["max_deliveries"] == 4
+
+
+def test_a_leader_that_retakes_the_very_next_epoch_goes_on_with_what_it_holds(tmp_path, monkeypatch):
+    # A database outage longer than the lease, nobody else to take over: the node stands by,
+    # then takes epoch 8 after its own 7. Nobody led in between, so nothing is reloaded.
+    wire = Wire(monkeypatch)
+    shell = _node(tmp_path)
+    now = runtime.now_ms()
+    _answer_lease(shell, wire, now, holder="a", held=True, epoch=7, endpoint=shell.endpoint)
+    load = wire.take("load_metadata")
+    shell.on_internal_message(b"writer", codec.encode_reply(m.LoadMetadataReply(
+        topics=[["t", 1, {}, 1, 1, 5]], partitions=[["t", 0, ["p0"], "p0", 0, ["p0"]]]), load.corr_id), now)
+    registry = shell.topics
+    later = now + 4_600
+    shell.on_request(b"client", _env(m.ListTopics()), later)
+    assert shell.epoch is None
+    wire.frames.clear()
+    _answer_lease(shell, wire, later + 2500, holder="a", held=True, epoch=8, endpoint=shell.endpoint)
+    assert shell.epoch == 8 and shell.ready and shell.topics is registry
+    assert registry.coordinator_epoch == 8
+    with pytest.raises(AssertionError):
+        wire.take("load_metadata")

@@ -218,8 +218,9 @@ class Load:
                 # The client is expected to ride a failover out by itself; whatever it still
                 # raises is counted (and the member joins again), never hidden from the totals.
                 self.errors.append(f"consume: {err.code.value}")
-                with contextlib.suppress(ZBrokerError):
-                    consumer.close(leave=False)
+                if consumer is not None:
+                    with contextlib.suppress(ZBrokerError):
+                        consumer.close(leave=False)
                 consumer = None
                 time.sleep(0.2)
         if consumer is not None:
