@@ -370,11 +370,14 @@ class DescribeTopicReply(Message):
 
 @request("produce")
 class Produce(Message):
-    """Frame 1 is the batch payload (see protocol.batch)."""
+    """Frame 1 is the batch payload (see protocol.batch). coordinator_epoch: set by a
+    coordinator appending a dead letter (its lease epoch); 0 from clients. A partition
+    actor refuses one below the highest coordinator epoch it has obeyed (STALE_EPOCH)."""
     topic: str
     partition: int
     producer_id: int = 0
     sequence: int = -1
+    coordinator_epoch: int = 0
 
     def check(self) -> None:
         _nonneg("produce", partition=self.partition, producer_id=self.producer_id)
@@ -1330,6 +1333,7 @@ class LoadMetadataReply(Message):
     partitions: [[topic, partition, replicas, leader, leader_epoch, isr], ...]"""
     topics: list
     partitions: list
+    group_configs: list = dataclasses.field(default_factory=list)  # [[group, config map], ...]
 
 
 @request("write_metadata")
@@ -1346,6 +1350,7 @@ class WriteMetadata(Message):
     update_topics: list = dataclasses.field(default_factory=list)
     delete_topics: list = dataclasses.field(default_factory=list)
     partitions: list = dataclasses.field(default_factory=list)
+    group_configs: list = dataclasses.field(default_factory=list)  # [[group, config map | nil], ...]
 
     def check(self) -> None:
         for i, d in enumerate(self.delete_topics):

@@ -80,6 +80,9 @@ class BrokerConfig:
     actor_dirs: bool = False
     unclean_leader_election: bool = False
     replica_lag_ms: int = 10_000  # the built-in actors' --replica-lag-ms (ISR shrink)
+    # With PostgreSQL offsets the node is one of a cluster, and leads only while it holds the
+    # coordinator lease (taken and renewed with the database clock); it expires after this.
+    coordinator_lease_ms: int = 5_000
 
     def http_address(self) -> tuple[str, int] | None:
         """Where the console listens, or None with `--http off`."""
@@ -128,6 +131,10 @@ class BrokerConfig:
 
     def wildcard_error(self) -> str | None:
         return None if self.advertise_host else runtime.wildcard_error(self.bind_endpoint(self.port))
+
+    def clustered(self) -> bool:
+        """PostgreSQL offsets: every node on that database (and schema) is one of a cluster."""
+        return self.resolved_offsets_url().split(":", 1)[0].startswith("postgres")
 
     def resolved_offsets_url(self) -> str:
         if self.offsets_url:
@@ -222,7 +229,8 @@ class Supervisor:
                     "data_dir": str(data / "coordinator"), "log_level": config.log_level,
                     "curve_dir": config.curve_dir, "bound_file": self.coordinator_bound,
                     "advertise_host": config.advertise_host,
-                    "unclean_leader_election": config.unclean_leader_election}),
+                    "unclean_leader_election": config.unclean_leader_election,
+                    "cluster": config.clustered(), "lease_ms": config.coordinator_lease_ms}),
             _Child("commit-writer", "zbroker.actors.commit_writer.shell:run",
                    {"coordinator_endpoint": coordinator, "offsets_url": config.resolved_offsets_url(),
                     "log_level": config.log_level, "curve_dir": config.curve_dir}),

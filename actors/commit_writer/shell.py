@@ -317,7 +317,7 @@ class CommitWriterShell:
         try:
             if isinstance(msg, m.WriteMetadata):  # checked before the store is touched
                 changes = MetadataChanges.from_wire(msg.create_topics, msg.update_topics, msg.delete_topics,
-                                                    msg.partitions)
+                                                    msg.partitions, msg.group_configs)
             await self._ensure_store()
             if isinstance(msg, m.CoordinatorLease):
                 lease = await self.store.acquire_or_renew_lease(msg.node_id, msg.endpoint, msg.lease_ms)
@@ -326,7 +326,8 @@ class CommitWriterShell:
             elif isinstance(msg, m.LoadMetadata):
                 meta = await self.store.load_metadata()
                 reply = m.LoadMetadataReply(topics=[t.to_wire() for t in meta.topics.values()],
-                                            partitions=[p.to_wire() for p in meta.partitions.values()])
+                                            partitions=[p.to_wire() for p in meta.partitions.values()],
+                                            group_configs=[[g, c] for g, c in meta.group_configs.items()])
             else:
                 applied = await self.store.write_metadata(changes, msg.coordinator_epoch)
                 if not applied:

@@ -228,10 +228,11 @@ class GroupCoordinatorCore:
         log.update(log_start, log_end, now_ms)
         return self._event(now_ms, lambda out: self._log_moved(key, grew, now_ms, out))
 
-    def load_offsets(self, rows: list, now_ms: int) -> list:
+    def load_offsets(self, rows: list, now_ms: int, reason: str = "restart") -> list:
         """Stored progress, (group, topic, partition, committed, holes, generation, reset_epoch)
         rows, with the parked keys as an eighth element where there are any; afterwards the
-        core serves requests."""
+        core serves requests. `reason`: what redeliveries say, "restart", or
+        "coordinator_failover" when this node took over from another (issue 26)."""
         for group_name, topic, partition, committed, holes, generation, reset_epoch, *quarantine in rows:
             if generation == TOMBSTONE_GENERATION:  # deleted offsets: only their epoch is kept
                 self._raise_epoch_floor(group_name, reset_epoch)
@@ -240,7 +241,7 @@ class GroupCoordinatorCore:
             group.generation = max(group.generation, generation)
             group.reset_epoch = max(group.reset_epoch, reset_epoch)
             state = self._add_state(group, (topic, partition), fresh=True)
-            state.load(committed, holes, now_ms)
+            state.load(committed, holes, now_ms, reason)
             if quarantine and quarantine[0] and state.keys is not None:  # else the group no longer quarantines
                 state.keys.parked.update(parked_from_rows(quarantine[0], now_ms))
             state.durable_committed, state.durable_epoch = committed, reset_epoch

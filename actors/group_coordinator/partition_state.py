@@ -34,6 +34,8 @@ from typing import Callable, Iterable
 from zbroker.actors.group_coordinator.ranges import RangeMap, RangeSet
 
 NEW, TIMEOUT, REBALANCE, RESTART, AHEAD = "new", "timeout", "rebalance", "restart", "ahead"
+# Loaded by a coordinator that took over from another node (issue 26), not restarted.
+COORDINATOR_FAILOVER = "coordinator_failover"
 QUARANTINE_RELEASE = "quarantine_release"  # the reason of a record released to the dead-letter topic
 
 
@@ -186,12 +188,12 @@ class PartitionState:
         """First position of a group that has no stored offset here."""
         self.committed = self.next_new = offset
 
-    def load(self, committed: int, holes: Iterable, now_ms: int) -> None:
-        """Stored progress after a coordinator restart.
+    def load(self, committed: int, holes: Iterable, now_ms: int, reason: str = RESTART) -> None:
+        """Stored progress after a coordinator restart (or a takeover: `reason`).
 
         What lies between `committed` and the end of the highest hole without being
         in a hole was delivered before (we cannot tell how often): it becomes ready
-        with reason "restart" and one previous attempt. Above that is fresh.
+        with `reason` and one previous attempt. Above that is fresh.
         """
         self.committed = committed
         for start, end in holes:
@@ -200,7 +202,7 @@ class PartitionState:
         self._advance_committed()
         top = self.finished.last()[1] if self.finished else self.committed
         for start, end in self.finished.gaps(self.committed, top):
-            self.ready.set(start, end, Ready(1, RESTART, now_ms, now_ms))
+            self.ready.set(start, end, Ready(1, reason, now_ms, now_ms))
         self.next_new = top
 
     # -- handing out ----------------------------------------------------------------

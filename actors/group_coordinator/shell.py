@@ -35,13 +35,18 @@ from zbroker.actors import runtime, security
 from zbroker.client.wire import recv_frames
 from zbroker.actors.group_coordinator import effects as fx
 from zbroker.actors.group_coordinator.core import GroupConfig, GroupCoordinatorCore
+from zbroker.actors.group_coordinator.leadership import (BecomeLeader, LeaderKnown, Leadership, LeadershipConfig,
+                                                         RenewLease, StepDown)
+from zbroker.actors.group_coordinator.stored_metadata import (Pending, StoredMetadata, metadata_from_wire,
+                                                              snapshot_from_store)
 from zbroker.actors.group_coordinator.topics import (AssignActor, DeletePartitionsOn, LogEvent, PersistTopics,
                                                      ReloadMetadata, TopicRegistry, WriteMetadata)
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched, encode_records, key_hashes
-from zbroker.protocol.errors import (ErrorCode, ProtocolError, ShuttingDown, TopicExists, TopicInUse, Unauthorized,
-                                     Unavailable, UnknownOp, ZBrokerError)
+from zbroker.protocol.errors import (ErrorCode, NotCoordinator, ProtocolError, ShuttingDown, TopicExists, TopicInUse,
+                                     Unauthorized, Unavailable, UnknownOp, ZBrokerError)
+from zbroker.storage.offsets.metadata import SINGLE_NODE_EPOCH, LeaseState, MetadataChanges
 
 TURN_BUDGET = 512
 WRITER_IDENTITY = b"writer"
@@ -69,7 +74,14 @@ GROUP_OPS = {"join", "heartbeat", "leave", "poll", "ack", "nack", "extend", "rej
              "describe_group", "configure_group", "reset_group", "list_quarantine", "release_key",
              "delete_group"}
 # What hello says this coordinator supports (PROTOCOL.md, hello).
-FEATURES = ["key_shared", "replication"]
+FEATURES = ["key_shared", "replication", "cluster"]
+# Requests that arrive before a term can serve them (its metadata still loading, or no lease
+# answer yet) wait at most this long, and at most this many: shorter than a client's 5 s
+# request timeout, so it hears why.
+PARK_MAX_MS = 4_000
+MAX_PARKED = 10_000
+# Served by a node whatever its role: its own commit writer's reports.
+ANY_ROLE_OPS = {"writer_status"}
 # Admin operations the shell serves itself, one method each (named like the op).
 ADMIN_SHELL_OPS = {"alter_topic", "delete_topic"}
 
@@ -154,7 +166,8 @@ class Outbound:
 
 class CoordinatorShell:
     def __init__(self, router: zmq.Socket, internal: zmq.Socket, data_dir: Path, log: Any,
-                 acl: security.Acl | None = None, *, unclean_leader_election: bool = False) -> None:
+                 acl: security.Acl | None = None, *, unclean_leader_election: bool = False,
+                 cluster: bool = False, lease_ms: int = 5000, node_id: str | None = None) -> None:
         self.router = router  # clients
         self.internal = internal  # the broker's own actors: partition logs and the commit writer
         self.acl = acl
@@ -162,22 +175,47 @@ class CoordinatorShell:
         self.endpoint: str | None = None  # set once bound
         self.log = log
         self.meta = MetaFiles(data_dir)
-        self.topics = TopicRegistry(unclean_leader_election=unclean_leader_election)
-        snapshot = self.meta.load(self.meta.topics_path)
-        if snapshot:
-            self.topics.restore(snapshot)
-        # Lease ids must never repeat across coordinator incarnations: a stale ack
-        # from before a restart must not match a lease handed out after it.
+        self.unclean_leader_election = unclean_leader_election
+        # With PostgreSQL the node is one of a cluster: it leads only while it holds the lease
+        # (leadership.py). With SQLite it is a cluster of one and leads from the start.
+        self.cluster = cluster
+        self.lease_ms = lease_ms
+        self.node_id = node_id
+        self.leadership: Leadership | None = None
+        self.leader: LeaderKnown | None = None
+        self.lease_requests: dict[int, int] = {}  # outbound corr id -> leadership request id
+        self.epoch: int | None = None  # the term this node leads in; None: standing by
+        # The term this node stood down from with its state kept: resumed if the next lease
+        # it takes is the very next epoch (nobody led in between), rebuilt otherwise.
+        self.dormant_epoch: int | None = None
+        # Requests that came before this term could serve them (metadata still loading, or
+        # no lease answer yet): served, or answered, once it can. (arrival ms, identity, env, sock)
+        self.parked: list[tuple[int, bytes, codec.Envelope, zmq.Socket | None]] = []
+        self.writer: dict[str, Any] = {"pid": None, "healthy": False, "metrics": {}, "last_seen_ms": None}
+        self.writer_fenced_pid: int | None = None  # the writer pid that has answered a held lease ask
+        self.dead_letter_producer_id = random.getrandbits(62) | 1
+        # Lease asks outlive terms (a standby's ask is what starts one), so they have their own.
+        self.lease_outbound = Outbound(log, first_id=(time.time_ns() // 1_000_000) << 20)
+        self._term_state(None)
+        if not cluster:
+            self.start_term(SINGLE_NODE_EPOCH, runtime.now_ms())
+
+    def _term_state(self, epoch: int | None) -> None:
+        """Everything a term holds in memory, fresh: what a takeover (or a start) rebuilds
+        from the store. Nothing of a previous term survives into the next one."""
+        self.topics = TopicRegistry(unclean_leader_election=self.unclean_leader_election,
+                                    coordinator_epoch=epoch or SINGLE_NODE_EPOCH)
+        # Lease ids must never repeat across coordinator incarnations or terms: a stale ack
+        # from before a restart (or a failover) must not match a lease handed out after it.
         base = (time.time_ns() // 1_000_000) << 20
         self.core = GroupCoordinatorCore(lease_id_base=base)
-        for name, topic in self.topics.topics.items():
-            self.core.set_topic(name, topic["partitions"])
-        for group, config in (self.meta.load(self.meta.groups_path) or {}).items():
-            self.core.restore_group_config(group, GroupConfig.from_dict(config))
-        self.group_configs: dict[str, dict] = dict(self.meta.load(self.meta.groups_path) or {})
+        self.group_configs: dict[str, dict] = {}  # from the store, with the topics
         # Correlation ids, like lease ids, never repeat across incarnations (see Outbound).
-        self.outbound = Outbound(log, first_id=base)
-        self.writer: dict[str, Any] = {"pid": None, "healthy": False, "metrics": {}, "last_seen_ms": None}
+        self.outbound = Outbound(self.log, first_id=base)
+        self.stored = StoredMetadata()
+        self.metadata_loading = False
+        self.next_metadata_ms = 0
+        self.ready = False  # metadata loaded: topic and actor requests are served
         self.offsets_loaded = False
         self.next_load_ms = 0
         self.load_in_flight = False
@@ -188,7 +226,6 @@ class CoordinatorShell:
         self.to_send: dict[tuple[str, str, int], list] = {}
         self.last_advance_sent_ms = 0
         self.last_resend_ms = 0
-        self.dead_letter_producer_id = random.getrandbits(62) | 1
         self.dead_letter_seq: dict[tuple[str, int], int] = {}
         # A dead-letter topic's max_batch_bytes, from its TOO_LARGE refusals: how much of a
         # record a copy without its value may keep (see dead_letter_payload).
@@ -204,6 +241,244 @@ class CoordinatorShell:
         # token key -> (its reply, give up at)
         self.held_deletes: dict[int, tuple[m.DeleteTopicReply, int]] = {}
 
+    # -- terms: leading, standing by --------------------------------------------------------
+
+    def start_term(self, epoch: int, now: int) -> None:
+        """Lead at `epoch`: everything in memory is rebuilt from the store (topics and replica
+        state, then committed offsets with their holes); partition actors are relearnt as
+        they re-register. Requests wait (`parked`) until the metadata is loaded."""
+        if self.dormant_epoch is not None and epoch == self.dormant_epoch + 1:
+            # Epochs grow by one at every take: this node took the one after its own, so
+            # no other node led in between and the store holds nothing this memory lacks
+            # (a database outage longer than the lease, with this node the only one).
+            self.log.info("coordinator.resumed", epoch=epoch, previous_epoch=self.dormant_epoch)
+            self.topics.coordinator_epoch = epoch
+            self.to_send.update(self.unconfirmed)  # the writer dropped them with the old epoch
+        else:
+            self._term_state(epoch)
+            self.log.info("coordinator.leading", epoch=epoch, node_id=self.node_id)
+        self.dormant_epoch = None
+        self.epoch = epoch
+        self.pump_metadata(now)
+
+    def end_term(self, reason: str, now: int) -> None:
+        """Stop leading now: whatever waits for this term is answered NOT_COORDINATOR, and
+        its in-memory leases end (their records are redelivered by the next leader)."""
+        if self.epoch is None:
+            return
+        epoch, self.epoch = self.epoch, None
+        self.log.warning("coordinator.standing_by", epoch=epoch, reason=reason)
+        error = self.not_coordinator()
+        for key in list(self.tokens):
+            self.reply_error(self.tokens.pop(key), error)
+        for key in list(self.open_polls):
+            self.core.cancel_parked(key)
+        self.open_polls.clear()
+        self.reset_requests.clear()
+        self.held_resets.clear()
+        self.answer_parked(now)
+        # Kept, not served, until the next term says whether it may go on (start_term).
+        self.dormant_epoch = epoch
+
+    def not_coordinator(self) -> NotCoordinator:
+        leader = self.leader
+        if leader is None or leader.node_id is None or (self.epoch is not None and leader.node_id == self.node_id):
+            data = None
+        else:
+            data = {"endpoint": leader.endpoint, "node_id": leader.node_id, "epoch": leader.epoch}
+        return NotCoordinator("this node's coordinator stands by; another node leads the cluster"
+                              if data else "no node leads the cluster yet", leader=data)
+
+    def leading(self, now: int) -> bool:
+        """May this node act as leader now? A leader past its local deadline steps down first."""
+        if self.leadership is not None and self.epoch is not None and not self.leadership.acting(now):
+            self.apply_leadership(self.leadership.on_tick(now), now)
+        return self.epoch is not None
+
+    def tick_leadership(self, now: int) -> None:
+        if not self.cluster:
+            return
+        if self.leadership is None:
+            if self.endpoint is None:
+                return  # not bound yet: nothing to advertise
+            self.leadership = Leadership(self.node_id or self.endpoint, self.endpoint,
+                                         LeadershipConfig(lease_ms=self.lease_ms))
+        self.apply_leadership(self.leadership.on_tick(now), now)
+
+    def apply_leadership(self, effects: list, now: int) -> None:
+        for effect in effects:
+            if isinstance(effect, RenewLease):
+                corr = self.lease_outbound.new(now, WRITER_IDENTITY, "coordinator_lease",
+                                               lambda env, rid=effect.request_id: self.on_lease_reply(rid, env))
+                runtime.send_reply(self.internal, WRITER_IDENTITY, codec.encode_request(
+                    m.CoordinatorLease(node_id=effect.node_id, endpoint=effect.endpoint,
+                                       lease_ms=effect.lease_ms), corr))
+            elif isinstance(effect, LeaderKnown):
+                if self.leader is None or (effect.node_id, effect.epoch) != (self.leader.node_id, self.leader.epoch):
+                    self.log.info("coordinator.leader_known", leader=effect.node_id, endpoint=effect.endpoint,
+                                  epoch=effect.epoch)
+                self.leader = effect
+            elif isinstance(effect, BecomeLeader):
+                self.start_term(effect.epoch, now)
+            elif isinstance(effect, StepDown):
+                self.end_term(effect.reason, now)
+
+    def on_lease_reply(self, request_id: int, env: codec.Envelope | None) -> None:
+        assert self.leadership is not None
+        now = runtime.now_ms()
+        if env is None or env.error is not None or env.msg is None:
+            if env is not None and env.error is not None:
+                self.log.warning("coordinator.lease_failed", reason=env.error.message, code=env.error.code.value)
+            self.apply_leadership(self.leadership.on_lease_failed(request_id, now), now)
+        else:
+            msg = env.msg
+            lease = LeaseState(msg.holder, msg.holder_endpoint, msg.epoch, msg.held, msg.remaining_ms)
+            if msg.held:
+                self.writer_fenced_pid = self.writer["pid"]
+            self.apply_leadership(self.leadership.on_lease_answer(request_id, lease, now), now)
+        if self.epoch is None and self.leader is not None:
+            self.answer_parked(now)
+
+    def park(self, identity: bytes, env: codec.Envelope, now: int, sock: zmq.Socket | None) -> None:
+        if len(self.parked) >= MAX_PARKED:
+            runtime.send_reply(sock or self.router, identity, codec.encode_error(env.op, env.corr_id, Unavailable(
+                "the coordinator is starting and holds too many requests; retry")))
+            return
+        self.parked.append((now, identity, env, sock))
+
+    def answer_parked(self, now: int, expired_only: bool = False) -> None:
+        """Serve what was parked (this term is ready), or refuse it (no term, or it waited too long)."""
+        if not self.parked:
+            return
+        keep, parked = [], self.parked
+        self.parked = []
+        for arrived, identity, env, sock in parked:
+            if expired_only and now - arrived < PARK_MAX_MS:
+                keep.append((arrived, identity, env, sock))
+            elif self.epoch is not None and self.ready and not expired_only:
+                self.on_request(identity, env, now, sock)
+            elif env.op not in m.TELLS:
+                error = Unavailable("the coordinator is still loading its metadata; retry") \
+                    if self.epoch is not None else self.not_coordinator()
+                runtime.send_reply(sock or self.router, identity, codec.encode_error(env.op, env.corr_id, error))
+        self.parked = keep + self.parked
+
+    # -- metadata in the store -------------------------------------------------------------
+
+    def pump_metadata(self, now: int) -> None:
+        """Load the store's metadata once per term, then send its queued writes, one at a time."""
+        if self.epoch is None or self.metadata_loading or now < self.next_metadata_ms:
+            return
+        if not self.stored.loaded:
+            if self.writer["last_seen_ms"] is None:
+                return  # asked once the writer has said it is there
+            self.metadata_loading = True
+            self.request(WRITER_IDENTITY, m.LoadMetadata(), now, self.on_metadata_loaded)
+            return
+        item = self.stored.next_to_send(self.topics)
+        if item is None:
+            return
+        assert item.changes is not None
+        self.metadata_loading = True
+        self.request(WRITER_IDENTITY, m.WriteMetadata(coordinator_epoch=self.epoch, **item.changes.to_wire()), now,
+                     lambda env, item=item: self.on_metadata_written(item, env))
+
+    def on_metadata_loaded(self, env: codec.Envelope | None) -> None:
+        self.metadata_loading = False
+        now = runtime.now_ms()
+        if env is None or env.error is not None or env.msg is None:
+            self.next_metadata_ms = now + LOAD_RETRY_MS
+            self.log.warning("metadata.load_failed", reason=None if env is None or env.error is None
+                             else env.error.message)
+            return
+        meta = metadata_from_wire(env.msg.topics, env.msg.partitions, env.msg.group_configs)
+        self.stored.on_loaded(meta)
+        legacy = self.meta.load(self.meta.topics_path) if self.meta.topics_path.exists() else None
+        if legacy and not meta.topics:
+            # A deployment from before topic metadata moved into the store: its file is
+            # written into the store once, then renamed so that it is never read again.
+            self.topics.restore(legacy)
+            changes = self.stored.migration_changes(legacy)
+            self.stored.queue.append(Pending(changes=changes))
+            self.stored.when_durable(lambda ok: ok and self.retire_topics_file(len(changes.create_topics)))
+        else:
+            self.topics.restore(snapshot_from_store(meta))
+            if legacy is not None:
+                self.retire_topics_file(0)
+        for name, topic in self.topics.topics.items():
+            self.core.set_topic(name, topic["partitions"])
+        self.restore_group_configs(meta.group_configs)
+        self.ready = True
+        self.log.info("metadata.loaded", topics=len(self.topics.topics), epoch=self.epoch)
+        self.answer_parked(now)
+        self.pump_metadata(now)
+        self.pump_writer(now)
+
+    def restore_group_configs(self, stored: dict[str, dict]) -> None:
+        """Group configs from the store; a groups.msgpack from before goes into it once."""
+        legacy = self.meta.load(self.meta.groups_path) if self.meta.groups_path.exists() else None
+        configs = dict(stored)
+        if legacy and not stored:
+            configs = dict(legacy)
+            self.stored.write(MetadataChanges(group_configs=tuple(sorted(configs.items()))))
+            self.stored.when_durable(lambda ok: ok and self.retire_file(self.meta.groups_path, len(configs)))
+        elif legacy is not None:
+            self.retire_file(self.meta.groups_path, 0)
+        self.group_configs = configs
+        for group, config in configs.items():
+            self.core.restore_group_config(group, GroupConfig.from_dict(config))
+
+    def retire_topics_file(self, migrated: int) -> None:
+        self.retire_file(self.meta.topics_path, migrated)
+
+    def retire_file(self, path: Path, migrated: int) -> None:
+        """A metadata file now in the store: renamed, never read again."""
+        os.replace(path, path.with_name(path.name + ".migrated"))
+        self.log.info("metadata.migrated_from_file", entries=migrated, file=str(path))
+
+    def on_metadata_written(self, item: Pending, env: codec.Envelope | None) -> None:
+        self.metadata_loading = False
+        now = runtime.now_ms()
+        if env is None or env.error is not None or env.msg is None:
+            # Unknown outcome (no answer, the store failing): the same change set goes again.
+            self.log.warning("metadata.write_failed", reason=None if env is None or env.error is None
+                             else env.error.message)
+            self.stored.resend()
+            self.next_metadata_ms = now + LOAD_RETRY_MS
+            return
+        if not env.msg.applied and item.attempts > 1:
+            # A retry refused: the first attempt may have landed after all. Read the store.
+            self.metadata_loading = True
+
+            def verify(reload: codec.Envelope | None) -> None:
+                self.metadata_loading = False
+                if reload is None or reload.error is not None or reload.msg is None:
+                    self.stored.resend()
+                    self.next_metadata_ms = runtime.now_ms() + LOAD_RETRY_MS
+                    return
+                assert item.changes is not None
+                landed = self.stored.already_applied(item.changes, metadata_from_wire(
+                    reload.msg.topics, reload.msg.partitions, reload.msg.group_configs))
+                self.finish_metadata_write(landed, runtime.now_ms())
+
+            self.request(WRITER_IDENTITY, m.LoadMetadata(), now, verify)
+            return
+        self.finish_metadata_write(env.msg.applied, now)
+
+    def finish_metadata_write(self, applied: bool, now: int) -> None:
+        if not applied:
+            self.log.error("metadata.write_refused", epoch=self.epoch,
+                           reason="the store holds other metadata than this coordinator (or its epoch is over)")
+        self.stored.on_written(applied)
+        if not applied and self.epoch is not None:
+            # What this term holds in memory is not what the store holds: start the term over
+            # from the store (a refused epoch ends it at the next lease answer anyway).
+            epoch = self.epoch
+            self.end_term("a metadata write was refused", now)
+            self.start_term(epoch, now)
+            return
+        self.pump_metadata(now)
+
     # -- inbound ----------------------------------------------------------------------------
 
     def on_internal_message(self, identity: bytes, frames: list, now: int) -> None:
@@ -217,7 +492,7 @@ class CoordinatorShell:
                 runtime.send_reply(self.internal, identity, codec.encode_error(err.op, err.corr_id, err))
             return
         if is_reply:
-            self.outbound.resolve(identity, env)
+            (self.lease_outbound if env.op == "coordinator_lease" else self.outbound).resolve(identity, env)
             return
         self.on_request(identity, env, now, sock=self.internal)
 
@@ -241,6 +516,16 @@ class CoordinatorShell:
     def on_request(self, identity: bytes, env: codec.Envelope, now: int, sock: zmq.Socket | None = None) -> None:
         token = runtime.RouterToken(identity, env.corr_id, env.op, sock)
         op, msg = env.op, env.msg
+        if op not in ANY_ROLE_OPS:
+            if not self.leading(now):
+                if self.cluster and self.leader is None:
+                    self.park(identity, env, now, sock)  # the first lease answer says who leads
+                elif op not in m.TELLS:
+                    self.reply_error(token, self.not_coordinator())
+                return
+            if not self.ready and op != "hello":
+                self.park(identity, env, now, sock)
+                return
         try:
             if op in GROUP_OPS:
                 self.group_request(token, op, msg, now)
@@ -284,7 +569,7 @@ class CoordinatorShell:
             elif op == "create_topic":
                 if msg.replication_factor == 1 and msg.min_insync in (None, 1):
                     self.create_topic(msg.topic, msg.partitions, msg.config, now)
-                    self.reply(token, m.CreateTopicReply(topic=msg.topic, partitions=msg.partitions))
+                    self.reply_when_durable(token, m.CreateTopicReply(topic=msg.topic, partitions=msg.partitions))
                 else:  # answered once its placement is durable
                     self.create_topic(msg.topic, msg.partitions, msg.config, now,
                                       replication_factor=msg.replication_factor, min_insync=msg.min_insync,
@@ -390,7 +675,23 @@ class CoordinatorShell:
         topic = self.topics.require_topic(msg.topic)
         self.core.set_topic(msg.topic, topic["partitions"])
         self.log.info("topic.altered", topic=msg.topic, partitions=topic["partitions"], **changes)
-        self.reply(token, m.AlterTopicReply(topic=msg.topic, partitions=topic["partitions"], config=topic["config"]))
+        self.reply_when_durable(token, m.AlterTopicReply(topic=msg.topic, partitions=topic["partitions"],
+                                                         config=topic["config"]))
+
+    def reply_when_durable(self, token: runtime.RouterToken, msg: m.Message) -> None:
+        """Answer once what the request changed is in the store (durable before acknowledged)."""
+        key = self.hold(token)
+
+        def answer(applied: bool) -> None:
+            held = self.tokens.pop(key, None)
+            if held is None:
+                return
+            if applied:
+                self.reply(held, msg)
+            else:
+                self.reply_error(held, Unavailable("the store refused this change (another coordinator "
+                                                   "may have taken over); retry", op=token.op))
+        self.stored.when_durable(answer)
 
     def delete_topic(self, token: runtime.RouterToken, msg: m.DeleteTopic, now: int) -> None:
         """Refused while live members consume it; otherwise the topic goes from the registry,
@@ -475,24 +776,34 @@ class CoordinatorShell:
                     self.group_configs.pop(effect.group, None)
                 else:
                     self.group_configs[effect.group] = effect.config
-                self.meta.save(self.meta.groups_path, self.group_configs)
+                self.stored.write(MetadataChanges(group_configs=((effect.group, effect.config),)))
+                self.pump_metadata(now)
             elif isinstance(effect, fx.Log):
                 self.log.info(effect.event, **effect.fields)
             elif isinstance(effect, PersistTopics):
-                self.meta.save(self.meta.topics_path, self.topics.snapshot())
+                self.stored.sync()
+                self.pump_metadata(now)
             elif isinstance(effect, WriteMetadata):
-                # Durable before effective: until the offset store holds topic metadata, the
-                # snapshot (which includes every pending decision) is that record.
-                self.meta.save(self.meta.topics_path, self.topics.snapshot())
-                self.apply(self.topics.on_metadata_written(effect.write_id, True, now), now)
+                # Durable before effective: the decision takes effect once the store has it.
+                item = self.stored.decide(effect)
+                registry = self.topics
+                item.held.append(lambda ok, registry=registry, write_id=effect.write_id:
+                                 registry is self.topics and self.apply(
+                                     registry.on_metadata_written(write_id, ok, runtime.now_ms()), runtime.now_ms()))
+                self.pump_metadata(now)
             elif isinstance(effect, ReloadMetadata):
-                self.log.error("metadata.write_refused", reason="the store holds other metadata than this "
-                               "coordinator; its refused decisions took no effect")
+                pass  # finish_metadata_write starts the term over from the store
             elif isinstance(effect, LogEvent):
                 loud = effect.event in ("controller.unclean_election", "controller.partition_offline")
                 (self.log.warning if loud else self.log.info)(effect.event, **effect.fields)
             elif isinstance(effect, AssignActor):
-                self.send_assign(effect.actor_id, now)
+                self.stored.sync()  # the placement it carries, if it is new
+                self.pump_metadata(now)
+                # After what placed it is durable: an actor must not serve a placement a
+                # restarted (or another) coordinator would not know.
+                registry = self.topics
+                self.stored.when_durable(lambda ok, registry=registry, actor=effect.actor_id:
+                                         ok and registry is self.topics and self.send_assign(actor, runtime.now_ms()))
             elif isinstance(effect, DeletePartitionsOn):
                 self.request(f"partition:{effect.actor_id}".encode(),
                              m.DeletePartitions(partitions=effect.partitions,
@@ -531,6 +842,12 @@ class CoordinatorShell:
             self.to_send.update(self.unconfirmed)
 
     def pump_writer(self, now: int) -> None:
+        if self.epoch is None or not self.ready:
+            return
+        if self.cluster and self.writer_fenced_pid != self.writer["pid"]:
+            # A writer that has not answered a lease ask since it started would flush
+            # unfenced: its first held answer gives it this term's epoch (within a second).
+            return
         if not self.offsets_loaded:
             if self.writer["last_seen_ms"] is not None and not self.load_in_flight and now >= self.next_load_ms:
                 # After a failure the load goes on from the page that failed: the pages are
@@ -581,7 +898,10 @@ class CoordinatorShell:
         rows, self.loaded_rows = self.loaded_rows, []
         self.offsets_loaded = True
         self.log.info("offsets.loaded", rows=len(rows))
-        self.apply(self.core.load_offsets(rows, now), now)
+        # A later term of a cluster took over from a leader whose leases died with it (or
+        # with its term): its redeliveries say so.
+        reason = "coordinator_failover" if self.cluster and (self.epoch or 0) > 1 else "restart"
+        self.apply(self.core.load_offsets(rows, now, reason), now)
         for (topic, partition), part in self.topics.partitions.items():
             if part.owner is not None and part.log_end:
                 self.apply(self.core.on_log_range(topic, partition, part.log_start, part.log_end, now), now)
@@ -770,7 +1090,7 @@ class CoordinatorShell:
 
         self.request(f"partition:{dlq.owner}".encode(),
                      m.Produce(topic=effect.dlq_topic, partition=0, producer_id=self.dead_letter_producer_id,
-                               sequence=seq), now, on_appended, (payload,))
+                               sequence=seq, coordinator_epoch=self.epoch or 0), now, on_appended, (payload,))
 
     # -- status -----------------------------------------------------------------------------
 
@@ -785,14 +1105,23 @@ class CoordinatorShell:
                   "metrics": self.writer["metrics"], "unconfirmed_advances": len(self.unconfirmed)}
         coordinator = {"kind": "group-coordinator", "actor_id": "coordinator", "pid": os.getpid(),
                        "endpoint": self.endpoint, "healthy": True, "offsets_loaded": self.offsets_loaded,
-                       "coordinator_epoch": self.topics.coordinator_epoch,
+                       "node_id": self.node_id or self.endpoint, "coordinator_epoch": self.epoch,
                        "statistics": self.core.statistics()}
         return [coordinator, writer, *self.topics.actor_status(now)]
 
     # -- time -------------------------------------------------------------------------------
 
     def tick(self, now: int) -> None:
+        self.lease_outbound.expire(now)
+        self.tick_leadership(now)
+        if self.parked:
+            self.answer_parked(now, expired_only=True)
+        if self.epoch is None:
+            return
         self.outbound.expire(now)
+        self.pump_metadata(now)
+        if not self.ready:
+            return
         if self.held_resets:
             self.release_resets(now)
         if self.held_deletes:
@@ -803,7 +1132,7 @@ class CoordinatorShell:
 
     def next_timeout_ms(self, now: int) -> int:
         deadline = self.core.next_deadline()
-        timeout = 100  # metadata and writer housekeeping run at least this often
+        timeout = 100  # metadata, lease and writer housekeeping run at least this often
         if deadline is not None:
             timeout = min(timeout, max(0, deadline - now))
         if self.to_send and self.offsets_loaded:
@@ -835,7 +1164,8 @@ class CoordinatorShell:
 
 def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0.1:0", log_level: str = "info",
         curve_dir: str | None = None, bound_file: str | None = None, advertise_host: str | None = None,
-        unclean_leader_election: bool = False) -> None:
+        unclean_leader_election: bool = False, cluster: bool = False, lease_ms: int = 5000,
+        node_id: str | None = None) -> None:
     """Process main for the group coordinator.
 
     Two ROUTER sockets: ``endpoint`` for clients and ``internal_endpoint`` for
@@ -847,6 +1177,9 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
     ``internal_endpoint``, which an actor on another host dials, and ``status``).
     ``unclean_leader_election`` lets a replicated partition whose whole ISR is gone be led
     by a replica outside it: available again, at the price of acknowledged records.
+    ``cluster`` (the offsets are in PostgreSQL): lead only while holding the coordinator lease
+    of ``lease_ms``, as ``node_id`` (default: the advertised client endpoint); otherwise
+    this node is a cluster of one and leads from the start.
     """
     log = runtime.configure_logging(log_level, actor="group-coordinator")
     stop = runtime.StopFlag().install()
@@ -872,10 +1205,11 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
             tmp.write_text(str(os.getpid()))
             os.replace(tmp, bound_file)
         shell = CoordinatorShell(router, internal, data, log, keys.acl() if keys else None,
-                                 unclean_leader_election=unclean_leader_election)
+                                 unclean_leader_election=unclean_leader_election, cluster=cluster,
+                                 lease_ms=lease_ms, node_id=node_id or bound)
         shell.endpoint, shell.internal_endpoint = bound, bound_internal
         log.info("actor.started", endpoint=bound, internal_endpoint=bound_internal, data_dir=str(data),
-                 topics=len(shell.topics.topics))
+                 cluster=cluster, node_id=shell.node_id)
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(internal, zmq.POLLIN)

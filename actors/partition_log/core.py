@@ -572,6 +572,10 @@ class PartitionActorCore:
     def produce(self, token: Any, msg: m.Produce, frames: list, now_ms: int, *,
                 wall_ms: int | None = None) -> list:
         self.counters["produce_requests"] += 1
+        if 0 < msg.coordinator_epoch < self.coordinator_epoch:
+            # A dead letter from a coordinator whose term is over (a paused former leader).
+            raise StaleEpoch("produce from an older coordinator", epoch=self.coordinator_epoch,
+                             got=msg.coordinator_epoch, topic=msg.topic, partition=msg.partition)
         key = (msg.topic, msg.partition)
         plog = self._owned_log(key)
         if len(frames) != 1:

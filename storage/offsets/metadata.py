@@ -44,6 +44,7 @@ TOPICS_TABLE = "zbroker_topics"
 PARTITIONS_TABLE = "zbroker_partition_states"
 LEASE_TABLE = "zbroker_coordinator_lease"
 EPOCHS_TABLE = "zbroker_coordinator_epochs"
+GROUPS_TABLE = "zbroker_group_configs"
 
 # SQLite has no other node to share a lease with: its one node always holds epoch 1.
 SINGLE_NODE_EPOCH = 1
@@ -151,6 +152,8 @@ class MetadataChanges:
     update_topics: tuple[TopicMeta, ...] = ()  # replaces the topic of that name AND incarnation
     delete_topics: tuple[tuple[str, int], ...] = ()  # (name, incarnation); its partition states go too
     partitions: tuple[PartitionUpdate, ...] = ()
+    # (group, config): stored as given; (group, None): the group's config is deleted.
+    group_configs: tuple[tuple[str, dict | None], ...] = ()
 
     def __post_init__(self) -> None:
         for t in (*self.create_topics, *self.update_topics):
@@ -162,34 +165,43 @@ class MetadataChanges:
                                     topic=u.state.topic[:200], partition=u.state.partition)
         names = [t.name for t in (*self.create_topics, *self.update_topics)] + [n for n, _ in self.delete_topics]
         keys = [u.state.key for u in self.partitions]
-        if len(set(names)) != len(names) or len(set(keys)) != len(keys):
+        groups = [g for g, _c in self.group_configs]
+        if not all(isinstance(g, str) and g and (c is None or isinstance(c, dict)) for g, c in self.group_configs):
+            raise ProtocolError("group_configs items must be [group, config map | nil]", op="write_metadata")
+        if len(set(names)) != len(names) or len(set(keys)) != len(keys) or len(set(groups)) != len(groups):
             raise ProtocolError("a change set names each topic and each partition at most once",
                                 op="write_metadata")
 
     @classmethod
     def from_wire(cls, create_topics: list, update_topics: list, delete_topics: list,
-                  partitions: list) -> "MetadataChanges":
+                  partitions: list, group_configs: list = ()) -> "MetadataChanges":
         """From a ``write_metadata`` request's fields; ProtocolError for anything malformed."""
+        if not all(isinstance(g, list) and len(g) == 2 for g in group_configs):
+            raise ProtocolError("group_configs items must be [group, config map | nil]", op="write_metadata")
         return cls(tuple(TopicMeta.from_wire(t) for t in create_topics),
                    tuple(TopicMeta.from_wire(t) for t in update_topics),
                    tuple((d[0], d[1]) for d in delete_topics),
-                   tuple(PartitionUpdate.from_wire(u) for u in partitions))
+                   tuple(PartitionUpdate.from_wire(u) for u in partitions),
+                   tuple((g[0], g[1]) for g in group_configs))
 
     def to_wire(self) -> dict:
         return {"create_topics": [t.to_wire() for t in self.create_topics],
                 "update_topics": [t.to_wire() for t in self.update_topics],
                 "delete_topics": [[n, i] for n, i in self.delete_topics],
-                "partitions": [u.to_wire() for u in self.partitions]}
+                "partitions": [u.to_wire() for u in self.partitions],
+                "group_configs": [[g, c] for g, c in self.group_configs]}
 
     @property
     def empty(self) -> bool:
-        return not (self.create_topics or self.update_topics or self.delete_topics or self.partitions)
+        return not (self.create_topics or self.update_topics or self.delete_topics or self.partitions
+                    or self.group_configs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Metadata:
     topics: dict[str, TopicMeta]
     partitions: dict[tuple[str, int], PartitionState]
+    group_configs: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -228,15 +240,26 @@ def metadata_steps(changes: MetadataChanges) -> list[tuple[str, list]]:
     updated = [u.to_wire() for u in changes.partitions if u.expected_leader_epoch is not None]
     if updated:
         steps.append(("update_partitions", updated))
+    configs = [[g, c] for g, c in changes.group_configs if c is not None]
+    if configs:
+        steps.append(("upsert_group_configs", configs))
+    deleted_configs = [[g] for g, c in changes.group_configs if c is None]
+    if deleted_configs:
+        steps.append(("delete_group_configs", deleted_configs))
     return steps
 
 
-def metadata_from_rows(topics: list, partitions: list) -> Metadata:
+# Steps whose row count may be below their number of items: deleting what is not there is fine.
+UNCOUNTED_STEPS = frozenset({"delete_partitions", "delete_group_configs"})
+
+
+def metadata_from_rows(topics: list, partitions: list, groups: list = ()) -> Metadata:
     """`Metadata` from the rows both backends select, JSON columns as text."""
     return Metadata(
         {r[0]: TopicMeta(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5]) for r in topics},
         {(r[0], r[1]): PartitionState(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], tuple(json.loads(r[5])))
-         for r in partitions})
+         for r in partitions},
+        {r[0]: json.loads(r[1]) for r in groups})
 
 
 def check_lease_request(node_id: str, endpoint: str, lease_ms: int) -> None:

@@ -51,7 +51,7 @@ from zbroker.storage.offsets.base import (
     stored_quarantine,
 )
 from zbroker.storage.offsets.metadata import (
-    EPOCHS_TABLE, LEASE_TABLE, PARTITIONS_TABLE, TOPICS_TABLE, LeaseState, Metadata, MetadataChanges,
+    EPOCHS_TABLE, GROUPS_TABLE, LEASE_TABLE, PARTITIONS_TABLE, TOPICS_TABLE, UNCOUNTED_STEPS, LeaseState, Metadata, MetadataChanges,
     check_lease_request, metadata_from_rows, metadata_steps,
 )
 
@@ -189,6 +189,16 @@ UPDATE {s}.{partitions} AS p SET replicas = r -> 2, leader = r ->> 3, leader_epo
 FROM jsonb_array_elements($1::text::jsonb) AS u(r)
 WHERE p.topic = r ->> 0 AND p.partition = (r ->> 1)::int4 AND p.leader_epoch = (r ->> 6)::int8
 """
+_META_UPSERT_GROUP_CONFIGS = """
+INSERT INTO {s}.{groups} (group_id, config, coordinator_epoch, updated_at)
+SELECT r ->> 0, r -> 1, $2::int8, now() FROM jsonb_array_elements($1::text::jsonb) AS u(r)
+ON CONFLICT (group_id) DO UPDATE SET config = excluded.config, coordinator_epoch = excluded.coordinator_epoch,
+    updated_at = excluded.updated_at
+"""
+_META_DELETE_GROUP_CONFIGS = """
+DELETE FROM {s}.{groups} WHERE group_id IN (SELECT r ->> 0 FROM jsonb_array_elements($1::text::jsonb) AS u(r))
+"""
+_META_SELECT_GROUPS = "SELECT group_id, config::text FROM {s}.{groups} ORDER BY group_id"
 _META_SELECT_TOPICS = """
 SELECT name, partitions, config::text, replication_factor, min_insync, incarnation FROM {s}.{topics} ORDER BY name
 """
@@ -234,7 +244,7 @@ class PostgresOffsetStore(OffsetStore):
         self._select_first_sql = _SELECT_FIRST.format(s=self._qualifier, table=TABLE)
         self._select_after_sql = _SELECT_AFTER.format(s=self._qualifier, table=TABLE)
         names = dict(s=self._qualifier, table=TABLE, lease=LEASE_TABLE, epochs=EPOCHS_TABLE,
-                     topics=TOPICS_TABLE, partitions=PARTITIONS_TABLE)
+                     topics=TOPICS_TABLE, partitions=PARTITIONS_TABLE, groups=GROUPS_TABLE)
         self._fenced_upsert_sql = _FENCED_UPSERT.format(**names)
         self._lease_sql = _LEASE.format(**names)
         self._meta = {name: sql.format(**names) for name, sql in (
@@ -242,7 +252,11 @@ class PostgresOffsetStore(OffsetStore):
             ("delete_partitions", _META_DELETE_PARTITIONS), ("create_topics", _META_CREATE_TOPICS),
             ("update_topics", _META_UPDATE_TOPICS), ("insert_partitions", _META_INSERT_PARTITIONS),
             ("update_partitions", _META_UPDATE_PARTITIONS), ("select_topics", _META_SELECT_TOPICS),
-            ("select_partitions", _META_SELECT_PARTITIONS))}
+            ("select_partitions", _META_SELECT_PARTITIONS), ("upsert_group_configs", _META_UPSERT_GROUP_CONFIGS),
+            ("delete_group_configs", _META_DELETE_GROUP_CONFIGS), ("select_groups", _META_SELECT_GROUPS))}
+
+    # How long this connection may sit idle inside an open transaction before the server ends it.
+    IDLE_IN_TRANSACTION_MS = "1000"
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -256,7 +270,13 @@ class PostgresOffsetStore(OffsetStore):
                         # A reply says "durable": make sure the server's commit means it even
                         # where synchronous_commit was turned off for everyone else.
                         server_settings={"application_name": self.application_name,
-                                         "synchronous_commit": "on"})
+                                         "synchronous_commit": "on",
+                                         # A writer paused (SIGSTOP) inside write_metadata's
+                                         # transaction would hold its FOR SHARE lock on the
+                                         # lease row, and with it every takeover, for as long
+                                         # as it stays paused: the server ends such a session.
+                                         # Its statements follow each other within milliseconds.
+                                         "idle_in_transaction_session_timeout": self.IDLE_IN_TRANSACTION_MS})
                     self._stats["connects"] += 1
                 return await fn(self._conn)
             except BaseException as exc:
@@ -341,11 +361,12 @@ class PostgresOffsetStore(OffsetStore):
         meta = self._meta
 
         async def run(conn: asyncpg.Connection) -> Metadata:
-            self._stats["statements"] += 2
+            self._stats["statements"] += 3
             async with conn.transaction(isolation="repeatable_read", readonly=True):
                 topics = await conn.fetch(meta["select_topics"])
                 parts = await conn.fetch(meta["select_partitions"])
-            return metadata_from_rows(topics, parts)
+                groups = await conn.fetch(meta["select_groups"])
+            return metadata_from_rows(topics, parts, groups)
 
         return await self._with_conn("load_metadata", run)
 
@@ -364,7 +385,7 @@ class PostgresOffsetStore(OffsetStore):
                         # Deletions record no epoch: they take only the items.
                         args = (_dumps(items),) if name.startswith("delete") else (_dumps(items), coordinator_epoch)
                         status = await conn.execute(meta[name], *args)
-                        if name != "delete_partitions" and int(status.rsplit(" ", 1)[-1]) != len(items):
+                        if name not in UNCOUNTED_STEPS and int(status.rsplit(" ", 1)[-1]) != len(items):
                             raise _ConditionFailed
             except _ConditionFailed:
                 return False

@@ -41,7 +41,7 @@ from zbroker.storage.offsets.base import (
     stored_quarantine,
 )
 from zbroker.storage.offsets.metadata import (
-    PARTITIONS_TABLE, SINGLE_NODE_EPOCH, TOPICS_TABLE, LeaseState, Metadata, MetadataChanges,
+    GROUPS_TABLE, PARTITIONS_TABLE, SINGLE_NODE_EPOCH, TOPICS_TABLE, UNCOUNTED_STEPS, LeaseState, Metadata, MetadataChanges,
     check_lease_request, metadata_from_rows, metadata_steps,
 )
 
@@ -113,7 +113,17 @@ UPDATE {s}.{partitions} AS p SET replicas = u.value -> 2, leader = u.value ->> 3
 FROM json_each(:items) AS u
 WHERE p.topic = u.value ->> 0 AND p.partition = u.value ->> 1 AND p.leader_epoch = u.value ->> 6
 """,
+    "upsert_group_configs": """
+INSERT INTO {s}.{groups} (group_id, config, coordinator_epoch, updated_at)
+SELECT value ->> 0, value -> 1, :epoch, :now FROM json_each(:items) WHERE true
+ON CONFLICT (group_id) DO UPDATE SET config = excluded.config, coordinator_epoch = excluded.coordinator_epoch,
+    updated_at = excluded.updated_at
+""",
+    "delete_group_configs": """
+DELETE FROM {s}.{groups} WHERE group_id IN (SELECT u.value ->> 0 FROM json_each(:items) AS u)
+""",
 }
+_SELECT_GROUPS = "SELECT group_id, config FROM {s}.{groups} ORDER BY group_id"
 _SELECT_TOPICS = """
 SELECT name, partitions, config, replication_factor, min_insync, incarnation FROM {s}.{topics} ORDER BY name
 """
@@ -139,10 +149,11 @@ class SQLiteOffsetStore(OffsetStore):
         self._upsert_sql = _UPSERT.format(s=self._qualifier, table=TABLE)
         self._select_first_sql = _SELECT_FIRST.format(s=self._qualifier, table=TABLE)
         self._select_after_sql = _SELECT_AFTER.format(s=self._qualifier, table=TABLE)
-        names = dict(s=self._qualifier, topics=TOPICS_TABLE, partitions=PARTITIONS_TABLE)
+        names = dict(s=self._qualifier, topics=TOPICS_TABLE, partitions=PARTITIONS_TABLE, groups=GROUPS_TABLE)
         self._meta = {name: sql.format(**names) for name, sql in _META.items()}
         self._select_topics_sql = _SELECT_TOPICS.format(**names)
         self._select_partitions_sql = _SELECT_PARTITIONS.format(**names)
+        self._select_groups_sql = _SELECT_GROUPS.format(**names)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -255,9 +266,10 @@ class SQLiteOffsetStore(OffsetStore):
             try:
                 topics = conn.execute(self._select_topics_sql).fetchall()
                 parts = conn.execute(self._select_partitions_sql).fetchall()
+                groups = conn.execute(self._select_groups_sql).fetchall()
             finally:
                 conn.execute("COMMIT")
-            return metadata_from_rows(topics, parts)
+            return metadata_from_rows(topics, parts, groups)
 
         return await self._call("load_metadata", run)
 
@@ -274,7 +286,7 @@ class SQLiteOffsetStore(OffsetStore):
                 for (name, payload), expected in zip(steps, counts):
                     changed = conn.execute(self._meta[name], {"items": payload, "epoch": coordinator_epoch,
                                                                "now": now_ms}).rowcount
-                    if name != "delete_partitions" and changed != expected:
+                    if name not in UNCOUNTED_STEPS and changed != expected:
                         conn.execute("ROLLBACK")
                         return False
                 conn.execute("COMMIT")

@@ -1,26 +1,42 @@
 """The coordinator shell as controller of replicated partitions, without sockets: every
-assign and reply carrying a decision goes out only once the decision is on disk, and a
-restarted coordinator comes back with it."""
+assign and reply carrying a decision goes out only once the decision is in the store, and
+a restarted coordinator comes back with it."""
 
+import pytest
 import structlog
 
 from zbroker.actors import runtime
 from zbroker.actors.group_coordinator.shell import CoordinatorShell
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
+from tests.support.metadata_writer import MetadataWriter
 
 
-def _shell(tmp_path):
+@pytest.fixture
+def writers(tmp_path):
+    made = []
+    yield made
+    for w in made:
+        w.close()
+
+
+def _replicated(writer):
+    meta = writer.stored()
+    return [p.to_wire() for (t, _p), p in sorted(meta.partitions.items()) if meta.topics[t].replication_factor > 1]
+
+
+def _shell(tmp_path, writers):
     shell = CoordinatorShell(None, None, tmp_path, structlog.get_logger())
     sent, replies = [], []
+    writer = MetadataWriter(tmp_path / "offsets.sqlite3")
+    writers.append(writer)
 
     def request(identity, msg, now, on_reply, frames=()):
-        # What the shell has recorded when the message leaves.
-        stored = shell.meta.load(shell.meta.topics_path) or {}
-        sent.append((identity, msg, stored.get("replicated", [])))
+        # What the store holds when the message leaves.
+        sent.append((identity, msg, _replicated(writer)))
 
-    shell.request = request
     shell.reply = lambda token, msg: replies.append((token, msg))
+    writer.attach(shell, request)
     shell.reply_error = lambda token, err: replies.append((token, err))
     return shell, sent, replies
 
@@ -34,8 +50,8 @@ def _register(shell, actor, host, now=0):
         actor_id=actor, endpoint=f"tcp://{host}:7410", storage_id=f"{host}:/d", pid=1, partitions=[])), now)
 
 
-def test_assigns_and_replies_leave_only_with_the_decision_on_disk(tmp_path):
-    shell, sent, replies = _shell(tmp_path)
+def test_assigns_and_replies_leave_only_with_the_decision_in_the_store(tmp_path, writers):
+    shell, sent, replies = _shell(tmp_path, writers)
     for i, a in enumerate(("a", "b", "c")):
         _register(shell, a, f"127.0.0.{i + 2}")
     replies.clear()
@@ -55,20 +71,20 @@ def test_assigns_and_replies_leave_only_with_the_decision_on_disk(tmp_path):
     shell.on_request(b"partition:a", _env(m.AlterIsr(topic="t", partition=0, leader_epoch=0, isr=["a", "b"])), 2)
     [(_token, reply)] = replies
     assert reply.isr == ["a", "b"]
-    assert shell.meta.load(shell.meta.topics_path)["replicated"][0][5] == ["a", "b"]
+    assert _replicated(writers[0])[0][5] == ["a", "b"]
     # A follower claiming leadership is refused with STALE_EPOCH; no token is left behind.
     replies.clear()
     shell.on_request(b"partition:b", _env(m.AlterIsr(topic="t", partition=0, leader_epoch=0, isr=["b"])), 3)
     assert replies[0][1].code.value == "STALE_EPOCH" and not shell.tokens
 
     # Restarted, the coordinator has the same replica state.
-    again, _sent, _replies = _shell(tmp_path)
+    again, _sent, _replies = _shell(tmp_path, writers)
     part = again.topics.metadata(["t"])[0]["partitions"][0]
     assert (part["actor_id"], part["isr"], part["leader_epoch"]) == ("a", ["a", "b"], 0)
 
 
-def test_status_is_unhealthy_while_a_partition_is_below_min_insync(tmp_path):
-    shell, sent, replies = _shell(tmp_path)
+def test_status_is_unhealthy_while_a_partition_is_below_min_insync(tmp_path, writers):
+    shell, sent, replies = _shell(tmp_path, writers)
     for i, a in enumerate(("a", "b")):
         _register(shell, a, f"127.0.0.{i + 2}")
     shell.on_request(b"client", _env(m.CreateTopic(topic="t", partitions=1, replication_factor=2)), 1)

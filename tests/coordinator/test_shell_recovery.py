@@ -5,6 +5,8 @@ shell's outgoing requests are captured."""
 
 import dataclasses
 
+import pytest
+
 import structlog
 
 from zbroker.actors.group_coordinator.effects import DeadLetter
@@ -15,13 +17,16 @@ from zbroker.protocol import messages as m
 from zbroker.protocol.batch import Record
 from zbroker.protocol.errors import ErrorCode, TooLarge
 from zbroker.protocol.messages import validate_topic_name
+from tests.support.metadata_writer import MetadataWriter, metadata_writers
+
+pytestmark = pytest.mark.usefixtures(metadata_writers.__name__)
 
 
 def _shell(tmp_path):
     shell = CoordinatorShell(None, None, tmp_path, structlog.get_logger())
     sent = []
-    shell.request = lambda identity, msg, now, on_reply, frames=(): sent.append(msg)
-    shell.writer["last_seen_ms"] = 0
+    MetadataWriter(tmp_path / "offsets.sqlite3").attach(shell, lambda identity, msg, now, on_reply, frames=():
+                                                        sent.append(msg))
     return shell, sent
 
 

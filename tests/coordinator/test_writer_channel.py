@@ -7,6 +7,7 @@ row, not an older one of the same key.
 """
 import time
 
+import pytest
 import structlog
 
 from zbroker.actors.group_coordinator import effects as fx
@@ -14,13 +15,16 @@ from zbroker.actors.group_coordinator.shell import ADVANCE_COALESCE_MS, ADVANCE_
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.storage.offsets import OffsetStoreError
+from tests.support.metadata_writer import MetadataWriter, metadata_writers
+
+pytestmark = pytest.mark.usefixtures(metadata_writers.__name__)
 
 
 def _shell(tmp_path):
     shell = CoordinatorShell(None, None, tmp_path, structlog.get_logger())
     sent = []
-    shell.request = lambda identity, msg, now, on_reply, frames=(): sent.append(msg)
-    shell.writer["last_seen_ms"] = 0
+    MetadataWriter(tmp_path / "offsets.sqlite3").attach(shell, lambda identity, msg, now, on_reply, frames=():
+                                                        sent.append(msg))
     shell.offsets_loaded = True
     return shell, sent
 
@@ -83,9 +87,10 @@ def test_newer_holes_survive_a_reply_for_an_older_advance_and_a_writer_restart(t
     older advance with the same offset must not confirm the newer row with more holes."""
     shell = CoordinatorShell(None, None, tmp_path, structlog.get_logger())
     sent = []
-    shell.request = lambda identity, msg, now, on_reply, frames=(): sent.append((msg, on_reply))
     shell.writer.update(pid=100, last_seen_ms=0)
     shell.offsets_loaded = True
+    MetadataWriter(tmp_path / "offsets.sqlite3").attach(
+        shell, lambda identity, msg, now, on_reply, frames=(): sent.append((msg, on_reply)))
     shell.apply([fx.PersistOffsets("g", "t", 0, 10, [], 1, 0)], 0)
     shell.pump_writer(100)
     (_r1, r1_reply), = sent
@@ -136,9 +141,9 @@ def test_offsets_load_reads_each_row_once_and_goes_on_from_a_page_that_failed(tm
     writer = CommitWriterShell("tcp://127.0.0.1:1", f"sqlite:///{tmp_path}/x.db", WriterConfig())
     writer.store, writer._store_ready = store, True
     shell = CoordinatorShell(None, None, tmp_path, structlog.get_logger())
-    shell.writer["last_seen_ms"] = 0
     outbox = []
-    shell.request = lambda identity, msg, now, on_reply, frames=(): outbox.append((msg, on_reply))
+    MetadataWriter(tmp_path / "offsets.sqlite3").attach(
+        shell, lambda identity, msg, now, on_reply, frames=(): outbox.append((msg, on_reply)))
     asked_after = []
 
     async def drive():
@@ -208,13 +213,20 @@ def test_a_late_reply_to_the_previous_coordinator_is_not_taken_for_the_new_ones(
         assert isinstance(env.msg, m.LoadOffsets)
         return env
 
+    def metadata_loaded(shell):  # an empty store's metadata, answered over the wire
+        shell.pump_metadata(0)
+        _is_reply, env = codec.decode_any(wire.pop())
+        assert isinstance(env.msg, m.LoadMetadata)
+        shell.on_internal_message(b"writer", codec.encode_reply(m.LoadMetadataReply(topics=[], partitions=[]),
+                                                                env.corr_id), 0)
+
     def page(env, rows, more):
         return codec.encode_reply(m.LoadOffsetsReply(rows=rows, more=more), env.corr_id)
 
     row = lambda g: [g, "t", 0, 5, [], 1, 0]  # noqa: E731
     old = CoordinatorShell(None, None, tmp_path / "old", structlog.get_logger())
     old.writer["last_seen_ms"] = 0
-    old.pump_writer(0)
+    metadata_loaded(old)
     first = load_request()
     old.on_internal_message(b"writer", page(first, [row("a")], more=True), 0)
     second = load_request()
@@ -224,7 +236,7 @@ def test_a_late_reply_to_the_previous_coordinator_is_not_taken_for_the_new_ones(
 
     new = CoordinatorShell(None, None, tmp_path / "new", structlog.get_logger())
     new.writer["last_seen_ms"] = 0
-    new.pump_writer(0)
+    metadata_loaded(new)
     retry = load_request()  # the database was still down: UNAVAILABLE, asked again a second later
     new.on_internal_message(b"writer", codec.encode_error("load_offsets", retry.corr_id,
                                                           OffsetStoreError("down")), 0)

@@ -50,7 +50,10 @@ def test_a_reset_the_database_never_stored_is_not_acknowledged(broker_behind_pro
 
         proxy.restore()
         answered = admin.reset_group("auditors", "ledger", "earliest")
-        assert answered["reset_epoch"] == 2
+        # Cut off longer than its coordinator lease, the node stood by for a moment (issue 26):
+        # a reset it held then was answered NOT_COORDINATOR and sent again by the client, and
+        # each one applied bumps the epoch. Which epoch is not the point; that it is durable is.
+        assert answered["reset_epoch"] >= 2
         assert sorted(answered["partitions"]) == [[0, 0], [1, 0]]
 
     # Answered means durable: a crash right after the answer keeps the reset.

@@ -33,7 +33,8 @@ def test_a_flush_is_one_transaction(pg_dsn, pg_schema):
         xmins = s.fetchval(f'SELECT count(DISTINCT xmin::text) FROM "{pg_schema}".consumer_group_offsets')
         applied = s.fetch(f'SELECT version, name FROM "{pg_schema}".zbroker_schema_migrations')
     assert xmins == 1  # all 500 rows were written by one transaction
-    assert [tuple(r) for r in applied] == [(1, "consumer_group_offsets"), (2, "cluster_metadata"), (3, "key_quarantine")]
+    assert [tuple(r) for r in applied] == [(1, "consumer_group_offsets"), (2, "cluster_metadata"),
+                                           (3, "key_quarantine"), (4, "group_configs")]
 
 
 @pytest.mark.postgres

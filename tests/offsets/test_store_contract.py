@@ -32,7 +32,7 @@ def test_migrate_twice_is_idempotent(backend):
         first = open_offset_store(backend.url())
         second = open_offset_store(backend.url())
         try:
-            assert await first.migrate() == [1, 2, 3]
+            assert await first.migrate() == [1, 2, 3, 4]
             assert await first.migrate() == []
             assert await second.migrate() == []  # another process, same schema
             assert await first.upsert([row(committed=3)]) == 1
@@ -51,7 +51,7 @@ def test_concurrent_migrations_apply_once(backend):
         stores = [open_offset_store(url) for _ in range(3)]
         try:
             applied = await asyncio.gather(*(s.migrate() for s in stores))
-            assert sorted(applied) == [[], [], [1, 2, 3]]
+            assert sorted(applied) == [[], [], [1, 2, 3, 4]]
         finally:
             for s in stores:
                 await s.close()
@@ -367,6 +367,29 @@ def test_metadata_round_trips_topics_and_partition_states(backend):
         assert meta.topics == {"orders": orders, "logs": single}
         assert meta.partitions == {("orders", 0): pstate("orders", 0), ("orders", 1): pstate("orders", 1),
                                    ("logs", 0): pstate("logs", 0)}
+
+    asyncio.run(body())
+
+
+def test_group_configs_are_stored_replaced_and_deleted_with_the_metadata(backend):
+    async def body():
+        store = await _opened(backend.url())
+        try:
+            epoch = await _epoch(store)
+            dlq = {"mode": "shared", "dlq": "billing.dlq", "max_deliveries": 5, "note": "ünïcode"}
+            assert await store.write_metadata(MetadataChanges(group_configs=(("billing", dlq), ("x", {}))), epoch)
+            first = (await store.load_metadata()).group_configs
+            assert await store.write_metadata(MetadataChanges(
+                group_configs=(("billing", {**dlq, "max_deliveries": 9}), ("x", None), ("never", None))), epoch)
+            second = (await store.load_metadata()).group_configs
+            # Fenced like every metadata write: another epoch writes nothing.
+            refused = not await store.write_metadata(MetadataChanges(group_configs=(("y", {}),)), epoch + 1)
+            third = (await store.load_metadata()).group_configs
+        finally:
+            await store.close()
+        assert first == {"billing": dlq, "x": {}}
+        assert second == {"billing": {**dlq, "max_deliveries": 9}}
+        assert refused and third == second
 
     asyncio.run(body())
 

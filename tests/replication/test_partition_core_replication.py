@@ -162,3 +162,23 @@ def test_the_log_end_a_leader_reports_never_dips_across_its_restart(tmp_path, fs
     assert seen[-1] == 3
     a.close()
     b.close()
+
+
+def test_a_dead_letter_from_an_older_coordinator_is_refused(pair):
+    # A paused former leader's dead-letter append must not land once a newer coordinator
+    # has assigned the partition; a client's produce (no coordinator epoch) still does.
+    a, _b = pair
+    assign(a, coordinator_epoch=5)
+
+    def send(msg, value):
+        effects = a.handle(("c", value), env(msg, [payload(value)]), 1) + a.end_turn(1)
+        return [e for e in effects if isinstance(e, (Reply, ReplyError))]
+
+    end = a.logs[("plain", 0)].log_end
+    [err] = send(m.Produce(topic="plain", partition=0, producer_id=9, sequence=0, coordinator_epoch=4), b"dlq")
+    assert isinstance(err, ReplyError) and err.error.code is ErrorCode.STALE_EPOCH
+    assert a.logs[("plain", 0)].log_end == end
+    [ok] = send(m.Produce(topic="plain", partition=0, producer_id=9, sequence=0, coordinator_epoch=5), b"dlq")
+    assert isinstance(ok, Reply)
+    [ok] = send(m.Produce(topic="plain", partition=0), b"client")
+    assert isinstance(ok, Reply) and a.logs[("plain", 0)].log_end == end + 2
