@@ -13,10 +13,11 @@ import time
 
 import pytest
 
+from tests.log.support import make_payload, open_log
 from tests.support.waiting import wait_for
+from zbroker.actors.partition_log.replica import Replica, ReplicaState
 from zbroker.client import Admin, Consumer, Producer
 
-pytestmark = pytest.mark.processes
 
 
 def _endpoints(admin: Admin, topic: str) -> dict[int, str]:
@@ -24,6 +25,7 @@ def _endpoints(admin: Admin, topic: str) -> dict[int, str]:
     return {i: p.get("endpoint") for i, p in enumerate(meta["partitions"])}
 
 
+@pytest.mark.processes
 def test_a_consumer_keeps_consuming_after_its_partitions_move_to_another_actor(start):
     """Found by the chaos run (fixed): `Consumer` ignored NOT_OWNER on a fetch and never refreshed the
     metadata it had cached, so after partitions moved between partition-log actors it fetched from
@@ -75,3 +77,35 @@ def test_a_consumer_keeps_consuming_after_its_partitions_move_to_another_actor(s
         assert sorted((r.partition, r.value) for r in after) == [(0, b"after"), (1, b"after")]
     finally:
         consumer.close()
+
+
+def test_a_follower_given_the_answer_to_one_fetch_offset_twice_appends_it_once(tmp_path):
+    """Found by the replicated chaos run (fixed): a follower host's actor exited with
+    ``CORRUPT_BATCH: a replicated batch does not continue the log {"base_offset": 0,
+    "log_end": 10}`` (then ``7``/``17`` after its restart), a minute into the run, with no
+    fault on it. Two replica_fetch requests from one offset were answered in one leader epoch
+    (here: the follower's replica was dropped and re-created by an assignment while its fetch
+    was out, so the new one fetched from the same offset); the first answer was appended, the
+    second no longer started at the log end, and `append_stored` raised out of the loop. An
+    answer whose first batch does not start at the log end answers an earlier fetch: it is
+    dropped, and the next fetch goes out from where the log is."""
+    names = ("a", "b")
+    state = ReplicaState(1, "a", "a", names, names, 2, {n: n for n in names})
+    leader_log, follower_log = open_log(tmp_path / "a"), open_log(tmp_path / "b")
+    leader = Replica("t", 0, "a", leader_log, state, 0)
+    leader_log.append(make_payload(1, 10), 10, append_time_ms=1)
+    leader.on_local_end(leader_log.log_end, 0)
+
+    first = Replica("t", 0, "b", follower_log, state, 0)
+    _endpoint, early = first.next_fetch(0)
+    again = Replica("t", 0, "b", follower_log, state, 0)  # re-created while `early` is out
+    _endpoint, late = again.next_fetch(0)
+    assert early.fetch_offset == late.fetch_offset == 0
+    for request in (early, late):  # both answered, both in epoch 1
+        reply, data, _effects = leader.on_replica_fetch(request, 0)
+        again.on_fetch_reply(reply, data, 0)
+    assert follower_log.log_end == 10
+    assert follower_log.read(0, 1 << 20) == leader_log.read(0, 1 << 20)  # once, byte for byte
+    _endpoint, following = again.next_fetch(0)
+    assert following.fetch_offset == 10
+    leader_log.close(), follower_log.close()
