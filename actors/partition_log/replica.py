@@ -55,7 +55,7 @@ import itertools
 from typing import Any
 
 from zbroker.protocol import messages as m
-from zbroker.protocol.errors import NotEnoughReplicas, NotLeader, StaleEpoch, ZBrokerError
+from zbroker.protocol.errors import CorruptBatch, NotEnoughReplicas, NotLeader, StaleEpoch, ZBrokerError
 from zbroker.storage.log.epochs import NO_EPOCH
 
 DEFAULT_REPLICA_LAG_MS = 10_000
@@ -428,7 +428,13 @@ class Replica:
             self.high_watermark = reply.log_start
         elif data:
             fetch_offset = log.log_end
-            new_end = log.append_stored(data)
+            try:
+                new_end = log.append_stored(data)
+            except CorruptBatch:
+                # An answer to an earlier fetch from a lower offset, still out when a newer one was
+                # sent (or a damaged frame): append_stored checks every batch before it writes any,
+                # so nothing changed. The next fetch asks again from the log end.
+                return
             for epoch, start in reply.epochs:
                 if start <= new_end and epoch > log.epochs.latest_epoch:
                     log.epochs.assign(epoch, max(start, fetch_offset))

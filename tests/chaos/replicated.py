@@ -69,6 +69,7 @@ class ReplicatedChaosConfig(ChaosConfig):
     link_cut_s: tuple[float, float] = (1.0, 8.0)
     nemesis_gap_s: tuple[float, float] = (0.5, 3.0)
     drain_timeout_s: float = 120.0
+    host_log_level: str = "warning"  # ZBROKER_CHAOS_HOST_LOG=info for the replication events
 
 
 class ReplicatedChaosRun(ChaosRun):
@@ -77,8 +78,8 @@ class ReplicatedChaosRun(ChaosRun):
         super().__init__(config, broker, proxy, pg_dsn, schema, workdir, actors=actors, log=log)
         root = workdir / "hosts"
         root.mkdir(parents=True, exist_ok=True)
-        self.hosts = [Host(i, broker.url, root, replica_lag_ms=config.replica_lag_ms, fsync=config.fsync)
-                      for i in range(config.hosts)]
+        self.hosts = [Host(i, broker.url, root, replica_lag_ms=config.replica_lag_ms, fsync=config.fsync,
+                           log_level=config.host_log_level) for i in range(config.hosts)]
         self.leadership: list[LeaderSample] = []
         self.stats.update({f"fault {k}": 0 for k in FAULTS})
         self.stats.update(heal_waits=0, heal_timeouts=0, heal_s_max=0.0, pause_replaced=0,

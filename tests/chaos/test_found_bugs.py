@@ -109,3 +109,32 @@ def test_a_follower_given_the_answer_to_one_fetch_offset_twice_appends_it_once(t
     _endpoint, following = again.next_fetch(0)
     assert following.fetch_offset == 10
     leader_log.close(), follower_log.close()
+
+
+def test_a_follower_given_a_late_answer_to_an_earlier_fetch_from_a_lower_offset_drops_it(tmp_path):
+    """The same crash, the other interleaving the chaos run showed (both followers of one
+    partition exited a second into the run with ``{"base_offset": 0, "log_end": 5}``): a fetch
+    from 0 is still out when another from 0 is answered and applied and a fetch from 5 is sent;
+    then the first is answered, from 0. It must change nothing (and not take the actor down)."""
+    names = ("a", "b")
+    state = ReplicaState(1, "a", "a", names, names, 2, {n: n for n in names})
+    leader_log, follower_log = open_log(tmp_path / "a"), open_log(tmp_path / "b")
+    leader = Replica("t", 0, "a", leader_log, state, 0)
+    leader_log.append(make_payload(1, 5), 5, append_time_ms=1)
+    leader.on_local_end(leader_log.log_end, 0)
+
+    _endpoint, stale = Replica("t", 0, "b", follower_log, state, 0).next_fetch(0)  # out, never answered yet
+    follower = Replica("t", 0, "b", follower_log, state, 0)
+    _endpoint, request = follower.next_fetch(0)
+    follower.on_fetch_reply(*leader.on_replica_fetch(request, 0)[:2], 0)
+    assert follower_log.log_end == 5
+    _endpoint, newer = follower.next_fetch(0)
+    assert newer.fetch_offset == 5
+    leader_log.append(make_payload(2, 3), 3, append_time_ms=2)
+    leader.on_local_end(leader_log.log_end, 0)
+    follower.on_fetch_reply(*leader.on_replica_fetch(stale, 0)[:2], 0)  # batches from 0: dropped
+    assert follower_log.log_end == 5
+    follower.on_fetch_reply(*leader.on_replica_fetch(newer, 0)[:2], 0)
+    assert follower_log.log_end == 8
+    assert follower_log.read(0, 1 << 20) == leader_log.read(0, 1 << 20)
+    leader_log.close(), follower_log.close()

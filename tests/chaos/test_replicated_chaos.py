@@ -15,6 +15,8 @@ the run writes its section of that page (the single-host run's section stays).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.chaos.checker import Report
@@ -35,7 +37,8 @@ def replicated_chaos_broker(pg_dsn, pg_schema_factory, start):
 @pytest.mark.processes
 def test_no_acknowledged_record_is_lost_under_host_loss(tmp_path, pg_dsn, replicated_chaos_broker,
                                                        replicated_chaos_duration, capsys):
-    config = ReplicatedChaosConfig(duration_s=replicated_chaos_duration, seed=chaos_seed())
+    config = ReplicatedChaosConfig(duration_s=replicated_chaos_duration, seed=chaos_seed(),
+                                   host_log_level=os.environ.get("ZBROKER_CHAOS_HOST_LOG", "warning"))
     history, report, replay, drain = run_and_check(ReplicatedChaosRun, config, replicated_chaos_broker, pg_dsn,
                                                    tmp_path, capsys, "replicated", render_replicated_section)
     s = report.summary()
