@@ -68,8 +68,11 @@ watermark per partition). Three more checks, each must be 0:
   once that replica lost its disk or was truncated.
 * **divergence**: two replicas whose logs differ at an offset below the
   smaller of their two high watermarks (or one that lacks an offset below
-  its own high watermark). Above it, a divergent tail is allowed: it is what
-  truncation by leader epoch removes.
+  its own high watermark). A replica's high watermark is the highest it was
+  ever vouched for: the final one, or one the controller showed while the
+  replica was in the ISR (since its disk was last lost), see
+  `vouched_high_watermarks`. Above it, a divergent tail is allowed: it is
+  what truncation by leader epoch removes.
 * **epoch regressions**: a partition's leader epoch, sampled from the
   controller, lower than an earlier sample's.
 
@@ -433,18 +436,44 @@ def _under_replicated(history: History) -> list[UnderReplicated]:
     return out
 
 
+def vouched_high_watermarks(history: History) -> dict[str, dict[int, int]]:
+    """Per replica and partition, the highest high watermark it was ever vouched for.
+
+    The final ``replica_hw``, raised by the ISR history: a controller sample that lists a
+    replica in the ISR with high watermark H says that replica then held the leader's
+    records below H (the leader counts a follower's log end only from a fetch that does
+    not diverge, and an ISR shrink takes effect only once the controller recorded it, so
+    H never passes a member of the recorded ISR). Those records may never change again on
+    that replica, except with its disk: samples before its last ``wipe-disk`` event count
+    for nothing."""
+    out = {r: dict(hws) for r, hws in history.replica_hw.items()}
+    wiped: dict[str, int] = defaultdict(lambda: -1)
+    for e in history.events:
+        if e.kind == "wipe-disk":
+            wiped[e.target] = max(wiped[e.target], e.time_ns)
+    for s in history.leadership:
+        if s.high_watermark is None:
+            continue
+        for r in s.isr:
+            if r in history.replica_logs and s.time_ns > wiped[r]:
+                hws = out.setdefault(r, {})
+                hws[s.partition] = max(hws.get(s.partition, 0), s.high_watermark)
+    return out
+
+
 def _divergences(history: History) -> list[Divergence]:
     out = []
+    vouched = vouched_high_watermarks(history)
     replicas = sorted(history.replica_logs)
     partitions = sorted({p for logs in history.replica_logs.values() for p in logs})
     for p in partitions:
         for r in replicas:
-            hw, entries = history.replica_hw.get(r, {}).get(p, 0), history.replica_logs[r].get(p, [])
+            hw, entries = vouched.get(r, {}).get(p, 0), history.replica_logs[r].get(p, [])
             if len(entries) < hw:
                 out.append(Divergence(p, r, "", len(entries), hw))
         for i, a in enumerate(replicas):
             for b in replicas[i + 1:]:
-                below = min(history.replica_hw.get(a, {}).get(p, 0), history.replica_hw.get(b, {}).get(p, 0))
+                below = min(vouched.get(a, {}).get(p, 0), vouched.get(b, {}).get(p, 0))
                 ea, eb = history.replica_logs[a].get(p, []), history.replica_logs[b].get(p, [])
                 upto = min(below, len(ea), len(eb))
                 first = next((o for o in range(upto) if ea[o] != eb[o]), None)

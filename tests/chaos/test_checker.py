@@ -369,6 +369,7 @@ def test_a_record_acknowledged_while_only_its_leader_had_it_is_reported():
     """Record 0@5 is on h2 alone: h3 and h4 end before it (they never had it). Acknowledged, it
     was acknowledged on one replica; with M = 2 that must never happen."""
     h = replicated_history()
+    h.leadership = [x for x in h.leadership if x.high_watermark <= 4]  # the ISR vouched for 0..3 only
     for replica in ("h3", "h4"):
         h.replica_logs[replica][0] = h.replica_logs[replica][0][:5]
         h.replica_hw[replica][0] = 5
@@ -389,6 +390,7 @@ def test_copies_that_differ_in_their_bytes_do_not_count_as_two():
     """h2 and h3 both hold record 1@7, but in batches with different bytes (h3's was rewritten):
     only one byte-for-byte copy each, fewer than M."""
     h = replicated_history()
+    h.leadership = [x for x in h.leadership if x.high_watermark <= 4]  # the ISR vouched for 0..3 only
     h.replica_logs["h4"][1] = h.replica_logs["h4"][1][:7]
     h.replica_hw = {r: {0: 16, 1: 7} for r in REPLICAS}
     h.replica_logs["h3"][1][7] = ReplicaEntry(rid(1, 7), "batch-rewritten")
@@ -399,6 +401,7 @@ def test_copies_that_differ_in_their_bytes_do_not_count_as_two():
 
 def test_replicas_disagreeing_below_the_high_watermark_are_reported_and_above_it_are_not():
     h = replicated_history()
+    h.leadership = [x for x in h.leadership if x.high_watermark <= 4]  # the ISR vouched for 0..3 only
     h.replica_logs["h4"][0][9] = ReplicaEntry(rid(0, 9), "batch-other")  # 9 < 16: both vouched for it
     report = check(h)
     assert [(v.partition, v.replica, v.other, v.offset, v.below) for v in report.divergences] == [
@@ -434,3 +437,22 @@ def test_a_replicated_history_survives_a_round_trip_through_its_file(tmp_path):
     assert again.replica_logs == h.replica_logs and again.replica_hw == h.replica_hw
     assert again.leadership == h.leadership and again.min_insync == 2
     assert check(again).summary() == check(h).summary()
+
+
+def test_a_replica_out_of_the_final_isr_is_judged_by_the_high_watermark_it_had_in_the_isr():
+    """h4 left the ISR before the end (the final high watermark vouches nothing for it), but a
+    sample at 9 s showed it in the ISR at high watermark 12: its log may not differ below 12,
+    nor end before it. A divergent tail above 12 is allowed."""
+    h = replicated_history()
+    h.replica_hw["h4"] = {0: 0, 1: 0}
+    h.replica_logs["h4"][0][13] = ReplicaEntry(rid(0, 13), "batch-zombie")
+    assert check(h).divergences == []  # 13 >= 12
+    h.replica_logs["h4"][0][10] = ReplicaEntry(rid(0, 10), "batch-other")
+    assert [(v.replica, v.other, v.offset, v.below) for v in check(h).divergences] == [
+        ("h2", "h4", 10, 12), ("h3", "h4", 10, 12)]
+    h.replica_logs["h4"][0][10] = h.replica_logs["h2"][0][10]
+    h.replica_logs["h4"][1] = h.replica_logs["h4"][1][:11]  # truncated below what it held in the ISR
+    assert [(v.partition, v.replica, v.offset, v.below) for v in check(h).divergences] == [(1, "h4", 11, 12)]
+    # Its disk lost after that sample: what it held then counts for nothing.
+    h.events.append(NemesisEvent(10 * S, "wipe-disk", "h4"))
+    assert check(h).divergences == []

@@ -111,6 +111,36 @@ leader until the controller has replaced it, then SIGCONT it.
 - hosts' actors that exited on their own (each restarted, as a supervisor would): {len(meta.get('crashes', []))}{_crashes(meta.get('crashes', []))}
 - records: {s['acked']} acknowledged, {s['produce_failures']} sends without an acknowledgement (refused or timed out: allowed), {s['lost']} lost; {s['replica_records']} records in {s['replicas']} replica logs; {s['leader_changes']} leader changes seen
 
+### What the checks mean here
+
+- *acknowledged while fewer than M replicas had it*: every acknowledged record must be,
+  at its offset, in at least M of the replica logs read from the hosts' data directories
+  after the run, byte for byte (the same record in a stored batch with the same digest).
+  The final logs are the evidence: a record acknowledged while only its leader had it is
+  missing from the others, or gone altogether once the nemesis took that leader's disk.
+- *replicas disagreeing*: any two replicas' logs must agree at every offset below the
+  smaller of their high watermarks (the final leader's, for the final ISR; the run waits
+  until every replica is in the ISR at the high watermark before it stops the hosts).
+- *leader epoch going back*: per partition, over the controller's `describe_topic`
+  samples (every ~200 ms and around every fault).
+- the others are the single-host run's, above.
+
+`tests/chaos/test_checker.py` shows each failing on a crafted history: a record on one
+replica of three, copies that differ in their bytes, replicas that differ below the high
+watermark (and a divergent tail above it that is allowed), a replica shorter than its
+high watermark, an epoch that goes back; next to a clean replicated history that passes.
+
+### Bugs this run found
+
+- A follower's actor exited with `CORRUPT_BATCH: a replicated batch does not continue the
+  log` in the first seconds of a run, with no fault on it (every run until the fix: the
+  host was restarted, nothing was lost, but its ISR stayed short for minutes). Two
+  `replica_fetch` requests from one offset were out in one leader epoch; the late answer
+  to the earlier one was appended at a log end it did not start at, and `append_stored`
+  raised out of the actor's loop. Fixed in the follower (`Replica.on_fetch_reply`): an
+  answer that does not continue the log changes nothing, and the next fetch asks again.
+  Regression tests: `tests/chaos/test_found_bugs.py` (both interleavings seen).
+
 ### The report
 
 ```
