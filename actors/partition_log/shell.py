@@ -342,7 +342,10 @@ def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int
 
 def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> None:
     if isinstance(effect, (SendToLeader, SendToCoordinator)):
-        _links.send(effect, dealer, wall_ms())
+        # The links' give-up deadlines are compared with the loop's monotonic `now` (a wall
+        # clock here put them ~1.7e12 ms away: a lost fetch reply was never given up, and its
+        # follower stopped fetching for good; found by the replicated chaos run).
+        _links.send(effect, dealer, runtime.now_ms())
         return
     route, corr_id, op = effect.token
     if effect.nth:  # a followed fetch's later reply: the core checked the id is an int that stays in range
