@@ -57,6 +57,7 @@ class Host:
         self.link_address = link_address(index)
         self.port = free_port_on(self.address, self.link_address)
         self.broker_url = broker_url
+        root.mkdir(parents=True, exist_ok=True)
         self.data = root / self.name
         self.log_file = root / f"{self.name}.log"
         self.replica_lag_ms = replica_lag_ms

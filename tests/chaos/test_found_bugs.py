@@ -138,3 +138,45 @@ def test_a_follower_given_a_late_answer_to_an_earlier_fetch_from_a_lower_offset_
     assert follower_log.log_end == 8
     assert follower_log.read(0, 1 << 20) == leader_log.read(0, 1 << 20)
     leader_log.close(), follower_log.close()
+
+
+@pytest.mark.processes
+def test_followers_fetch_again_after_their_leaders_link_dropped_an_answer(start, tmp_path):
+    """Found by the replicated chaos run (fixed): after a leader's network link was cut (or the
+    leader paused), its followers stopped fetching for good: the partition-log shell gave the
+    links its wall clock for a fetch's give-up deadline and compared it with the monotonic one,
+    so a fetch whose answer was lost was never given up. The ISR stayed at the leader alone
+    (produce refused with NOT_ENOUGH_REPLICAS) until a host restarted or the leader changed."""
+    from tests.chaos.hosts import Host
+
+    broker = start(partition_actors=1)
+    hosts = [Host(i, broker.url, tmp_path / "hosts", replica_lag_ms=2000, fsync="interval:1000")
+             for i in range(3)]
+    names = [h.name for h in hosts]
+    try:
+        for host in hosts:
+            host.start()
+        with Admin(broker.url) as admin:
+            wait_for(lambda: {a["actor_id"] for a in admin.status()["actors"] if a.get("healthy")} >= set(names),
+                     60, "the hosts to register")
+            admin.create_topic("cut", partitions=1, replication_factor=3, min_insync=2)
+            admin.reassign_partition("cut", 0, names)
+
+            def full_isr():
+                p = admin.describe_topic("cut")["partitions"][0]
+                return p if p["replicas"] == names and sorted(p["isr"]) == sorted(names) else None
+            before = wait_for(full_isr, 60, "the replica set to move onto the hosts")
+            with Producer(broker.url, linger_ms=1, retries=1000) as producer:
+                producer.produce("cut", [b"before-%d" % i for i in range(50)], partition=0)
+            leader = next(h for h in hosts if h.name == before["leader"])
+            leader.link.cut("reset")  # the followers' parked fetches lose their answers
+            wait_for(lambda: (lambda p: p if p["isr"] == [leader.name] else None)(
+                admin.describe_topic("cut")["partitions"][0]), 60, "the ISR to shrink to the leader")
+            leader.link.restore()
+            after = wait_for(full_isr, 60, "the followers to fetch again and rejoin the ISR")
+            assert after["leader"] == leader.name and after["leader_epoch"] == before["leader_epoch"]
+            with Producer(broker.url, linger_ms=1, retries=1000) as producer:
+                producer.produce("cut", [b"after"], partition=0)
+    finally:
+        for host in hosts:
+            host.close()
