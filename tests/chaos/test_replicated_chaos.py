@@ -119,8 +119,11 @@ leader until the controller has replaced it, then SIGCONT it.
   The final logs are the evidence: a record acknowledged while only its leader had it is
   missing from the others, or gone altogether once the nemesis took that leader's disk.
 - *replicas disagreeing*: any two replicas' logs must agree at every offset below the
-  smaller of their high watermarks (the final leader's, for the final ISR; the run waits
-  until every replica is in the ISR at the high watermark before it stops the hosts).
+  smaller of their high watermarks, and none may end below its own. A replica's high
+  watermark is the highest it was vouched for: the final leader's for the final ISR (the
+  run waits until every replica is in the ISR at the high watermark before it stops the
+  hosts), or any the controller showed while the replica was in the ISR since its disk
+  was last lost.
 - *leader epoch going back*: per partition, over the controller's `describe_topic`
   samples (every ~200 ms and around every fault).
 - the others are the single-host run's, above.
