@@ -168,9 +168,12 @@ def render_markdown(report: Report) -> str:
     cfg = meta["config"]
     return f"""# Reliability: the chaos run
 
-The latest chaos run with `ZBROKER_CHAOS_REPORT=docs/RELIABILITY.md` writes
-this file (tests/chaos/test_chaos.py). `make test` runs the same test for
-180 s without touching it; `make chaos DURATION=…` runs it for longer.
+Each chaos run with `ZBROKER_CHAOS_REPORT=docs/RELIABILITY.md` writes its own
+section of this page: the single-host run (tests/chaos/test_chaos.py) this one,
+the replicated run with host loss (tests/chaos/test_replicated_chaos.py) the
+one below. `make test` runs the single-host test for 180 s and the replicated
+one for 60 s without touching the page; `make chaos DURATION=… [CHAOS=single|replicated|both]`
+runs them for longer.
 
 ## Result: {s['verdict']}
 
