@@ -61,9 +61,16 @@ test-fast: $(STAMP)
 bench: $(STAMP) $(LOADGEN)
 	$(PY) -m bench
 
-## The long chaos run: make chaos DURATION=1800
+## The long chaos runs: make chaos DURATION=1800 [CHAOS=single|replicated|both]
+## (single: one host, actors SIGKILLed, the database cut; replicated: three hosts at R = 3
+## lost with and without their disks, leaders cut off and paused; both, one after the other).
+CHAOS ?= both
+CHAOS_SELECT_single := -k "not host_loss"
+CHAOS_SELECT_replicated := -k "host_loss or test_checker"
+CHAOS_SELECT_both :=
 chaos: $(STAMP)
-	$(PY) -m pytest -q tests/chaos -m chaos --chaos-duration=$(DURATION) -p no:cacheprovider
+	@test -n "$(filter $(CHAOS),single replicated both)" || { echo "CHAOS must be single, replicated or both"; exit 2; }
+	$(PY) -m pytest -q tests/chaos -m chaos --chaos-duration=$(DURATION) -p no:cacheprovider $(CHAOS_SELECT_$(CHAOS))
 
 clean:
 	rm -rf $(VENV) clients/node/node_modules build *.egg-info $(LOADGEN)

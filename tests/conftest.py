@@ -21,8 +21,9 @@ pytest_plugins = ["tests.support.process_guard"]
 
 
 def pytest_addoption(parser):
-    parser.addoption("--chaos-duration", type=float, default=180.0,
-                     help="seconds of nemesis activity in the chaos run (make chaos DURATION=...)")
+    parser.addoption("--chaos-duration", type=float, default=None,
+                     help="seconds of nemesis activity in the chaos runs (make chaos DURATION=...); "
+                          "by default 180 for the single-host run, 60 for the replicated one")
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

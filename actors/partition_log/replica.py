@@ -75,7 +75,7 @@ import itertools
 from typing import Any
 
 from zbroker.protocol import messages as m
-from zbroker.protocol.errors import NotEnoughReplicas, NotLeader, StaleEpoch, ZBrokerError
+from zbroker.protocol.errors import CorruptBatch, NotEnoughReplicas, NotLeader, StaleEpoch, ZBrokerError
 from zbroker.storage.log.epochs import NO_EPOCH
 
 DEFAULT_REPLICA_LAG_MS = 10_000
@@ -156,6 +156,7 @@ class Replica:
         self._proposed_at_ms = 0
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
+        self._fetched_from: int | None = None  # the log end the latest fetch was sent from
         self._epoch_start = 0
         self._end_seen = log.log_end  # the leader's log end when the followers' catch-up was last noted
         self.reported_hw = -1  # the HW the owner last published (reports, waiting consumers)
@@ -453,7 +454,7 @@ class Replica:
                 or now_ms < self._next_fetch_ms or not state.leader_endpoint):
             return None
         self._fetch_in_flight = True
-        log_end = self.log.log_end
+        log_end = self._fetched_from = self.log.log_end
         last_epoch = self.log.epochs.epoch_at(log_end - 1) if log_end > self.log.log_start else NO_EPOCH
         return state.leader_endpoint, m.ReplicaFetch(self.topic, self.partition, self.actor_id, state.leader_epoch,
                                                      log_end, last_epoch, self.fetch_max_bytes, self.fetch_wait_ms)
@@ -464,6 +465,11 @@ class Replica:
         if reply.leader_epoch != self.state.leader_epoch or self.is_leader:
             return  # an answer from before the last assignment
         log = self.log
+        if self._fetched_from is not None and log.log_end != self._fetched_from:
+            # The answer to an earlier fetch from another log end: two were out from one offset
+            # in this epoch (the chaos run saw it; tests/chaos/test_found_bugs.py), and one is
+            # applied already. Appending this one would raise out of the actor's loop.
+            return
         if reply.diverging is not None:
             self._truncate(reply)
         elif reply.log_start > log.log_end:
@@ -471,7 +477,13 @@ class Replica:
             self.high_watermark = reply.log_start
         elif data:
             fetch_offset = log.log_end
-            new_end = log.append_stored(data)
+            try:
+                new_end = log.append_stored(data)
+            except CorruptBatch:
+                # An answer to an earlier fetch from a lower offset, still out when a newer one was
+                # sent (or a damaged frame): append_stored checks every batch before it writes any,
+                # so nothing changed. The next fetch asks again from the log end.
+                return
             for epoch, start in reply.epochs:
                 if start <= new_end and epoch > log.epochs.latest_epoch:
                     log.epochs.assign(epoch, max(start, fetch_offset))

@@ -437,9 +437,9 @@ def _guarded(core: PartitionActorCore, token: Any, env: codec.Envelope, now: int
 
 def _apply(effect: Any, router: zmq.Socket, dealer: zmq.Socket, log: Any) -> None:
     if isinstance(effect, (SendToLeader, SendToCoordinator)):
-        # On the loop's monotonic clock, which `expire` compares the give-up time with: on the
-        # wall clock a fetch whose reply was lost (a cut connection) was never given up, and
-        # its follower never fetched again.
+        # The links' give-up deadlines are compared with the loop's monotonic `now` (a wall
+        # clock here put them ~1.7e12 ms away: a lost fetch reply was never given up, and its
+        # follower stopped fetching for good; found by the replicated chaos run).
         _links.send(effect, dealer, runtime.now_ms())
         return
     route, corr_id, op = effect.token

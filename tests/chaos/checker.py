@@ -54,6 +54,28 @@ The checks:
   offsets that the table already showed finished are counted apart: no crash
   explains those.
 
+A replicated run (``History.min_insync`` > 0) adds each replica's log as
+read from its data directory after the run (record id and a digest of the
+stored batch's bytes at every offset), the high watermark each replica is
+vouched for (the final leader's, for the members of the final ISR), and the
+controller's view sampled through the run (leader, leader epoch, ISR, high
+watermark per partition). Three more checks, each must be 0:
+
+* **under-replicated acks**: an acknowledged record that fewer than
+  ``min_insync`` replicas hold at its offset byte for byte (same record,
+  same batch digest). The final logs are the evidence: a record acknowledged
+  while only one replica had it is gone from the others, or was never there,
+  once that replica lost its disk or was truncated.
+* **divergence**: two replicas whose logs differ at an offset below the
+  smaller of their two high watermarks (or one that lacks an offset below
+  its own high watermark). A replica's high watermark is the highest it was
+  ever vouched for: the final one, or one the controller showed while the
+  replica was in the ISR (since its disk was last lost), see
+  `vouched_high_watermarks`. Above it, a divergent tail is allowed: it is
+  what truncation by leader epoch removes.
+* **epoch regressions**: a partition's leader epoch, sampled from the
+  controller, lower than an earlier sample's.
+
 `check(history)` returns a `Report`; `Report.to_json()` and
 `Report.to_table()` render it.
 """
@@ -135,6 +157,24 @@ class NemesisEvent:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaEntry:
+    """One offset of one replica's log: whose record it is, and a digest of its stored batch's bytes."""
+    record_id: int | None
+    batch_digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderSample:
+    """The controller's view of one partition (`describe_topic`), at a time."""
+    time_ns: int
+    partition: int
+    leader: str | None
+    leader_epoch: int
+    isr: tuple[str, ...]
+    high_watermark: int | None
+
+
 def can_redeliver(event: NemesisEvent) -> bool:
     return any(event.kind == kind and target in (None, event.target) for kind, target in REDELIVERING)
 
@@ -151,6 +191,11 @@ class History:
     deliveries: list[Delivery] = field(default_factory=list)
     produce_failures: int = 0  # records a producer sent without getting an offset back
     meta: dict = field(default_factory=dict)  # passed through to the report (seed, duration, ...)
+    # A replicated run only (min_insync > 0):
+    min_insync: int = 0
+    replica_logs: dict[str, dict[int, list[ReplicaEntry]]] = field(default_factory=dict)  # replica -> partition
+    replica_hw: dict[str, dict[int, int]] = field(default_factory=dict)  # replica -> partition -> vouched HW
+    leadership: list[LeaderSample] = field(default_factory=list)
 
 
 # -- outputs -----------------------------------------------------------------------------
@@ -210,6 +255,34 @@ class DurableRedelivery:
     durable_since_ns: int
 
 
+@dataclass(frozen=True, slots=True)
+class UnderReplicated:
+    """An acknowledged record that fewer than min_insync replicas hold byte for byte."""
+    record_id: int
+    partition: int
+    offset: int
+    copies: int  # replicas holding it with one batch digest (the largest such set)
+    holders: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    partition: int
+    replica: str
+    other: str  # "" when `replica` lacks an offset below its own high watermark
+    offset: int  # the first offset where they differ
+    below: int  # the high watermark both are vouched for
+
+
+@dataclass(frozen=True, slots=True)
+class EpochRegression:
+    partition: int
+    before_ns: int
+    before: int
+    at_ns: int
+    epoch: int
+
+
 @dataclass(slots=True)
 class EventRow:
     time_ns: int
@@ -237,11 +310,16 @@ class Report:
     events: list[EventRow]
     duplicates_by_cause: dict[str, int]
     redelivered_after_durable: list[DurableRedelivery] = field(default_factory=list)
+    under_replicated: list[UnderReplicated] = field(default_factory=list)
+    divergences: list[Divergence] = field(default_factory=list)
+    epoch_regressions: list[EpochRegression] = field(default_factory=list)
+    replicated: bool = False
 
     @property
     def ok(self) -> bool:
         return not (self.lost or self.regressions or self.committed_past_unfinished
-                    or self.committed_beyond_log_end)
+                    or self.committed_beyond_log_end or self.under_replicated or self.divergences
+                    or self.epoch_regressions)
 
     def summary(self) -> dict:
         return {
@@ -250,6 +328,8 @@ class Report:
             "regressions": len(self.regressions),
             "committed_past_unfinished": len(self.committed_past_unfinished),
             "committed_beyond_log_end": len(self.committed_beyond_log_end),
+            **({"under_replicated": len(self.under_replicated), "divergences": len(self.divergences),
+                "epoch_regressions": len(self.epoch_regressions)} if self.replicated else {}),
             **self.counts,
         }
 
@@ -276,6 +356,9 @@ class Report:
                                               for v in self.committed_past_unfinished[:DETAIL_LIMIT]],
                 "committed_beyond_log_end": [dataclasses.asdict(v)
                                              for v in self.committed_beyond_log_end[:DETAIL_LIMIT]],
+                "under_replicated": [dataclasses.asdict(v) for v in self.under_replicated[:DETAIL_LIMIT]],
+                "divergences": [dataclasses.asdict(v) for v in self.divergences[:DETAIL_LIMIT]],
+                "epoch_regressions": [dataclasses.asdict(v) for v in self.epoch_regressions[:DETAIL_LIMIT]],
             },
             "redelivered_after_durable": [dataclasses.asdict(v)
                                           for v in self.redelivered_after_durable[:DETAIL_LIMIT]],
@@ -324,9 +407,99 @@ def check(history: History) -> Report:
         "samples": len(samples),
     }
     partitions = _partition_rows(history, samples)
+    replicated = history.min_insync > 0
+    if replicated:
+        counts["replicas"] = len(history.replica_logs)
+        counts["replica_records"] = sum(len(v) for logs in history.replica_logs.values() for v in logs.values())
+        counts["leader_samples"] = len(history.leadership)
+        counts["leader_changes"] = _leader_changes(history.leadership)
     return Report(meta=dict(history.meta), counts=counts, partitions=partitions, lost=lost,
                   regressions=regressions, committed_past_unfinished=past, committed_beyond_log_end=beyond,
-                  events=events, duplicates_by_cause=by_cause, redelivered_after_durable=after_durable)
+                  events=events, duplicates_by_cause=by_cause, redelivered_after_durable=after_durable,
+                  under_replicated=_under_replicated(history) if replicated else [],
+                  divergences=_divergences(history) if replicated else [],
+                  epoch_regressions=_epoch_regressions(history.leadership) if replicated else [],
+                  replicated=replicated)
+
+
+def _under_replicated(history: History) -> list[UnderReplicated]:
+    out = []
+    for a in sorted(history.acks, key=lambda a: (a.partition, a.offset)):
+        by_digest: dict[str, list[str]] = defaultdict(list)
+        for replica, logs in sorted(history.replica_logs.items()):
+            entries = logs.get(a.partition, [])
+            if a.offset < len(entries) and entries[a.offset].record_id == a.record_id:
+                by_digest[entries[a.offset].batch_digest].append(replica)
+        holders = max(by_digest.values(), key=len, default=[])
+        if len(holders) < history.min_insync:
+            out.append(UnderReplicated(a.record_id, a.partition, a.offset, len(holders), tuple(holders)))
+    return out
+
+
+def vouched_high_watermarks(history: History) -> dict[str, dict[int, int]]:
+    """Per replica and partition, the highest high watermark it was ever vouched for.
+
+    The final ``replica_hw``, raised by the ISR history: a controller sample that lists a
+    replica in the ISR with high watermark H says that replica then held the leader's
+    records below H (the leader counts a follower's log end only from a fetch that does
+    not diverge, and an ISR shrink takes effect only once the controller recorded it, so
+    H never passes a member of the recorded ISR). Those records may never change again on
+    that replica, except with its disk: samples before its last ``wipe-disk`` event count
+    for nothing."""
+    out = {r: dict(hws) for r, hws in history.replica_hw.items()}
+    wiped: dict[str, int] = defaultdict(lambda: -1)
+    for e in history.events:
+        if e.kind == "wipe-disk":
+            wiped[e.target] = max(wiped[e.target], e.time_ns)
+    for s in history.leadership:
+        if s.high_watermark is None:
+            continue
+        for r in s.isr:
+            if r in history.replica_logs and s.time_ns > wiped[r]:
+                hws = out.setdefault(r, {})
+                hws[s.partition] = max(hws.get(s.partition, 0), s.high_watermark)
+    return out
+
+
+def _divergences(history: History) -> list[Divergence]:
+    out = []
+    vouched = vouched_high_watermarks(history)
+    replicas = sorted(history.replica_logs)
+    partitions = sorted({p for logs in history.replica_logs.values() for p in logs})
+    for p in partitions:
+        for r in replicas:
+            hw, entries = vouched.get(r, {}).get(p, 0), history.replica_logs[r].get(p, [])
+            if len(entries) < hw:
+                out.append(Divergence(p, r, "", len(entries), hw))
+        for i, a in enumerate(replicas):
+            for b in replicas[i + 1:]:
+                below = min(vouched.get(a, {}).get(p, 0), vouched.get(b, {}).get(p, 0))
+                ea, eb = history.replica_logs[a].get(p, []), history.replica_logs[b].get(p, [])
+                upto = min(below, len(ea), len(eb))
+                first = next((o for o in range(upto) if ea[o] != eb[o]), None)
+                if first is not None:
+                    out.append(Divergence(p, a, b, first, below))
+    return out
+
+
+def _epoch_regressions(samples: list[LeaderSample]) -> list[EpochRegression]:
+    highest: dict[int, LeaderSample] = {}
+    out = []
+    for s in sorted(samples, key=lambda s: s.time_ns):
+        prev = highest.get(s.partition)
+        if prev is not None and s.leader_epoch < prev.leader_epoch:
+            out.append(EpochRegression(s.partition, prev.time_ns, prev.leader_epoch, s.time_ns, s.leader_epoch))
+        elif prev is None or s.leader_epoch > prev.leader_epoch:
+            highest[s.partition] = s
+    return out
+
+
+def _leader_changes(samples: list[LeaderSample]) -> int:
+    """Leader epochs seen beyond each partition's first."""
+    epochs: dict[int, set[int]] = defaultdict(set)
+    for s in samples:
+        epochs[s.partition].add(s.leader_epoch)
+    return sum(len(e) - 1 for e in epochs.values())
 
 
 def _first_finish_times(history: History) -> dict[int, array]:
@@ -673,6 +846,12 @@ def render_table(report: Report) -> str:
     out = [f"chaos check: {s['verdict']}   lost {s['lost']}   regressions {s['regressions']}   "
            f"committed past unfinished {s['committed_past_unfinished']}   "
            f"committed beyond log end {s['committed_beyond_log_end']}", ""]
+    if report.replicated:
+        out[0] += (f"   under-replicated acks {s['under_replicated']}   divergences {s['divergences']}   "
+                   f"epoch regressions {s['epoch_regressions']}")
+        out.append(f"replicas: {s['replicas']} logs read from their data directories, {s['replica_records']} "
+                   f"records in them; {s['leader_changes']} leader changes seen in {s['leader_samples']} "
+                   f"samples of the controller")
     out.append(f"records: {s['acked']} acknowledged to producers, {s['produce_failures']} sends without an ack, "
                f"{s['log_records']} in the logs ({s['unacked_in_log']} of them never acknowledged)")
     out.append(f"consumers: {s['finished_records']} records finished, {s['finishes']} finishes, "
@@ -713,7 +892,10 @@ def render_table(report: Report) -> str:
                             e.in_flight, e.finished_not_durable] for e in top])
     for title, items in (("LOST", report.lost), ("REGRESSIONS", report.regressions),
                          ("COMMITTED PAST UNFINISHED", report.committed_past_unfinished),
-                         ("COMMITTED BEYOND LOG END", report.committed_beyond_log_end)):
+                         ("COMMITTED BEYOND LOG END", report.committed_beyond_log_end),
+                         ("ACKNOWLEDGED ON FEWER THAN MIN-INSYNC REPLICAS", report.under_replicated),
+                         ("REPLICAS DISAGREEING BELOW THE HIGH WATERMARK", report.divergences),
+                         ("LEADER EPOCH REGRESSIONS", report.epoch_regressions)):
         if not items:
             continue
         out.append("")
@@ -737,4 +919,15 @@ def _describe(v, origin: int) -> str:
     if isinstance(v, BeyondLogEnd):
         return f"{v.source} partition {v.partition}: committed {v.committed} at {_secs(v.at_ns, origin)}s, " \
                f"log end {v.log_end}"
+    if isinstance(v, UnderReplicated):
+        return (f"record {v.record_id} acked at {v.partition}@{v.offset}: on {v.copies} replica(s) byte for "
+                f"byte ({', '.join(v.holders) or 'none'})")
+    if isinstance(v, Divergence):
+        if not v.other:
+            return f"partition {v.partition}: {v.replica} ends at {v.offset}, below its high watermark {v.below}"
+        return (f"partition {v.partition}: {v.replica} and {v.other} differ at offset {v.offset}, below "
+                f"the high watermark {v.below}")
+    if isinstance(v, EpochRegression):
+        return (f"partition {v.partition}: leader epoch {v.before} at {_secs(v.before_ns, origin)}s, then "
+                f"{v.epoch} at {_secs(v.at_ns, origin)}s")
     return repr(v)

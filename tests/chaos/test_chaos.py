@@ -30,10 +30,9 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.checker import Report, check
-from tests.chaos.workload import ChaosConfig, ChaosRun, Reaper
-from tests.support.pg import (dsn_host_port, dsn_via, pg_dsn, pg_fetch, pg_schema_factory,  # noqa: F401
-                              with_schema)
-from tests.support.tcp_proxy import TcpProxy
+from tests.chaos.conftest import open_chaos_broker
+from tests.chaos.workload import ChaosConfig, ChaosRun
+from tests.support.pg import pg_dsn, pg_fetch, pg_schema_factory  # noqa: F401
 
 pytestmark = [pytest.mark.chaos, pytest.mark.postgres, pytest.mark.processes]
 
@@ -46,36 +45,33 @@ def chaos_seed() -> int:
 
 
 @pytest.fixture
-def chaos_broker(tmp_path, pg_dsn, pg_schema_factory, start):
-    """A broker whose commit writer reaches PostgreSQL through a cuttable proxy, in a fresh schema.
-
-    Teardown order: the broker first (so no writer can re-create the schema),
-    then the proxy; pg_schema_factory drops the schema after that.
-    """
-    schema = pg_schema_factory()
-    proxy = TcpProxy(dsn_host_port(pg_dsn)).start()
-    actors = Reaper()
-    broker = None
-    try:
-        broker = start(partition_actors=2, offsets_url=with_schema(dsn_via(pg_dsn, proxy.port), schema))
-        yield broker, proxy, schema, actors
-    finally:
-        if broker is not None:
-            for pid in broker.pids().values():
-                actors.remember(pid)
-            proxy.restore()  # let the writer flush what it holds while it stops
-            broker.stop()
-            actors.kill_all()  # whatever outlived its supervisor
-        proxy.close()
+def chaos_broker(pg_dsn, pg_schema_factory, start):
+    yield from open_chaos_broker(start, pg_dsn, pg_schema_factory(), partition_actors=2)
 
 
 def test_no_acknowledged_record_is_lost_under_chaos(tmp_path, pg_dsn, chaos_broker, chaos_duration, capsys):
-    broker, proxy, schema, actors = chaos_broker
     config = ChaosConfig(duration_s=chaos_duration, seed=chaos_seed())
-    print(f"\nchaos seed {config.seed} (replay: ZBROKER_CHAOS_SEED={config.seed})", flush=True)
+    history, report, replay, drain = run_and_check(ChaosRun, config, chaos_broker, pg_dsn, tmp_path, capsys,
+                                                   "single", render_markdown)
+    summary = report.summary()
+    assert summary["lost"] == 0, f"{summary['lost']} acknowledged records lost {replay}{drain}"
+    assert summary["regressions"] == 0, f"{summary['regressions']} committed-offset regressions {replay}"
+    assert summary["committed_past_unfinished"] == 0, \
+        f"{summary['committed_past_unfinished']} commits past an unfinished record {replay}"
+    assert summary["committed_beyond_log_end"] == 0, f"commits beyond the log end {replay}"
+    assert history.meta["drained"], f"nothing lost, but the drain did not finish {replay}{drain}"
+    assert summary["acked"] > 0 and len(history.events) > 0
+
+
+def run_and_check(run_class, config, chaos_broker, pg_dsn: str, tmp_path: Path, capsys, section: str, render):
+    """Run, check, keep the report (and with ZBROKER_CHAOS_REPORT, the page's `section`).
+
+    Returns the history, the report, and the replay and drain notes for the assertions."""
+    broker, proxy, schema, actors = chaos_broker
+    print(f"\n{section} chaos seed {config.seed} (replay: ZBROKER_CHAOS_SEED={config.seed})", flush=True)
     started = time.monotonic()
     load_before = os.getloadavg()
-    with ChaosRun(config, broker, proxy, pg_dsn, schema, tmp_path, actors=actors, log=_progress(capsys)) as run:
+    with run_class(config, broker, proxy, pg_dsn, schema, tmp_path, actors=actors, log=_progress(capsys)) as run:
         history = run.run()
     history.meta.update(wall_s=round(time.monotonic() - started, 1), load_before=load_before,
                         load_after=os.getloadavg(), code=_code_version(), command=_command(),
@@ -90,18 +86,10 @@ def test_no_acknowledged_record_is_lost_under_chaos(tmp_path, pg_dsn, chaos_brok
     target = os.environ.get("ZBROKER_CHAOS_REPORT")
     if target:
         path = Path(target) if Path(target).is_absolute() else REPO / target
-        path.write_text(render_markdown(report))
-
-    summary = report.summary()
+        update_page(path, section, render(report))
     replay = f"(seed {config.seed}, report {tmp_path / 'chaos-report.json'})"
     drain = "" if history.meta["drained"] else f"; the drain did not finish: {history.meta['drain_state']}"
-    assert summary["lost"] == 0, f"{summary['lost']} acknowledged records lost {replay}{drain}"
-    assert summary["regressions"] == 0, f"{summary['regressions']} committed-offset regressions {replay}"
-    assert summary["committed_past_unfinished"] == 0, \
-        f"{summary['committed_past_unfinished']} commits past an unfinished record {replay}"
-    assert summary["committed_beyond_log_end"] == 0, f"commits beyond the log end {replay}"
-    assert history.meta["drained"], f"nothing lost, but the drain did not finish {replay}{drain}"
-    assert summary["acked"] > 0 and len(history.events) > 0
+    return history, report, replay, drain
 
 
 def _progress(capsys):
@@ -180,9 +168,12 @@ def render_markdown(report: Report) -> str:
     cfg = meta["config"]
     return f"""# Reliability: the chaos run
 
-The latest chaos run with `ZBROKER_CHAOS_REPORT=docs/RELIABILITY.md` writes
-this file (tests/chaos/test_chaos.py). `make test` runs the same test for
-180 s without touching it; `make chaos DURATION=…` runs it for longer.
+Each chaos run with `ZBROKER_CHAOS_REPORT=docs/RELIABILITY.md` writes its own
+section of this page: the single-host run (tests/chaos/test_chaos.py) this one,
+the replicated run with host loss (tests/chaos/test_replicated_chaos.py) the
+one below. `make test` runs the single-host test for 180 s and the replicated
+one for 60 s without touching the page; `make chaos DURATION=… [CHAOS=single|replicated|both]`
+runs them for longer.
 
 ## Result: {s['verdict']}
 
@@ -285,6 +276,30 @@ end, next to clean histories that pass.
 """
 
 
+SECTIONS = ("single", "replicated")  # their order on the page
+
+
+def update_page(path: Path, name: str, text: str) -> None:
+    """Write one run's section of docs/RELIABILITY.md, keeping the other run's.
+
+    Sections sit between ``<!-- chaos:NAME -->`` and ``<!-- /chaos:NAME -->``; a page
+    without markers is the single-host run's section as a whole."""
+    old = path.read_text() if path.exists() else ""
+    sections = {n: _section(old, n) for n in SECTIONS}
+    if old and not any(sections.values()):
+        sections["single"] = old.strip()
+    sections[name] = text.strip()
+    path.write_text("\n\n".join(f"<!-- chaos:{n} -->\n{sections[n]}\n<!-- /chaos:{n} -->"
+                                 for n in SECTIONS if sections[n]) + "\n")
+
+
+def _section(page: str, name: str) -> str:
+    start, end = f"<!-- chaos:{name} -->", f"<!-- /chaos:{name} -->"
+    if start not in page or end not in page:
+        return ""
+    return page.split(start, 1)[1].split(end, 1)[0].strip()
+
+
 def _load(value) -> str:
     return "?" if not value else " / ".join(f"{x:.2f}" for x in value)
 
@@ -299,3 +314,16 @@ def test_the_reliability_page_renders_a_report():
     assert "## Result: PASS" in page and "`ZBROKER_CHAOS_SEED=42`" in page
     assert "| lost (acknowledged to a producer, never delivered) | 0 | 0 |" in page
     assert "chaos check: PASS" in page  # the table itself
+
+
+def test_each_run_rewrites_only_its_own_section_of_the_page(tmp_path):
+    page = tmp_path / "RELIABILITY.md"
+    page.write_text("# Reliability: the chaos run\n\nan older single-host report\n")
+    update_page(page, "replicated", "## The replicated run\n\nfirst")
+    assert "an older single-host report" in page.read_text() and "first" in page.read_text()
+    update_page(page, "single", "# Reliability: the chaos run\n\na newer one")
+    update_page(page, "replicated", "## The replicated run\n\nsecond")
+    text = page.read_text()
+    assert "a newer one" in text and "second" in text
+    assert "older" not in text and "first" not in text
+    assert text.index("a newer one") < text.index("second")

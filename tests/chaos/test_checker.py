@@ -3,7 +3,9 @@
 A checker that cannot fail proves nothing, so each check is shown failing
 on a history that contains exactly that fault (a lost record, a regressed
 offset, a commit past an unfinished record, a hole over an unfinished record,
-a commit beyond the log end) and passing on the same history without it.
+a commit beyond the log end; for a replicated run, a record acknowledged on
+fewer than M replicas, replicas disagreeing below the high watermark, a
+leader epoch going back) and passing on the same history without it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import json
 
 import pytest
 
-from tests.chaos.checker import (CommitSample, ConsumerFinish, Delivery, History, NemesisEvent, ProducerAck,
-                                 check)
+from tests.chaos.checker import (CommitSample, ConsumerFinish, Delivery, History, LeaderSample, NemesisEvent,
+                                 ProducerAck, ReplicaEntry, check)
+from tests.chaos.workload import load_history, save_history
 
 S = 1_000_000_000  # one second in ns
 TOPIC, GROUP = "chaos", "workers"
@@ -273,8 +276,6 @@ def test_a_delivery_of_a_durably_finished_offset_is_counted_apart():
 
 
 def test_a_history_survives_a_round_trip_through_its_file(tmp_path):
-    from tests.chaos.workload import load_history, save_history
-
     h = clean_history()
     h.samples.append(sample(20, 16, holes=[(18, 20)]))
     h.events.append(NemesisEvent(7, "pg-cut", "postgresql", "reset"))
@@ -332,3 +333,126 @@ def test_an_event_between_asking_and_receiving_explains_a_duplicate():
     report = check(h)
     assert report.ok
     assert report.duplicates_by_cause == {"kill-consumer": 1}
+
+
+# -- the replicated run's checks ------------------------------------------------------------
+
+REPLICAS = ("h2", "h3", "h4")
+
+
+def replicated_history(records: int = 16) -> History:
+    """The clean history on three replicas: every replica holds every record (one batch of 4 per
+    4 offsets, the same bytes everywhere), all vouched for up to the end; epochs rise once."""
+    h = clean_history(records=records)
+    h.min_insync = 2
+    for replica in REPLICAS:
+        h.replica_logs[replica] = {p: [ReplicaEntry(rid(p, o), f"batch-{p}-{o // 4}") for o in range(records)]
+                                   for p in h.log}
+        h.replica_hw[replica] = {p: records for p in h.log}
+    for p in h.log:
+        h.leadership += [LeaderSample(1 * S, p, "h2", 0, REPLICAS, 4), LeaderSample(9 * S, p, "h3", 1, REPLICAS, 12)]
+    return h
+
+
+def test_a_clean_replicated_history_passes_and_renders():
+    report = check(replicated_history())
+    assert report.ok, report.to_table()
+    s = report.summary()
+    assert (s["under_replicated"], s["divergences"], s["epoch_regressions"]) == (0, 0, 0)
+    assert s["replicas"] == 3 and s["replica_records"] == 3 * 2 * 16 and s["leader_changes"] == 2
+    assert "under-replicated acks 0   divergences 0" in report.to_table()
+    # A single-host history reports none of these, not zeros it never checked.
+    assert "under_replicated" not in check(clean_history()).summary()
+
+
+def test_a_record_acknowledged_while_only_its_leader_had_it_is_reported():
+    """Record 0@5 is on h2 alone: h3 and h4 end before it (they never had it). Acknowledged, it
+    was acknowledged on one replica; with M = 2 that must never happen."""
+    h = replicated_history()
+    h.leadership = [x for x in h.leadership if x.high_watermark <= 4]  # the ISR vouched for 0..3 only
+    for replica in ("h3", "h4"):
+        h.replica_logs[replica][0] = h.replica_logs[replica][0][:5]
+        h.replica_hw[replica][0] = 5
+    h.replica_hw["h2"][0] = 5
+    report = check(h)
+    assert not report.ok and not report.lost  # the leader's log still has every record
+    assert [(v.partition, v.offset, v.copies, v.holders) for v in report.under_replicated][0] == \
+        (0, 5, 1, ("h2",))
+    assert len(report.under_replicated) == 11  # 0@5 .. 0@15
+    assert "on 1 replica(s) byte for byte (h2)" in report.to_table()
+    assert not report.divergences  # below the high watermark (5) they all agree
+    # With M = 1 one copy is enough.
+    h.min_insync = 1
+    assert check(h).under_replicated == []
+
+
+def test_copies_that_differ_in_their_bytes_do_not_count_as_two():
+    """h2 and h3 both hold record 1@7, but in batches with different bytes (h3's was rewritten):
+    only one byte-for-byte copy each, fewer than M."""
+    h = replicated_history()
+    h.leadership = [x for x in h.leadership if x.high_watermark <= 4]  # the ISR vouched for 0..3 only
+    h.replica_logs["h4"][1] = h.replica_logs["h4"][1][:7]
+    h.replica_hw = {r: {0: 16, 1: 7} for r in REPLICAS}
+    h.replica_logs["h3"][1][7] = ReplicaEntry(rid(1, 7), "batch-rewritten")
+    report = check(h)
+    assert [(v.partition, v.offset, v.copies) for v in report.under_replicated] == [(1, 7, 1)]
+    assert not report.divergences  # offset 7 is above the vouched high watermark (7)
+
+
+def test_replicas_disagreeing_below_the_high_watermark_are_reported_and_above_it_are_not():
+    h = replicated_history()
+    h.leadership = [x for x in h.leadership if x.high_watermark <= 4]  # the ISR vouched for 0..3 only
+    h.replica_logs["h4"][0][9] = ReplicaEntry(rid(0, 9), "batch-other")  # 9 < 16: both vouched for it
+    report = check(h)
+    assert [(v.partition, v.replica, v.other, v.offset, v.below) for v in report.divergences] == [
+        (0, "h2", "h4", 9, 16), (0, "h3", "h4", 9, 16)]
+    assert "h2 and h4 differ at offset 9, below the high watermark 16" in report.to_table()
+    assert not report.under_replicated  # h2 and h3 still hold it byte for byte
+    # A divergent tail above the smaller high watermark is what truncation removes: allowed.
+    h.replica_hw["h4"][0] = 9
+    assert check(h).divergences == []
+
+
+def test_a_replica_shorter_than_its_high_watermark_is_reported():
+    h = replicated_history()
+    h.replica_logs["h3"][1] = h.replica_logs["h3"][1][:10]  # vouched for 16, holds 10
+    report = check(h)
+    assert [(v.partition, v.replica, v.other, v.offset, v.below) for v in report.divergences] == [(1, "h3", "", 10, 16)]
+    assert "h3 ends at 10, below its high watermark 16" in report.to_table()
+
+
+def test_a_leader_epoch_that_goes_back_is_reported():
+    h = replicated_history()
+    h.leadership.append(LeaderSample(12 * S, 1, "h2", 0, REPLICAS, 12))
+    report = check(h)
+    assert [(v.partition, v.before, v.epoch) for v in report.epoch_regressions] == [(1, 1, 0)]
+    assert "leader epoch 1 at" in report.to_table()
+
+
+def test_a_replicated_history_survives_a_round_trip_through_its_file(tmp_path):
+    h = replicated_history()
+    h.replica_logs["h4"][0][9] = ReplicaEntry(rid(0, 9), "batch-other")
+    save_history(h, tmp_path / "h.json.gz")
+    again = load_history(tmp_path / "h.json.gz")
+    assert again.replica_logs == h.replica_logs and again.replica_hw == h.replica_hw
+    assert again.leadership == h.leadership and again.min_insync == 2
+    assert check(again).summary() == check(h).summary()
+
+
+def test_a_replica_out_of_the_final_isr_is_judged_by_the_high_watermark_it_had_in_the_isr():
+    """h4 left the ISR before the end (the final high watermark vouches nothing for it), but a
+    sample at 9 s showed it in the ISR at high watermark 12: its log may not differ below 12,
+    nor end before it. A divergent tail above 12 is allowed."""
+    h = replicated_history()
+    h.replica_hw["h4"] = {0: 0, 1: 0}
+    h.replica_logs["h4"][0][13] = ReplicaEntry(rid(0, 13), "batch-zombie")
+    assert check(h).divergences == []  # 13 >= 12
+    h.replica_logs["h4"][0][10] = ReplicaEntry(rid(0, 10), "batch-other")
+    assert [(v.replica, v.other, v.offset, v.below) for v in check(h).divergences] == [
+        ("h2", "h4", 10, 12), ("h3", "h4", 10, 12)]
+    h.replica_logs["h4"][0][10] = h.replica_logs["h2"][0][10]
+    h.replica_logs["h4"][1] = h.replica_logs["h4"][1][:11]  # truncated below what it held in the ISR
+    assert [(v.partition, v.replica, v.offset, v.below) for v in check(h).divergences] == [(1, "h4", 11, 12)]
+    # Its disk lost after that sample: what it held then counts for nothing.
+    h.events.append(NemesisEvent(10 * S, "wipe-disk", "h4"))
+    assert check(h).divergences == []

@@ -49,8 +49,8 @@ from typing import Any
 
 import psutil
 
-from tests.chaos.checker import (CommitSample, ConsumerFinish, Delivery, History, NemesisEvent, ProducerAck,
-                                 check)
+from tests.chaos.checker import (CommitSample, ConsumerFinish, Delivery, History, LeaderSample, NemesisEvent,
+                                 ProducerAck, ReplicaEntry, check)
 
 HISTORY_FILE = "chaos-history.json.gz"
 ID_SPACE = 1_000_000_000  # record id = producer index * ID_SPACE + sequence
@@ -739,12 +739,16 @@ class ChaosRun:
 # ============================================================================================
 
 _ITEMS = {"acks": ProducerAck, "finishes": ConsumerFinish, "samples": CommitSample, "events": NemesisEvent,
-          "deliveries": Delivery}
+          "deliveries": Delivery, "leadership": LeaderSample}
 
 
 def save_history(history: History, path: Path) -> None:
     data = {"topic": history.topic, "group": history.group, "produce_failures": history.produce_failures,
-            "meta": history.meta, "log": {str(p): ids for p, ids in history.log.items()}}
+            "meta": history.meta, "log": {str(p): ids for p, ids in history.log.items()},
+            "min_insync": history.min_insync,
+            "replica_hw": {r: {str(p): hw for p, hw in hws.items()} for r, hws in history.replica_hw.items()},
+            "replica_logs": {r: {str(p): [[e.record_id, e.batch_digest] for e in entries]
+                                 for p, entries in logs.items()} for r, logs in history.replica_logs.items()}}
     for name, cls in _ITEMS.items():
         data[name] = [dataclasses.astuple(x) for x in getattr(history, name)]
     with gzip.open(path, "wt") as f:
@@ -758,10 +762,17 @@ def load_history(path: Path) -> History:
     for name, cls in _ITEMS.items():
         if cls is CommitSample:
             items[name] = [cls(*x[:-1], tuple(tuple(h) for h in x[-1])) for x in data[name]]
+        elif cls is LeaderSample:
+            items[name] = [cls(*x[:4], tuple(x[4]), x[5]) for x in data.get(name, [])]
         else:
             items[name] = [cls(*x) for x in data[name]]
     return History(topic=data["topic"], group=data["group"], produce_failures=data["produce_failures"],
-                   meta=data["meta"], log={int(p): ids for p, ids in data["log"].items()}, **items)
+                   meta=data["meta"], log={int(p): ids for p, ids in data["log"].items()},
+                   min_insync=data.get("min_insync", 0),
+                   replica_hw={r: {int(p): hw for p, hw in hws.items()} for r, hws in data.get("replica_hw", {}).items()},
+                   replica_logs={r: {int(p): [ReplicaEntry(*e) for e in entries] for p, entries in logs.items()}
+                                 for r, logs in data.get("replica_logs", {}).items()},
+                   **items)
 
 
 if __name__ == "__main__":

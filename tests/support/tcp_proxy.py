@@ -1,6 +1,7 @@
 """A loopback TCP proxy that a test can cut: the network failure we can cause on demand.
 
-``TcpProxy((host, port))`` listens on ``127.0.0.1:<random>`` and forwards each
+``TcpProxy((host, port))`` listens on ``127.0.0.1:<random>`` (or on ``listen=(address,
+port)``: a simulated host's network link, see tests/chaos/hosts.py) and forwards each
 connection to the target with two plain threads (one per direction), so it
 works the same whether the client is this process, a child process or an
 event loop. Cutting never touches the server behind it.
@@ -52,8 +53,10 @@ class _Conn:
 
 
 class TcpProxy:
-    def __init__(self, target: tuple[str, int], *, tap: Tap | None = None) -> None:
+    def __init__(self, target: tuple[str, int], *, tap: Tap | None = None,
+                 listen: tuple[str, int] = ("127.0.0.1", 0)) -> None:
         self.target = target
+        self.listen = listen
         self.tap = tap
         self._mode = "forward"
         self._lock = threading.Lock()
@@ -69,7 +72,7 @@ class TcpProxy:
     def start(self) -> "TcpProxy":
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
+        listener.bind(self.listen)
         listener.listen(64)
         listener.settimeout(0.05)  # lets the accept loop notice close() promptly
         self._listener = listener
@@ -100,7 +103,7 @@ class TcpProxy:
 
     @property
     def address(self) -> tuple[str, int]:
-        return ("127.0.0.1", self.port)
+        return (self.listen[0], self.port)
 
     @property
     def mode(self) -> str:
