@@ -3,6 +3,8 @@ that loses nothing."""
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import signal
 import time
@@ -215,7 +217,7 @@ def _dlq_end(admin, topic: str) -> int:
 
 
 def test_dlq_redrive_moves_letters_back_with_provenance_and_counts_each_attempt(broker):
-    from zbroker.client.redrive import redrive_dead_letters
+    from zbroker.client.redrive import redrive_dead_letters, redrive_dead_letters_async
     with Admin(broker.url) as admin:
         admin.create_topic("jobs", partitions=2)
         with Producer(broker.url, linger_ms=1) as producer:
@@ -257,7 +259,8 @@ def test_dlq_redrive_moves_letters_back_with_provenance_and_counts_each_attempt(
             consumer.flush_acks()
             assert consumer.poll(timeout=0.5) == []  # nothing delivered twice
         wait_for(lambda: _dlq_end(admin, "jobs.dlq") == 5, "the letter is dead again")
-        assert redrive_dead_letters(broker.url, "jobs.dlq")["redriven"] == 1
+        # From asyncio code: the same operation, off the event loop.
+        assert asyncio.run(redrive_dead_letters_async(broker.url, "jobs.dlq"))["redriven"] == 1
         with Consumer(broker.url, group="workers", topics=["jobs"]) as consumer:
             [twice] = drain(consumer, 1)
             assert twice.value == b"job-4" and twice.headers["zb-dlq-redrives"] == b"2"
