@@ -379,6 +379,14 @@ class Produce(Message):
     sequence: int = -1
     coordinator_epoch: int = 0
 
+    def to_fields(self) -> dict[str, Any]:
+        # Absent unless set: a client's produce header stays the bytes it was before the
+        # field existed (the Node.js client and PROTOCOL.md's worked example send none).
+        fields = Message.to_fields(self)  # (slotted dataclass: no zero-argument super)
+        if not self.coordinator_epoch:
+            del fields["coordinator_epoch"]
+        return fields
+
     def check(self) -> None:
         _nonneg("produce", partition=self.partition, producer_id=self.producer_id)
         if self.producer_id >= 1 << 63:

@@ -108,6 +108,9 @@ def test_a_malformed_reply_to_a_pending_coordinator_request_does_not_kill_it(tmp
         other = writer if sender == b"writer" else dealer(ctx, internal, sender)
         # Playing the commit writer: once it reports, the coordinator asks it for the offsets.
         writer.send_multipart(codec.encode_request(m.WriterStatus(pid=1, healthy=True, metrics={}), None))
+        # A term starts from the store's metadata (an empty store here), then the offsets.
+        _prefix, meta = wait_for_request(writer, "load_metadata")
+        writer.send_multipart(codec.encode_reply(m.LoadMetadataReply(topics=[], partitions=[]), meta.corr_id))
         _prefix, load = wait_for_request(writer, "load_offsets")
         other.send_multipart([msgpack.packb({"v": 1, "id": load.corr_id, **reply})])
         assert still_alive_after(coordinator), (tmp_path / "coordinator.log").read_text()[-3000:]

@@ -39,7 +39,8 @@ def paused(broker, actor: str = "partition-0"):
     try:
         yield
     finally:
-        os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # killed inside the block, and already reaped
+            os.kill(pid, signal.SIGCONT)
 
 
 async def give_up_after(awaitable, seconds: float) -> None:

@@ -45,6 +45,9 @@ class HungPartition:
             if env.op == "produce":
                 self.produces += 1
                 continue
+            if env.op == "produce_many":  # batches of several partitions of this actor, in one request
+                self.produces += len(env.msg.parts)
+                continue
             reply = m.MetadataReply(topics=[{"name": t, "partitions": [{"partition": 0, "endpoint": self.url}]}
                                             for t in (env.msg.topics or ["t"])])
             self.router.send_multipart([identity, *codec.encode_reply(reply, env.corr_id)])
