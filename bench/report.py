@@ -592,7 +592,8 @@ def _render_console_overhead(entry: dict[str, Any], notes: _Footnotes) -> str:
         return f"\nConsole overhead (bench.console_overhead): {_status_cell(entry, notes)}\n"
     r = entry["result"]
     lines = [f"\nConsole overhead ({entry.get('how')}): records/s, median of {r['rounds']} alternating rounds "
-             f"of {r['records_per_round']:,} records each; the console scraped once a second "
+             f"of about {r['records_per_round']:,} records each (produce lasting at least "
+             f"{r.get('min_produce_s', 0):g} s); the console scraped once a second "
              f"({r['scrapes']} scrapes, {r['scrape_failures']} failed).\n",
              "| workload | --http off | console on, scraped | ratio |", "|---|---:|---:|---:|"]
     for figure, label in (("produce_rps", "produce"), ("consume_ack_rps", "consume+ack")):
