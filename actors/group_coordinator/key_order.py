@@ -369,10 +369,14 @@ class KeyOrder:
         return column.wanted_from(state.committed, log_end)
 
     def quarantine_report(self, now_ms: int) -> list[dict]:
-        out = []
-        for h, info in self.parked.items():
-            keyed = self.pending.get(h) or ()
-            out.append({"key_hash": h, "first_offset": keyed[0] if keyed else None, "held": len(keyed),
-                        "age_ms": now_ms - info.since_ms, "reason": info.reason, "failures": info.failures})
-        return out
+        return quarantine_rows(self.parked, self.pending, now_ms)
 
+
+def quarantine_rows(parked: dict, pending: dict, now_ms: int) -> list[dict]:
+    """`list_quarantine` rows: each parked key with the offsets of it held back (both modes)."""
+    out = []
+    for h, info in parked.items():
+        held = pending.get(h) or ()
+        out.append({"key_hash": h, "first_offset": held[0] if held else None, "held": len(held),
+                    "age_ms": now_ms - info.since_ms, "reason": info.reason, "failures": info.failures})
+    return out

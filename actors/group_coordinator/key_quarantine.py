@@ -44,7 +44,8 @@ from __future__ import annotations
 from bisect import insort
 from typing import TYPE_CHECKING, Callable
 
-from zbroker.actors.group_coordinator.key_order import MAX_HELD, MAX_PARKED_KEYS, RELEASED, KeyColumn, ParkedKey
+from zbroker.actors.group_coordinator.key_order import (MAX_HELD, MAX_PARKED_KEYS, RELEASED, KeyColumn, ParkedKey,
+                                                       quarantine_rows)
 from zbroker.actors.group_coordinator.partition_state import NEW, Lease, Piece, Ready
 from zbroker.actors.group_coordinator.ranges import RangeMap
 from zbroker.protocol.batch import NO_KEY_HASH
@@ -222,12 +223,7 @@ class ExclusiveQuarantine:
                 "held_limit_reached": self.paused == "held", "keys_known_to": self.column.end}
 
     def quarantine_report(self, now_ms: int) -> list[dict]:
-        out = []
-        for h, info in self.parked.items():
-            offsets = self.pending.get(h) or ()
-            out.append({"key_hash": h, "first_offset": offsets[0] if offsets else None, "held": len(offsets),
-                        "age_ms": now_ms - info.since_ms, "reason": info.reason, "failures": info.failures})
-        return out
+        return quarantine_rows(self.parked, self.pending, now_ms)
 
     def hashes_wanted(self, state: PartitionState, log_end: int) -> int | None:
         if self.column.fetching or state.committed is None:
