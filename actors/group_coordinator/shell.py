@@ -22,6 +22,8 @@ the two multi-step effects that need other actors:
 
 from __future__ import annotations
 
+import collections
+
 import itertools
 import os
 import random
@@ -227,6 +229,9 @@ class CoordinatorShell:
         self.last_advance_sent_ms = 0
         self.last_resend_ms = 0
         self.dead_letter_seq: dict[tuple[str, int], int] = {}
+        # Dead-letter topic -> the copies waiting for the one in progress (start_dead_letter).
+        self.dead_letter_queues: dict[str, collections.deque] = {}
+        self.dead_letter_copying: set[str] = set()
         # A dead-letter topic's max_batch_bytes, from its TOO_LARGE refusals: how much of a
         # record a copy without its value may keep (see dead_letter_payload).
         self.dead_letter_limits: dict[str, int] = {}
@@ -944,6 +949,42 @@ class CoordinatorShell:
     # -- dead letters -----------------------------------------------------------------------
 
     def start_dead_letter(self, effect: fx.DeadLetter, now: int) -> None:
+        """Copies into one dead-letter topic go one at a time, in the order the core asked
+        for them. SEMANTICS.md promises that a released key's records reach the DLQ in
+        order; copies made side by side did not keep it when one had to be retried (the
+        DLQ topic created on demand had no owner yet for the first copy): CI saw the three
+        records of a released key land as r2, r0, r1."""
+        self.dead_letter_queues.setdefault(effect.dlq_topic, collections.deque()).append(effect)
+        self.next_dead_letter(effect.dlq_topic, now)
+
+    def next_dead_letter(self, dlq_topic: str, now: int) -> None:
+        if dlq_topic in self.dead_letter_copying:
+            return
+        queue = self.dead_letter_queues.get(dlq_topic)
+        if not queue:
+            self.dead_letter_queues.pop(dlq_topic, None)
+            return
+        self.dead_letter_copying.add(dlq_topic)
+        self.copy_dead_letter(queue.popleft(), now)
+
+    def dead_letter_copied(self, effect: fx.DeadLetter) -> None:
+        self.dead_letter_copying.discard(effect.dlq_topic)
+        now = runtime.now_ms()
+        self.apply(self.core.on_dead_letter_done(effect, now), now)
+        self.next_dead_letter(effect.dlq_topic, now)
+
+    def dead_letter_not_copied(self, effect: fx.DeadLetter, error: ZBrokerError | None) -> None:
+        """The copies queued behind a failed one fail with it, in order, so that the core's
+        retries (one timer each, same deadline, fired in the order set) come back in order."""
+        self.dead_letter_copying.discard(effect.dlq_topic)
+        behind = list(self.dead_letter_queues.pop(effect.dlq_topic, ()))
+        now = runtime.now_ms()
+        self.apply(self.core.on_dead_letter_failed(effect, now, error), now)
+        for later in behind:
+            self.apply(self.core.on_dead_letter_failed(later, now, None), now)
+        self.next_dead_letter(effect.dlq_topic, now)
+
+    def copy_dead_letter(self, effect: fx.DeadLetter, now: int) -> None:
         def failed(reason: str, error: ZBrokerError | None = None, *, refused: bool = False) -> None:
             """`refused`: `error` is the dead-letter topic's answer to the copy (the core
             decides on it); otherwise it failed before (fetch, topic creation)."""
@@ -955,8 +996,7 @@ class CoordinatorShell:
             log("dead_letter.too_large" if too_large else "dead_letter.retry", group=effect.group,
                 topic=effect.topic, partition=effect.partition, offset=effect.offset, reason=reason,
                 code=None if error is None else error.code.value, drop_value=effect.drop_value)
-            self.apply(self.core.on_dead_letter_failed(effect, runtime.now_ms(), error if refused else None),
-                       runtime.now_ms())
+            self.dead_letter_not_copied(effect, error if refused else None)
 
         # The record whose full copy was just refused: no need to fetch it again.
         # (id, offset): one dead-lettering id covers every record of a range settled together.
@@ -990,7 +1030,7 @@ class CoordinatorShell:
                 # Gone through retention: nothing left to copy, the record is finished.
                 self.log.warning("dead_letter.source_gone", topic=effect.topic, partition=effect.partition,
                                  offset=effect.offset)
-                self.apply(self.core.on_dead_letter_done(effect, runtime.now_ms()), runtime.now_ms())
+                self.dead_letter_copied(effect)
                 return
             self.append_dead_letter(effect, records[0], failed)
 
@@ -1086,7 +1126,7 @@ class CoordinatorShell:
                           partition=effect.partition, offset=effect.offset, dlq=effect.dlq_topic,
                           dlq_offset=env.msg.base_offset, attempts=effect.attempts,
                           value_dropped=effect.drop_value)
-            self.apply(self.core.on_dead_letter_done(effect, runtime.now_ms()), runtime.now_ms())
+            self.dead_letter_copied(effect)
 
         self.request(f"partition:{dlq.owner}".encode(),
                      m.Produce(topic=effect.dlq_topic, partition=0, producer_id=self.dead_letter_producer_id,

@@ -37,7 +37,14 @@ def test_zbload_produces_and_consumes_what_the_broker_then_holds_and_commits(zbl
         admin.create_topic("cap", partitions=3)
         produced = _run(zbload, "produce", broker.url, "cap", "5000", "100", "1000", "250")
         assert produced["records"] == 5000 and produced["requests"] >= 20 and produced["cpu_s"] >= 0
-        ends = {p["partition"]: p["log_end"] for p in admin.describe_topic("cap")["partitions"]}
+        # describe_topic shows log ends as last reported by the partition actor (PROTOCOL.md:
+        # a report follows an append within REPORT_PACE_MS, and may trail the produce reply).
+        deadline = time.monotonic() + 10
+        while True:
+            ends = {p["partition"]: p["log_end"] for p in admin.describe_topic("cap")["partitions"]}
+            if sum(ends.values()) >= 5000 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert sum(ends.values()) == 5000 and all(ends.values())  # round-robin over all three
         consumed = _run(zbload, "consume", broker.url, "cap", "g", "5000", "1000")
         assert consumed["records"] >= 5000
