@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any
+from typing import Any, Iterable
 
 from zbroker.actors.group_coordinator import controller as ctl
 from zbroker.actors.group_coordinator.controller import ReplicaSet
@@ -250,25 +250,36 @@ class TopicRegistry:
         if not 1 <= min_insync <= replication_factor:
             raise ProtocolError("'min_insync' must be between 1 and the replication factor", op="create_topic",
                                 field="min_insync", got=min_insync, replication_factor=replication_factor)
-        candidates = self._candidates()
-        if ctl.qualifying(candidates) < replication_factor:
-            ctl.place(candidates, replication_factor)  # raises NOT_ENOUGH_REPLICAS, naming what qualifies
+        self._check_placeable(replication_factor)
         incarnation = random.getrandbits(63)
         self.topics[name] = {"partitions": partitions, "config": config, "replication_factor": replication_factor,
                              "min_insync": min_insync, "incarnation": incarnation}
-        decisions = []
-        for p in range(partitions):
-            replicas = ctl.place(candidates, replication_factor)
-            self.partitions[(name, p)] = PartitionInfo()
-            decisions.append(((name, p), ReplicaSet(tuple(replicas), replicas[0], 0, tuple(replicas), min_insync)))
-            candidates = [dataclasses.replace(c, replicas=c.replicas + (c.actor_id in replicas),
-                                              leaders=c.leaders + (c.actor_id == replicas[0])) for c in candidates]
+        decisions = self._place_replicated(name, range(partitions), replication_factor, min_insync)
         actors = {a for _key, rs in decisions for a in rs.replicas}
         held = self._assign_effects(actors)
         if token is not None:
             held.append(_Reply(token, m.CreateTopicReply(topic=name, partitions=partitions)))
         topic = [name, partitions, config, replication_factor, min_insync, incarnation]
         return self._decide(decisions, held, create_topics=[topic])
+
+    def _check_placeable(self, replication_factor: int) -> None:
+        candidates = self._candidates()
+        if ctl.qualifying(candidates) < replication_factor:
+            ctl.place(candidates, replication_factor)  # raises NOT_ENOUGH_REPLICAS, naming what qualifies
+
+    def _place_replicated(self, name: str, partitions: Iterable[int], replication_factor: int,
+                          min_insync: int) -> list[tuple[Key, ReplicaSet]]:
+        """New partitions of a replicated topic, each on `replication_factor` actors spread as
+        `ctl.place` spreads them (counting the ones placed before it); leader epoch 0."""
+        candidates = self._candidates()
+        decisions = []
+        for p in partitions:
+            replicas = ctl.place(candidates, replication_factor)
+            self.partitions[(name, p)] = PartitionInfo()
+            decisions.append(((name, p), ReplicaSet(tuple(replicas), replicas[0], 0, tuple(replicas), min_insync)))
+            candidates = [dataclasses.replace(c, replicas=c.replicas + (c.actor_id in replicas),
+                                              leaders=c.leaders + (c.actor_id == replicas[0])) for c in candidates]
+        return decisions
 
     # -- the controller: replicated partitions ------------------------------------------------
 
@@ -495,6 +506,15 @@ class TopicRegistry:
             topic["config"] = config
             owners = {part.owner for (t, _p), part in self.partitions.items() if t == name and part.owner}
             effects += self._assign_effects({a for a in owners if a in self.actors})
+        if partitions is not None and partitions > current and "replication_factor" in topic:
+            # The new partitions are replicated as the topic's first ones are: placed on
+            # R actors, held until their replica sets are durable (as create_topic's are).
+            self._check_placeable(topic["replication_factor"])
+            topic["partitions"] = partitions
+            decisions = self._place_replicated(name, range(current, partitions), topic["replication_factor"],
+                                               topic["min_insync"])
+            held = self._assign_effects({a for _key, rs in decisions for a in rs.replicas})
+            return [PersistTopics()] + effects + self._decide(decisions, held)
         if partitions is not None and partitions > current:
             topic["partitions"] = partitions
             for p in range(current, partitions):

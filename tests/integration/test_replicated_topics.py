@@ -9,7 +9,7 @@ import pytest
 
 from tests.integration.test_cli_and_clients import cli
 from tests.support.waiting import wait_for
-from zbroker.client import Admin
+from zbroker.client import Admin, Producer
 from zbroker.protocol.errors import NotEnoughReplicas
 
 pytestmark = pytest.mark.processes
@@ -94,3 +94,29 @@ def test_a_sigkilled_leader_loses_its_leadership_to_an_isr_member_at_a_new_epoch
         # replicate, that may already have happened), never below min_insync.
         for row in admin.status()["under_replicated"]:
             assert row["leader"] == after["leader"] and not row["below_min_insync"]
+
+
+def test_growing_a_replicated_topic_replicates_its_new_partitions(start):
+    """`topics alter --partitions` on an R = 3 topic: the new partitions get replica sets of
+    three like the first ones (they were placed unreplicated, on one actor, before), and a
+    record produced to one is acknowledged once the ISR has it."""
+    broker = start(partition_actors=3, extra_args=("--actor-dirs",))
+    with Admin(broker.url) as admin:
+        admin.create_topic("grow", partitions=1, replication_factor=3)
+        admin.alter_topic("grow", partitions=3)
+        parts = wait_for(lambda: (ps := admin.describe_topic("grow")["partitions"]) and
+                         all(len(p["isr"]) == 3 for p in ps) and ps, timeout=30,
+                         what="every partition with an ISR of three")
+        assert [p["partition"] for p in parts] == [0, 1, 2]
+        for p in parts:
+            assert sorted(p["replicas"]) == ["p0", "p1", "p2"] and p["min_insync"] == 2
+            assert p["leader"] == p["replicas"][0] and p["leader_epoch"] == 0
+    with Producer(broker.url) as producer:
+        handle = producer.send("grow", b"on-a-new-partition", partition=2)
+        producer.flush()
+        assert handle.error is None and handle.offset == 0
+    with Admin(broker.url) as admin:
+        wait_for(lambda: all(v == 1 for v in admin.describe_topic("grow")["partitions"][2]
+                             ["replica_log_ends"].values()) and
+                 len(admin.describe_topic("grow")["partitions"][2]["replica_log_ends"]) == 3,
+                 timeout=30, what="the record on all three replicas")
