@@ -207,6 +207,8 @@ def test_results_md_is_the_template_filled_in(results):
     assert "Do not edit by hand" in report.render_results_md(s, "results/latest.png")
 
 
+# matplotlib runs `fc-list` the first time it looks for fonts on a machine (CI's fresh one).
+@pytest.mark.processes
 def test_write_run_writes_json_png_markdown_and_latest_copies(results, tmp_path):
     paths = report.write_run(results, tmp_path / "out", results_md=tmp_path / "RESULTS.md")
     for key in ("json", "png", "md", "latest_json", "latest_png", "latest_md", "results_md"):

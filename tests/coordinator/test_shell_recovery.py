@@ -118,8 +118,33 @@ def test_a_value_less_copy_takes_its_own_record_not_another_of_its_range(tmp_pat
     [(_produce, refuse, _frames)] = requests
     requests.clear()
     refuse(codec.Envelope(op="produce", corr_id=1, error=TooLarge("batch exceeds max_batch_bytes", limit=300)))
-    fetch, append = (msg for msg, _cb, _f in requests)
-    assert isinstance(fetch, m.Fetch) and fetch.offset == 1  # offset 1 fetches its own record
-    [(_ts, key, value, headers)] = codec.unpack_value(requests[1][2][0])
-    assert isinstance(append, m.Produce) and (key, value) == (b"key-0", b"")
-    assert headers["zb-dlq-source-offset"] == b"0"
+    # Copies into one DLQ go one at a time, in the core's order: offset 1's copy fetches its
+    # own record, and offset 0's value-less copy waits behind it.
+    [(fetch, fetched, _f)] = requests
+    assert isinstance(fetch, m.Fetch) and fetch.offset == 1
+    assert [(e.offset, e.drop_value) for e in shell.dead_letter_queues["t.dlq"]] == [(0, True)]
+    fetched(None)  # no answer: both copies fail together, and the core retries them in order
+    assert not shell.dead_letter_queues.get("t.dlq") and "t.dlq" not in shell.dead_letter_copying
+
+
+def test_copies_into_one_dead_letter_topic_go_one_at_a_time_in_order(tmp_path):
+    """A copy behind another waits for it: side by side, a first copy that had to be retried
+    (its DLQ topic had no owner yet) landed after later ones, and a released key's records
+    reached the DLQ out of order."""
+    import types
+
+    shell, _sent = _shell(tmp_path)
+    shell.topics = types.SimpleNamespace(topics={"t": None, "t.dlq": None}, partitions={
+        ("t", 0): types.SimpleNamespace(owner="p0"), ("t.dlq", 0): types.SimpleNamespace(owner=None)})
+    requests = []
+    shell.request = lambda identity, msg, now, on_reply, frames=(): requests.append((msg, on_reply, frames))
+    failed = []
+    shell.core.on_dead_letter_failed = lambda effect, now, error=None: failed.append(effect.offset) or []
+    for offset in range(3):
+        shell.start_dead_letter(DeadLetter("g", "t", 0, offset, "t.dlq", 1, "quarantine_release", 5), 0)
+    [(fetch, fetched, _f)] = requests  # only the first copy is under way
+    assert isinstance(fetch, m.Fetch) and fetch.offset == 0
+    assert [e.offset for e in shell.dead_letter_queues["t.dlq"]] == [1, 2]
+    fetched(None)  # the first fails: the ones behind it fail with it, in order, none appended
+    assert failed == [0, 1, 2] and len(requests) == 1
+    assert not shell.dead_letter_queues.get("t.dlq") and "t.dlq" not in shell.dead_letter_copying
