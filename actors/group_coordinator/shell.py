@@ -60,6 +60,10 @@ ADVANCE_RESEND_MS = 3000
 # competed with the data path; at 50 ms it is 4-5 %. A commit is only a restart
 # point: 50 ms more of acked records may be redelivered after a crash, never lost.
 ADVANCE_COALESCE_MS = 50
+# How long a stopping coordinator waits for the writer to confirm the advances it handed it
+# last (well inside the supervisor's 10 s stop timeout; a writer that cannot flush, a
+# database outage, costs the stop this long and the rows are redelivered, as after a crash).
+SHUTDOWN_DRAIN_MS = 3000
 LOAD_RETRY_MS = 1000
 # Rows per load_offsets page; halved while the writer answers TOO_LARGE (a row may
 # carry up to 1,000 hole ranges, about 11 KB: a full page of those is over the header limit).
@@ -1288,7 +1292,20 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
                                                 security.user_id(frames[1]))
             shell.tick(now)
         shell.shutdown()
-        log.info("actor.stopped", signal=stop.signal)
+        # The last advances were just handed to the writer, and the socket closes with linger
+        # 0: closed at once, it could drop them unsent, and a consumer's flushed acks were
+        # lost across a clean stop (CI under load: committed 0 of 100 after Ctrl-C). Wait
+        # for the writer's confirmation; the supervisor stops the writer only after us.
+        deadline = runtime.now_ms() + SHUTDOWN_DRAIN_MS
+        while shell.unconfirmed and (now := runtime.now_ms()) < deadline:
+            if internal.poll(max(1, min(50, deadline - now))):
+                for _ in range(TURN_BUDGET):
+                    frames = recv_frames(internal)
+                    if frames is None:
+                        break
+                    if len(frames) >= 2:
+                        shell.on_internal_message(frames[0], frames[1:], runtime.now_ms())
+        log.info("actor.stopped", signal=stop.signal, unconfirmed_advances=len(shell.unconfirmed))
     finally:
         router.close(linger=0)
         internal.close(linger=0)
