@@ -132,6 +132,20 @@ successor's lease, a row older than the epoch in force at its time, an unfenced 
 a row of an epoch not yet taken; and a record lost and an offset that goes back
 across a failover.
 
+### Bugs this run found
+
+- **A partition stayed without a working leader for good after its leading node was
+  SIGKILLed whole and restarted within the actor timeout** (`NOT_LEADER: this replica
+  does not lead the partition` on every produce and fetch; the drain never finished;
+  nothing lost). The node had also led the coordinators. The one that took over on
+  another node had never seen the old process's pid, so it could not tell that the
+  partition actor was a new process, and kept it as leader at the same leader epoch,
+  which a restarted replica refuses to lead (it may have lost a tail its followers
+  copied). Fixed in `TopicRegistry.register`: an actor met for the first time that
+  reports no replica state while it holds replicas counts as restarted (a new epoch;
+  it leaves the ISR unless it is the last member). The regression test is in
+  `tests/unit/test_controller.py`.
+
 ### The report
 
 ```
