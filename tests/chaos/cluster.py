@@ -23,7 +23,7 @@ The nemesis does one fault at a time, heals it, and waits (bounded) until
 every node is up, one leads, and every partition's ISR is full again, so no
 fault meets a second that R = 3, M = 2 does not promise to survive:
 
-* ``kill-leader``: SIGKILL the leading node's process group (supervisor and
+* ``kill-leader``: SIGKILL every process of the leading node (supervisor and
   every actor: a lost host), restart it on its disk 0.5–6 s later;
 * ``pause-leader``: SIGSTOP the leading node whole until another node holds
   the lease at a higher epoch (the lease, ``--coordinator-lease-ms``, runs
@@ -164,10 +164,27 @@ class Node:
     def pids(self) -> dict[str, int]:
         return self.handle.pids() if self.running else {}
 
+    def processes(self) -> list[int]:
+        """Every process of the node, its supervisor first. `zbroker up` starts a session of its
+        own (start_new_session); its actors stay in that session, though each leads a process
+        group of its own (for the terminal's Ctrl-C), so killpg would reach the supervisor alone."""
+        import psutil
+
+        supervisor = self.handle.process.pid
+        members = []
+        for pid in psutil.pids():
+            with contextlib.suppress(OSError):
+                if pid != supervisor and os.getsid(pid) == supervisor:
+                    members.append(pid)
+        return [supervisor] + sorted(members)
+
     def _signal_all(self, sig: int) -> None:
-        """The node whole: `zbroker up` starts in a session of its own, its actors in its process group."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.handle.process.pid, sig)
+        """The node whole. The supervisor first, so that it restarts no actor in between; for
+        SIGCONT last, so that it finds its actors running again."""
+        pids = self.processes()
+        for pid in reversed(pids) if sig == signal.SIGCONT else pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def kill(self) -> int:
         pid = self.handle.process.pid
