@@ -61,15 +61,18 @@ test-fast: $(STAMP)
 bench: $(STAMP) $(LOADGEN)
 	$(PY) -m bench
 
-## The long chaos runs: make chaos DURATION=1800 [CHAOS=single|replicated|both]
+## The long chaos runs: make chaos DURATION=1800 [CHAOS=single|replicated|cluster|both]
 ## (single: one host, actors SIGKILLed, the database cut; replicated: three hosts at R = 3
-## lost with and without their disks, leaders cut off and paused; both, one after the other).
+## lost with and without their disks, leaders cut off and paused; cluster: three `zbroker up`
+## nodes on one PostgreSQL, the leading node killed, paused past its lease, cut off the
+## database, nodes restarted; both: all of them, one after the other).
 CHAOS ?= both
-CHAOS_SELECT_single := -k "not host_loss"
+CHAOS_SELECT_single := -k "not host_loss and not in_a_cluster"
 CHAOS_SELECT_replicated := -k "host_loss or test_checker"
+CHAOS_SELECT_cluster := -k "in_a_cluster or test_checker"
 CHAOS_SELECT_both :=
 chaos: $(STAMP)
-	@test -n "$(filter $(CHAOS),single replicated both)" || { echo "CHAOS must be single, replicated or both"; exit 2; }
+	@test -n "$(filter $(CHAOS),single replicated cluster both)" || { echo "CHAOS must be single, replicated, cluster or both"; exit 2; }
 	$(PY) -m pytest -q tests/chaos -m chaos --chaos-duration=$(DURATION) -p no:cacheprovider $(CHAOS_SELECT_$(CHAOS))
 
 clean:

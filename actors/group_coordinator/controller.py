@@ -30,7 +30,10 @@ calls these functions, and makes each decision durable before it takes effect.
   was in (unless it is the last member), and a partition it led gets a new
   leader, or itself again at a new epoch if no other ISR member lives, so that
   no offset is ever written twice under one epoch. It rejoins the ISR when its
-  leader sees it caught up.
+  leader sees it caught up. A coordinator knows a restart by a pid it saw before;
+  after it took over (or restarted) it has seen none, so an actor it meets for the
+  first time that reports no replica state while it holds replicas counts as new
+  (one that ran through the takeover reports every replica it holds).
 * **ISR changes** come only from the current leader (`alter_isr`) at the
   current epoch; the leader may not drop itself, and the ISR stays a subset of
   the replicas, kept in replica order.

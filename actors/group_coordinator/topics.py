@@ -594,7 +594,13 @@ class TopicRegistry:
             if len(self.actors) >= MAX_ACTORS:
                 raise Unavailable("too many partition actors registered", actor_id=actor_id, limit=MAX_ACTORS)
         is_new = info is None or not info.alive or info.endpoint != endpoint or info.pid != pid
-        restarted = info is not None and (not info.alive or info.pid != pid)
+        # A pid this coordinator saw before tells a restart. One it never saw (it restarted or
+        # took over since) tells nothing, but the replica states do: a process that ran
+        # through the takeover reports every replica it was assigned, a new one none. Kept
+        # as leader at the same epoch, a new process refuses to lead it (replica.py), and
+        # the partition would wait for an election that never comes.
+        restarted = (info is not None and (not info.alive or info.pid != pid)) or \
+            (info is None and not replica_states and self._holds_replicas(actor_id))
         self.actors[actor_id] = ActorInfo(actor_id, endpoint, storage_id, pid, now_ms, True,
                                           list(not_open or []), not_open_count, rack)
         self.on_report(actor_id, reported, now_ms)
@@ -606,6 +612,9 @@ class TopicRegistry:
         effects += self._rebalance_storage(storage_id)
         effects += self._reelect(only_actor=actor_id, restarted=actor_id if restarted else None)
         return effects
+
+    def _holds_replicas(self, actor_id: str) -> bool:
+        return any(part.newest is not None and actor_id in part.newest.replicas for part in self.partitions.values())
 
     def deregister(self, actor_id: str, pid: int, now_ms: int) -> list:
         """The actor stopped on purpose and closed its logs: treat it as dead now, so its

@@ -76,6 +76,22 @@ watermark per partition). Three more checks, each must be 0:
 * **epoch regressions**: a partition's leader epoch, sampled from the
   controller, lower than an earlier sample's.
 
+A cluster run (``History.epochs`` not empty: several nodes, one coordinator
+lease in PostgreSQL) adds what the store holds about its writers: every
+coordinator epoch ever taken, with when the database took it
+(``zbroker_coordinator_epochs``), and the stored writes, each with the
+epoch of the coordinator that wrote it and the database's time of the
+write. Those come from the rows as they stand after the run and from an
+audit trigger the test puts on the fenced tables, which also records the
+lease row's epoch as the write landed. One more check, must be 0:
+
+* **stale-epoch writes**: a stored write whose epoch is lower than the
+  lease row's when it landed (the trigger saw it), or lower than the epoch
+  in force at its time by the epoch history (the latest taken at or before
+  it), or higher than that (an epoch not yet taken). Fencing (the lease row
+  locked ``FOR SHARE`` in every fenced statement) must make these
+  impossible: a former leader that wakes up can change nothing.
+
 `check(history)` returns a `Report`; `Report.to_json()` and
 `Report.to_table()` render it.
 """
@@ -93,14 +109,18 @@ from typing import Iterable
 NEVER = (1 << 63) - 1  # "finished at" of a record that never was
 DURABLE_SOURCES = ("pg", "describe")
 # Nemesis events, shown with what was in flight when they happened.
-ROOT_KINDS = ("kill-actor", "kill-consumer", "start-consumer", "pg-cut")
+ROOT_KINDS = ("kill-actor", "kill-consumer", "start-consumer", "pg-cut", "kill-node", "pause-node", "failover")
 # Those that can make a finished record be delivered again: the coordinator forgets acks that
 # were not durable, a dead consumer's acks never arrive, and a consumer that comes or goes
 # makes the group rebalance, which revokes leases whose acks then arrive stale. Killing a
 # partition actor or the writer, or cutting the database, only delays: the acks stay in the
 # coordinator's memory. A duplicate is blamed on one of these directly, or through a rebalance
-# that followed one within REBALANCE_ROOT_S.
-REDELIVERING = (("kill-actor", "coordinator"), ("kill-consumer", None), ("start-consumer", None))
+# that followed one within REBALANCE_ROOT_S. In a cluster, the leading node killed or paused,
+# and a ``failover`` (the run saw a new coordinator epoch in the lease row, whatever caused it),
+# are a coordinator restart on another node: the leases of the former leader end.
+REDELIVERING = (("kill-actor", "coordinator"), ("kill-consumer", None), ("start-consumer", None),
+                ("kill-node", None), ("pause-node", None), ("failover", None))
+COORDINATOR_LOST = ("kill-actor", "kill-node", "pause-node", "failover")
 REBALANCE = "rebalance"
 REBALANCE_ROOT_S = 15.0
 DETAIL_LIMIT = 50  # violations listed in full per kind (all are counted)
@@ -175,6 +195,24 @@ class LeaderSample:
     high_watermark: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class EpochTaken:
+    """One row of ``zbroker_coordinator_epochs``: an epoch, its node, when the database took it."""
+    epoch: int
+    holder: str
+    taken_at_us: int  # the database's clock, microseconds since 1970
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWrite:
+    """A write to a fenced table, as the store shows it."""
+    table: str
+    key: str
+    coordinator_epoch: int  # the writer's (0: written without an epoch, unfenced)
+    written_at_us: int  # the database's clock
+    lease_epoch: int | None = None  # the lease row's epoch as it landed (the audit trigger); None: a final row
+
+
 def can_redeliver(event: NemesisEvent) -> bool:
     return any(event.kind == kind and target in (None, event.target) for kind, target in REDELIVERING)
 
@@ -196,6 +234,9 @@ class History:
     replica_logs: dict[str, dict[int, list[ReplicaEntry]]] = field(default_factory=dict)  # replica -> partition
     replica_hw: dict[str, dict[int, int]] = field(default_factory=dict)  # replica -> partition -> vouched HW
     leadership: list[LeaderSample] = field(default_factory=list)
+    # A cluster run only (epochs not empty):
+    epochs: list[EpochTaken] = field(default_factory=list)
+    stored_writes: list[StoredWrite] = field(default_factory=list)
 
 
 # -- outputs -----------------------------------------------------------------------------
@@ -283,6 +324,17 @@ class EpochRegression:
     epoch: int
 
 
+@dataclass(frozen=True, slots=True)
+class StaleWrite:
+    """A stored write by a coordinator epoch that was not the current one when it landed."""
+    table: str
+    key: str
+    coordinator_epoch: int
+    written_at_us: int
+    current_epoch: int  # the lease row's (evidence "lease row"), or the history's ("epoch history")
+    evidence: str
+
+
 @dataclass(slots=True)
 class EventRow:
     time_ns: int
@@ -314,12 +366,14 @@ class Report:
     divergences: list[Divergence] = field(default_factory=list)
     epoch_regressions: list[EpochRegression] = field(default_factory=list)
     replicated: bool = False
+    stale_writes: list[StaleWrite] = field(default_factory=list)
+    clustered: bool = False
 
     @property
     def ok(self) -> bool:
         return not (self.lost or self.regressions or self.committed_past_unfinished
                     or self.committed_beyond_log_end or self.under_replicated or self.divergences
-                    or self.epoch_regressions)
+                    or self.epoch_regressions or self.stale_writes)
 
     def summary(self) -> dict:
         return {
@@ -330,6 +384,7 @@ class Report:
             "committed_beyond_log_end": len(self.committed_beyond_log_end),
             **({"under_replicated": len(self.under_replicated), "divergences": len(self.divergences),
                 "epoch_regressions": len(self.epoch_regressions)} if self.replicated else {}),
+            **({"stale_writes": len(self.stale_writes)} if self.clustered else {}),
             **self.counts,
         }
 
@@ -359,6 +414,7 @@ class Report:
                 "under_replicated": [dataclasses.asdict(v) for v in self.under_replicated[:DETAIL_LIMIT]],
                 "divergences": [dataclasses.asdict(v) for v in self.divergences[:DETAIL_LIMIT]],
                 "epoch_regressions": [dataclasses.asdict(v) for v in self.epoch_regressions[:DETAIL_LIMIT]],
+                "stale_writes": [dataclasses.asdict(v) for v in self.stale_writes[:DETAIL_LIMIT]],
             },
             "redelivered_after_durable": [dataclasses.asdict(v)
                                           for v in self.redelivered_after_durable[:DETAIL_LIMIT]],
@@ -413,13 +469,42 @@ def check(history: History) -> Report:
         counts["replica_records"] = sum(len(v) for logs in history.replica_logs.values() for v in logs.values())
         counts["leader_samples"] = len(history.leadership)
         counts["leader_changes"] = _leader_changes(history.leadership)
+    clustered = bool(history.epochs)
+    if clustered:
+        counts["epochs_taken"] = len(history.epochs)
+        counts["stored_writes"] = len(history.stored_writes)
+        counts["audited_writes"] = sum(1 for w in history.stored_writes if w.lease_epoch is not None)
     return Report(meta=dict(history.meta), counts=counts, partitions=partitions, lost=lost,
                   regressions=regressions, committed_past_unfinished=past, committed_beyond_log_end=beyond,
                   events=events, duplicates_by_cause=by_cause, redelivered_after_durable=after_durable,
                   under_replicated=_under_replicated(history) if replicated else [],
                   divergences=_divergences(history) if replicated else [],
                   epoch_regressions=_epoch_regressions(history.leadership) if replicated else [],
-                  replicated=replicated)
+                  replicated=replicated, stale_writes=_stale_writes(history) if clustered else [],
+                  clustered=clustered)
+
+
+def _stale_writes(history: History) -> list[StaleWrite]:
+    """Writes whose epoch was not the lease's when they landed (see the module doc).
+
+    An unfenced write (epoch 0) in a cluster is one too: the lease's epoch is at least 1."""
+    taken = sorted(history.epochs, key=lambda e: (e.taken_at_us, e.epoch))
+    times = [e.taken_at_us for e in taken]
+    highest, running = [], 0
+    for e in taken:
+        running = max(running, e.epoch)
+        highest.append(running)
+    out = []
+    for w in sorted(history.stored_writes, key=lambda w: w.written_at_us):
+        if w.lease_epoch is not None and w.coordinator_epoch != w.lease_epoch:
+            out.append(StaleWrite(w.table, w.key, w.coordinator_epoch, w.written_at_us, w.lease_epoch,
+                                  "lease row"))
+            continue
+        i = bisect.bisect_right(times, w.written_at_us) - 1
+        current = highest[i] if i >= 0 else 0
+        if w.coordinator_epoch != current:
+            out.append(StaleWrite(w.table, w.key, w.coordinator_epoch, w.written_at_us, current, "epoch history"))
+    return out
 
 
 def _under_replicated(history: History) -> list[UnderReplicated]:
@@ -637,7 +722,7 @@ def _duplicates(history: History, samples: list[CommitSample]) -> tuple[list[Eve
     rows = [EventRow(e.time_ns, e.kind, e.target, None, None) for e in events]
     roots = [i for i, e in enumerate(events) if can_redeliver(e)]
     root_times = [events[i].time_ns for i in roots]
-    coordinator_roots = [j for j, i in enumerate(roots) if events[i].kind == "kill-actor"]
+    coordinator_roots = [j for j, i in enumerate(roots) if events[i].kind in COORDINATOR_LOST]
     coordinator_times = [root_times[j] for j in coordinator_roots]
     rebalances = [e.time_ns for e in everything if e.kind == REBALANCE]
     window = int(REBALANCE_ROOT_S * 1e9)
@@ -852,6 +937,10 @@ def render_table(report: Report) -> str:
         out.append(f"replicas: {s['replicas']} logs read from their data directories, {s['replica_records']} "
                    f"records in them; {s['leader_changes']} leader changes seen in {s['leader_samples']} "
                    f"samples of the controller")
+    if report.clustered:
+        out[0] += f"   stale-epoch writes {s['stale_writes']}"
+        out.append(f"cluster: {s['epochs_taken']} coordinator epochs taken; {s['stored_writes']} stored writes "
+                   f"checked against them, {s['audited_writes']} of them seen landing by the audit trigger")
     out.append(f"records: {s['acked']} acknowledged to producers, {s['produce_failures']} sends without an ack, "
                f"{s['log_records']} in the logs ({s['unacked_in_log']} of them never acknowledged)")
     out.append(f"consumers: {s['finished_records']} records finished, {s['finishes']} finishes, "
@@ -895,7 +984,8 @@ def render_table(report: Report) -> str:
                          ("COMMITTED BEYOND LOG END", report.committed_beyond_log_end),
                          ("ACKNOWLEDGED ON FEWER THAN MIN-INSYNC REPLICAS", report.under_replicated),
                          ("REPLICAS DISAGREEING BELOW THE HIGH WATERMARK", report.divergences),
-                         ("LEADER EPOCH REGRESSIONS", report.epoch_regressions)):
+                         ("LEADER EPOCH REGRESSIONS", report.epoch_regressions),
+                         ("WRITES BY A COORDINATOR EPOCH THAT WAS NOT CURRENT", report.stale_writes)):
         if not items:
             continue
         out.append("")
@@ -930,4 +1020,7 @@ def _describe(v, origin: int) -> str:
     if isinstance(v, EpochRegression):
         return (f"partition {v.partition}: leader epoch {v.before} at {_secs(v.before_ns, origin)}s, then "
                 f"{v.epoch} at {_secs(v.at_ns, origin)}s")
+    if isinstance(v, StaleWrite):
+        return (f"{v.table} {v.key}: written by epoch {v.coordinator_epoch} at {v.written_at_us} us (database "
+                f"clock) while epoch {v.current_epoch} was current ({v.evidence})")
     return repr(v)

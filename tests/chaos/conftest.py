@@ -6,8 +6,8 @@ gets its own pytest-timeout budget here, and a faulthandler dump armed for
 that budget instead of the suite's 540 s when it is longer.
 
 Without ``--chaos-duration`` (as in ``make test``) the single-host run lasts
-180 s and the replicated one 60 s; ``make chaos DURATION=1800`` gives both
-the same.
+180 s, the replicated and the cluster ones 60 s; ``make chaos DURATION=1800``
+gives all the same.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ OVERHEAD_S = 150.0
 # The replicated run also waits for the replica sets to move, and at the end for
 # every replica to catch up, and reads every host's logs.
 REPLICATED_OVERHEAD_S = 300.0
-DEFAULT_DURATION_S = {"chaos_duration": 180.0, "replicated_chaos_duration": 60.0}
+# The cluster run also waits for a paused leader's successor and for the cluster to heal.
+CLUSTER_OVERHEAD_S = 300.0
+DEFAULT_DURATION_S = {"chaos_duration": 180.0, "replicated_chaos_duration": 60.0, "cluster_chaos_duration": 60.0}
+OVERHEAD_BY_FIXTURE = {"replicated_chaos_duration": REPLICATED_OVERHEAD_S, "cluster_chaos_duration": CLUSTER_OVERHEAD_S}
 
 
 def duration_for(config, fixture: str) -> float:
@@ -35,7 +38,7 @@ def duration_for(config, fixture: str) -> float:
 
 
 def chaos_budget(config, fixture: str = "chaos_duration") -> float:
-    overhead = REPLICATED_OVERHEAD_S if fixture == "replicated_chaos_duration" else OVERHEAD_S
+    overhead = OVERHEAD_BY_FIXTURE.get(fixture, OVERHEAD_S)
     return duration_for(config, fixture) + overhead
 
 
@@ -69,6 +72,11 @@ def chaos_duration(request) -> float:
 @pytest.fixture
 def replicated_chaos_duration(request) -> float:
     return _arm_dump(request, "replicated_chaos_duration")
+
+
+@pytest.fixture
+def cluster_chaos_duration(request) -> float:
+    return _arm_dump(request, "cluster_chaos_duration")
 
 
 def open_chaos_broker(start, pg_dsn: str, schema: str, partition_actors: int):

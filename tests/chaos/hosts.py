@@ -48,6 +48,15 @@ def free_port_on(*addresses: str) -> int:
     raise RuntimeError(f"no port free on all of {addresses}")
 
 
+def last_words(log_file: Path, lines: int = 3) -> str:
+    """The tail of a process's log, on one line: what it said before it exited."""
+    try:
+        tail = log_file.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return " | ".join(line[:300] for line in tail)
+
+
 class Host:
     def __init__(self, index: int, broker_url: str, root: Path, *, replica_lag_ms: int, fsync: str,
                  log_level: str = "warning") -> None:
@@ -98,11 +107,7 @@ class Host:
         return self.process is not None and not self.running and not self.down_on_purpose
 
     def last_words(self, lines: int = 3) -> str:
-        try:
-            tail = self.log_file.read_text(errors="replace").strip().splitlines()[-lines:]
-        except OSError:
-            return ""
-        return " | ".join(line[:300] for line in tail)
+        return last_words(self.log_file, lines)
 
     def kill(self) -> int | None:
         """SIGKILL the host's process (a lost host); its disk stays as the page cache left it."""

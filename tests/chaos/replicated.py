@@ -49,10 +49,10 @@ from typing import Any
 
 from tests.chaos.checker import History, LeaderSample, ReplicaEntry
 from tests.chaos.hosts import Host
+from tests.chaos.nemesis import HEAL_TIMEOUT_S, OneFaultAtATime
 from tests.chaos.workload import ChaosConfig, ChaosRun, record_id_of, save_history, HISTORY_FILE
 
 BUILTIN_ACTORS = 1  # `zbroker up` needs one; it is moved out of every replica set
-HEAL_TIMEOUT_S = 90.0  # a bound on waiting for a full ISR, never a timing claim
 REPLACED_TIMEOUT_S = 45.0  # ... and on waiting for a paused leader's replacement
 FAULTS = {"kill-host": 3, "kill-host-wipe": 2, "wipe-restart": 1, "cut-leader": 3, "pause-leader": 2}
 
@@ -72,7 +72,10 @@ class ReplicatedChaosConfig(ChaosConfig):
     host_log_level: str = "warning"  # ZBROKER_CHAOS_HOST_LOG=info for the replication events
 
 
-class ReplicatedChaosRun(ChaosRun):
+class ReplicatedChaosRun(OneFaultAtATime, ChaosRun):
+    FAULTS = FAULTS
+    NOT_HEALED = "the ISR did not fill up again"
+
     def __init__(self, config: ReplicatedChaosConfig, broker: Any, proxy: Any, pg_dsn: str, schema: str,
                  workdir: Path, *, actors: Any, log=print) -> None:
         super().__init__(config, broker, proxy, pg_dsn, schema, workdir, actors=actors, log=log)
@@ -80,6 +83,7 @@ class ReplicatedChaosRun(ChaosRun):
         root.mkdir(parents=True, exist_ok=True)
         self.hosts = [Host(i, broker.url, root, replica_lag_ms=config.replica_lag_ms, fsync=config.fsync,
                            log_level=config.host_log_level) for i in range(config.hosts)]
+        self.machines = self.hosts
         self.leadership: list[LeaderSample] = []
         self.stats.update({f"fault {k}": 0 for k in FAULTS})
         self.stats.update(heal_waits=0, heal_timeouts=0, heal_s_max=0.0, pause_replaced=0,
@@ -144,39 +148,11 @@ class ReplicatedChaosRun(ChaosRun):
                                    for r in rows)
         return rows
 
-    def revive_crashed(self) -> None:
-        """A host whose actor exited on its own is a bug found: say so, and restart it as
-        `zbroker up`'s supervisor would (the run goes on; the report lists every crash)."""
-        for host in self.hosts:
-            if host.crashed:
-                words = host.last_words()
-                self.event("host-crashed", host.name, f"exit {host.process.returncode}: {words}")
-                self.stats["crashes"].append({"host": host.name, "exit": host.process.returncode,
-                                              "t_s": round((time.monotonic_ns() - self.origin_ns) / 1e9, 1),
-                                              "last_words": words})
-                self.log(f"chaos: {host.name} CRASHED (exit {host.process.returncode}): {words}")
-                self.actors.remember(host.start())
-
     def healed(self, admin) -> bool:
         self.revive_crashed()
         rows = self.partitions(admin)
         return rows is not None and all(r.get("leader") and sorted(r["isr"]) == sorted(r["replicas"])
                                         for r in rows)
-
-    def wait_healed(self, admin, what: str) -> bool:
-        started = time.monotonic()
-        self.stats["heal_waits"] += 1
-        while not self._stop_nemesis.is_set():
-            if self.healed(admin):
-                self.stats["heal_s_max"] = max(self.stats["heal_s_max"], round(time.monotonic() - started, 1))
-                return True
-            if time.monotonic() - started > HEAL_TIMEOUT_S:
-                self.stats["heal_timeouts"] += 1
-                self.event("not-healed", what, f"ISR not full after {HEAL_TIMEOUT_S:.0f} s")
-                self.log(f"chaos: the ISR did not fill up again within {HEAL_TIMEOUT_S:.0f} s after {what}")
-                return False
-            self._stop_nemesis.wait(0.2)
-        return False
 
     def leader_host(self, admin, rng: random.Random) -> Host | None:
         rows = self.partitions(admin) or []
@@ -187,38 +163,6 @@ class ReplicatedChaosRun(ChaosRun):
         return next((h for h in self.hosts if h.name == name), None)
 
     # -- nemesis ----------------------------------------------------------------------------
-
-    def _nemesis(self) -> None:
-        from zbroker.client import Admin
-
-        cfg = self.config
-        rng = random.Random(self.rng.randrange(1 << 32))
-        end = time.monotonic() + cfg.duration_s
-        kinds = [k for k, weight in FAULTS.items() for _ in range(weight)]
-        admin = Admin(self.url, request_timeout=2.0)
-        try:
-            while not self._stop_nemesis.is_set() and time.monotonic() < end:
-                if self._stop_nemesis.wait(rng.uniform(*cfg.nemesis_gap_s)):
-                    break
-                self.revive_crashed()
-                kind = rng.choice(kinds)
-                self.stats["nemesis_actions"] += 1
-                self.stats[f"fault {kind}"] += 1
-                try:
-                    self._fault(kind, admin, rng)
-                finally:
-                    self.remember_actors()
-                self.wait_healed(admin, kind)
-        finally:
-            admin.close()
-            for host in self.hosts:  # whatever a stop left behind
-                if host.paused:
-                    host.resume()
-                if host.link.mode != "forward":
-                    host.link.restore()
-                if not host.running:
-                    host.start()
-            self.remember_actors()
 
     def _fault(self, kind: str, admin, rng: random.Random) -> None:
         cfg = self.config

@@ -171,9 +171,11 @@ def render_markdown(report: Report) -> str:
 Each chaos run with `ZBROKER_CHAOS_REPORT=docs/RELIABILITY.md` writes its own
 section of this page: the single-host run (tests/chaos/test_chaos.py) this one,
 the replicated run with host loss (tests/chaos/test_replicated_chaos.py) the
-one below. `make test` runs the single-host test for 180 s and the replicated
-one for 60 s without touching the page; `make chaos DURATION=… [CHAOS=single|replicated|both]`
-runs them for longer.
+one below it, and the cluster run, three nodes on one PostgreSQL with the
+leading node killed, paused and cut off (tests/chaos/test_cluster_chaos.py),
+the last. `make test` runs the single-host test for 180 s and the other two
+for 60 s each without touching the page; `make chaos DURATION=…
+[CHAOS=single|replicated|cluster|both]` runs them for longer.
 
 ## Result: {s['verdict']}
 
@@ -276,7 +278,7 @@ end, next to clean histories that pass.
 """
 
 
-SECTIONS = ("single", "replicated")  # their order on the page
+SECTIONS = ("single", "replicated", "cluster")  # their order on the page
 
 
 def update_page(path: Path, name: str, text: str) -> None:

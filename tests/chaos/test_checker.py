@@ -5,7 +5,9 @@ on a history that contains exactly that fault (a lost record, a regressed
 offset, a commit past an unfinished record, a hole over an unfinished record,
 a commit beyond the log end; for a replicated run, a record acknowledged on
 fewer than M replicas, replicas disagreeing below the high watermark, a
-leader epoch going back) and passing on the same history without it.
+leader epoch going back; for a cluster run, a write by a coordinator epoch
+that was not the current one, and a lost record and a regression across a
+coordinator failover) and passing on the same history without it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import json
 
 import pytest
 
-from tests.chaos.checker import (CommitSample, ConsumerFinish, Delivery, History, LeaderSample, NemesisEvent,
-                                 ProducerAck, ReplicaEntry, check)
+from tests.chaos.checker import (CommitSample, ConsumerFinish, Delivery, EpochTaken, History, LeaderSample,
+                                 NemesisEvent, ProducerAck, ReplicaEntry, StoredWrite, check)
 from tests.chaos.workload import load_history, save_history
 
 S = 1_000_000_000  # one second in ns
@@ -456,3 +458,93 @@ def test_a_replica_out_of_the_final_isr_is_judged_by_the_high_watermark_it_had_i
     # Its disk lost after that sample: what it held then counts for nothing.
     h.events.append(NemesisEvent(10 * S, "wipe-disk", "h4"))
     assert check(h).divergences == []
+
+
+# -- a cluster run: the writers' epochs, as the store shows them ---------------------------
+
+US = 1_000_000  # one second in microseconds (the database's clock)
+OFFSETS = "consumer_group_offsets"
+
+
+def cluster_history(records: int = 16) -> History:
+    """The clean history on a cluster: node a led (epoch 1) from 100 s, b took over (epoch 2) at 108 s
+    by the database's clock; each flush of the offsets was written by the epoch then current, as
+    the audit trigger saw it land, and the final rows carry epoch 2."""
+    h = clean_history(records=records)
+    h.epochs = [EpochTaken(1, "a", 100 * US), EpochTaken(2, "b", 108 * US)]
+    for p in h.log:
+        for o in range(records):
+            epoch = 1 if o < 8 else 2
+            h.stored_writes.append(StoredWrite(OFFSETS, f"{GROUP}/{TOPIC}/{p}", epoch, (100 + o) * US + 500, epoch))
+        h.stored_writes.append(StoredWrite(OFFSETS, f"{GROUP}/{TOPIC}/{p}", 2, (100 + records - 1) * US + 500))
+    h.stored_writes.append(StoredWrite("zbroker_topics", TOPIC, 1, 100 * US + 200))
+    h.events.append(NemesisEvent(8 * S, "failover", "b", "epoch 2"))
+    return h
+
+
+def test_a_clean_cluster_history_passes_and_renders():
+    report = check(cluster_history())
+    assert report.ok, report.to_table()
+    s = report.summary()
+    assert (s["lost"], s["regressions"], s["stale_writes"]) == (0, 0, 0)
+    assert (s["epochs_taken"], s["stored_writes"], s["audited_writes"]) == (2, 35, 32)
+    assert "stale-epoch writes 0" in report.to_table()
+    # A history of one broker reports no such count, rather than a zero it never checked.
+    assert "stale_writes" not in check(clean_history()).summary()
+
+
+def test_a_write_by_the_former_leader_after_the_takeover_is_reported():
+    """A paused former leader (epoch 1) woke at 110 s and its flush landed: the audit trigger saw the
+    lease row at epoch 2 as it did."""
+    h = cluster_history()
+    h.stored_writes.append(StoredWrite(OFFSETS, f"{GROUP}/{TOPIC}/1", 1, 110 * US, 2))
+    report = check(h)
+    assert not report.ok
+    assert [(v.table, v.key, v.coordinator_epoch, v.current_epoch, v.evidence) for v in report.stale_writes] == [
+        (OFFSETS, f"{GROUP}/{TOPIC}/1", 1, 2, "lease row")]
+    assert report.summary()["stale_writes"] == 1
+    assert "written by epoch 1" in report.to_table() and "epoch 2 was current (lease row)" in report.to_table()
+
+
+def test_a_stored_row_older_than_the_epoch_in_force_at_its_time_is_reported():
+    """No trigger saw it (a final row): its epoch 1 at 109 s is judged by the history, where epoch 2
+    was taken at 108 s. An unfenced write (epoch 0) is one too, and so is an epoch not yet taken."""
+    h = cluster_history()
+    h.stored_writes += [StoredWrite("zbroker_partition_states", f"{TOPIC}/0", 1, 109 * US),
+                        StoredWrite("zbroker_group_configs", GROUP, 0, 101 * US),
+                        StoredWrite("zbroker_topics", TOPIC, 2, 107 * US)]
+    report = check(h)
+    assert sorted((v.table, v.coordinator_epoch, v.current_epoch, v.evidence) for v in report.stale_writes) == [
+        ("zbroker_group_configs", 0, 1, "epoch history"), ("zbroker_partition_states", 1, 2, "epoch history"),
+        ("zbroker_topics", 2, 1, "epoch history")]
+    # Written just before the takeover, the same row is a write of its time.
+    h.stored_writes[-3] = StoredWrite("zbroker_partition_states", f"{TOPIC}/0", 1, 108 * US - 1)
+    assert len(check(h).stale_writes) == 2
+
+
+def test_a_record_lost_across_a_failover_is_reported():
+    """The new leader (epoch 2) started from offsets that skipped 0@9: nobody ever finished it."""
+    h = cluster_history()
+    h.finishes = [f for f in h.finishes if (f.partition, f.offset) != (0, 9)]
+    h.samples = [x for x in h.samples if x.partition != 0 or x.committed <= 9]
+    report = check(h)
+    assert [(v.record_id, v.reason) for v in report.lost] == [(rid(0, 9), "never finished by a consumer")]
+    assert not report.stale_writes and not report.ok
+
+
+def test_a_committed_offset_that_goes_back_across_a_failover_is_reported():
+    """The new leader loaded an older row than its predecessor had made durable: 12, then 9."""
+    h = cluster_history()
+    h.samples.append(sample(13, 9, partition=1))
+    report = check(h)
+    assert [(v.source, v.partition, v.before, v.committed) for v in report.regressions] == [
+        ("pg", 1, 13, 9), ("describe>pg", 1, 13, 9)]  # below what describe_group had called durable, too
+    assert not report.ok
+
+
+def test_a_cluster_history_survives_a_round_trip_through_its_file(tmp_path):
+    h = cluster_history()
+    save_history(h, tmp_path / "h.json.gz")
+    again = load_history(tmp_path / "h.json.gz")
+    assert again.epochs == h.epochs and again.stored_writes == h.stored_writes
+    assert check(again).summary() == check(h).summary()

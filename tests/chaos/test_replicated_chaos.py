@@ -64,10 +64,22 @@ def operations(report: Report) -> dict[str, int]:
     return dict(sorted(done.items()))
 
 
+def this_run(report: Report, faults_by_kind: dict) -> str:
+    """The first lines of a run's "This run" list: how it was run, where, and what it did."""
+    meta = report.meta
+    faults = ", ".join(f"{meta.get(f'fault {k}', 0)} {k}" for k in faults_by_kind)
+    ops = ", ".join(f"{n} {k}" for k, n in operations(report).items()) or "none"
+    return f"""- command: `{meta.get('command', '?')}`
+- seed: `{meta['seed']}` (`ZBROKER_CHAOS_SEED={meta['seed']}` replays the nemesis schedule and the workload's choices)
+- duration: {meta['duration_s']:.0f} s of nemesis; the whole test took {meta.get('wall_s', '?')} s, of which {meta.get('drain_s', '?')} s draining
+- machine: {meta.get('machine', '?')}; shared with other engineers' work (load average {_load(meta.get('load_before'))} before, {_load(meta.get('load_after'))} after)
+- code: {meta.get('code', 'the working tree')}
+- faults: {meta.get('nemesis_actions', 0)} in all: {faults}
+- operations done: {ops}"""
+
+
 def render_replicated_section(report: Report) -> str:
     meta, s, cfg = report.meta, report.summary(), report.meta["config"]
-    faults = ", ".join(f"{meta.get(f'fault {k}', 0)} {k}" for k in FAULTS)
-    ops = ", ".join(f"{n} {k}" for k, n in operations(report).items()) or "none"
     return f"""## The replicated run: hosts lost, with and without their disks
 
 `tests/chaos/test_replicated_chaos.py` (60 s in `make test`; `make chaos
@@ -100,13 +112,7 @@ leader until the controller has replaced it, then SIGCONT it.
 
 ### This run
 
-- command: `{meta.get('command', '?')}`
-- seed: `{meta['seed']}` (`ZBROKER_CHAOS_SEED={meta['seed']}` replays the nemesis schedule and the workload's choices)
-- duration: {meta['duration_s']:.0f} s of nemesis; the whole test took {meta.get('wall_s', '?')} s, of which {meta.get('drain_s', '?')} s draining
-- machine: {meta.get('machine', '?')}; shared with other engineers' work (load average {_load(meta.get('load_before'))} before, {_load(meta.get('load_after'))} after)
-- code: {meta.get('code', 'the working tree')}
-- faults: {meta.get('nemesis_actions', 0)} in all: {faults}
-- operations done: {ops}
+{this_run(report, FAULTS)}
 - a paused leader was replaced before it resumed {meta.get('pause_replaced', 0)} times (not within 45 s: {meta.get('pause_not_replaced', 0)}); waits for a full ISR after a fault: {meta.get('heal_waits', 0)}, the longest {meta.get('heal_s_max', '?')} s, {meta.get('heal_timeouts', 0)} not healed within 90 s
 - hosts' actors that exited on their own (each restarted, as a supervisor would): {len(meta.get('crashes', []))}{_crashes(meta.get('crashes', []))}
 - records: {s['acked']} acknowledged, {s['produce_failures']} sends without an acknowledgement (refused or timed out: allowed), {s['lost']} lost; {s['replica_records']} records in {s['replicas']} replica logs; {s['leader_changes']} leader changes seen

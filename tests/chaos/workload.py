@@ -49,8 +49,8 @@ from typing import Any
 
 import psutil
 
-from tests.chaos.checker import (CommitSample, ConsumerFinish, Delivery, History, LeaderSample, NemesisEvent,
-                                 ProducerAck, ReplicaEntry, check)
+from tests.chaos.checker import (CommitSample, ConsumerFinish, Delivery, EpochTaken, History, LeaderSample,
+                                 NemesisEvent, ProducerAck, ReplicaEntry, StoredWrite, check)
 
 HISTORY_FILE = "chaos-history.json.gz"
 ID_SPACE = 1_000_000_000  # record id = producer index * ID_SPACE + sequence
@@ -739,7 +739,7 @@ class ChaosRun:
 # ============================================================================================
 
 _ITEMS = {"acks": ProducerAck, "finishes": ConsumerFinish, "samples": CommitSample, "events": NemesisEvent,
-          "deliveries": Delivery, "leadership": LeaderSample}
+          "deliveries": Delivery, "leadership": LeaderSample, "epochs": EpochTaken, "stored_writes": StoredWrite}
 
 
 def save_history(history: History, path: Path) -> None:
@@ -765,7 +765,7 @@ def load_history(path: Path) -> History:
         elif cls is LeaderSample:
             items[name] = [cls(*x[:4], tuple(x[4]), x[5]) for x in data.get(name, [])]
         else:
-            items[name] = [cls(*x) for x in data[name]]
+            items[name] = [cls(*x) for x in data.get(name, [])]  # (older files lack the cluster's)
     return History(topic=data["topic"], group=data["group"], produce_failures=data["produce_failures"],
                    meta=data["meta"], log={int(p): ids for p, ids in data["log"].items()},
                    min_insync=data.get("min_insync", 0),

@@ -336,10 +336,38 @@ def test_a_restarted_coordinator_waits_for_the_leaders_to_register_before_electi
     reg = created()
     again = TopicRegistry(actor_timeout_ms=TIMEOUT)
     again.restore(reg.snapshot())
-    # b registers first: a, the leader, has not yet, which is no reason to depose it.
+    # b registers first: a, the leader, has not yet, which is no reason to depose it. (b ran
+    # through the restart: it reports the replica it holds.)
     b = reg.actors["b"]
-    assert not any(isinstance(e, WriteMetadata) for e in again.register("b", b.endpoint, b.storage_id, b.pid, [], 0))
+    assert not any(isinstance(e, WriteMetadata) for e in again.register("b", b.endpoint, b.storage_id, b.pid, [], 0,
+                                                                           replica_states=[["t", 0, 0, 0, 0]]))
     assert again.tick(TIMEOUT - 1) == []
     # a never comes back within the actor timeout: now it is dead, and b leads.
     confirm(again, again.tick(TIMEOUT))
     assert (state(again).leader, state(again).leader_epoch) == ("b", 1)
+
+
+def test_a_leader_restarted_while_the_coordinator_moved_is_elected_again_at_a_new_epoch():
+    """Issue 26's cluster chaos run: the leading node was SIGKILLed whole (its coordinator and
+    the partition actor leading t/0) and restarted within the actor timeout. The coordinator
+    that took over never saw the old pid, so the pid could not tell it; the actor's empty
+    replica states do. Left as leader at epoch 0, the new process refused to lead an epoch its
+    cache held: the partition took no produce until the end of the run."""
+    reg = created()
+    again = TopicRegistry(actor_timeout_ms=TIMEOUT)
+    again.restore(reg.snapshot())
+    for name in ("b", "c"):  # they ran through the takeover
+        x = reg.actors[name]
+        confirm(again, again.register(name, x.endpoint, x.storage_id, x.pid, [], 0,
+                                      replica_states=[["t", 0, 0, 0, 0]]))
+    assert (state(again).leader, state(again).leader_epoch) == ("a", 0)
+    a = reg.actors["a"]
+    confirm(again, again.register("a", a.endpoint, a.storage_id, 555, [], 10))  # a new process, no states
+    assert (state(again).leader, state(again).leader_epoch, state(again).isr) == ("b", 1, ("b", "c"))
+    # A leader that ran through the takeover reports its replica: it leads on, at its epoch.
+    reg2 = created()
+    again2 = TopicRegistry(actor_timeout_ms=TIMEOUT)
+    again2.restore(reg2.snapshot())
+    assert not any(isinstance(e, WriteMetadata) for e in again2.register(
+        "a", a.endpoint, a.storage_id, a.pid, [], 0, replica_states=[["t", 0, 0, 0, 0]]))
+    assert (state(again2).leader, state(again2).leader_epoch) == ("a", 0)
