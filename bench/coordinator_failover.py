@@ -183,10 +183,22 @@ class Nodes:
         return (self.data_root / f"node{index + 1}" / "run" / "coordinator.bound").exists()
 
     def kill(self, index: int) -> None:
+        """The node whole, as a lost host: every process of its session, the supervisor first
+        (so that it restarts nothing). Each actor leads a process group of its own (for the
+        terminal's Ctrl-C), so killpg reached the supervisor alone, its actors then stopped
+        cleanly, and the failover measured was a clean stop's, not a lost host's."""
         proc = self.procs[index]
         if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            import psutil
+
+            members = []
+            for pid in psutil.pids():
+                with contextlib.suppress(OSError):
+                    if pid != proc.pid and os.getsid(pid) == proc.pid:
+                        members.append(pid)
+            for pid in [proc.pid, *members]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait(30)
             self.procs[index] = None
 
