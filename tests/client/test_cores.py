@@ -150,6 +150,49 @@ def test_a_poll_answered_before_a_rejoin_keeps_only_its_standing_ordinary_delive
     assert core.standing_deliveries(deliveries, "m", lost=True) == []
 
 
+def poll_of(core: ConsumerCore, acks: list, max_wait_ms: int = 100) -> m.Poll:
+    return m.Poll(group="g", member_id=core.member_id, generation=core.generation, max_records=10,
+                  max_wait_ms=max_wait_ms, acks=acks)
+
+
+def test_a_poll_sent_is_given_up_after_its_wait_and_the_request_timeout():
+    core = joined_core()
+    sent = core.poll_sent(41, poll_of(core, [["t", 0, 7, 0, 3]], max_wait_ms=250), now=10.0, request_timeout=5.0)
+    assert (sent.reply, sent.member_id, sent.generation, sent.give_up_at) == (41, "m", 1, 15.25)
+    assert sent.take_acks() == [["t", 0, 7, 0, 3]] and sent.acks == []
+
+
+def test_a_poll_answered_counts_its_acks_applied_and_notes_the_stale_ones():
+    core = joined_core()
+    sent = core.poll_sent(41, poll_of(core, [["t", 0, 7, 0, 3]]), now=0.0, request_timeout=5.0)
+    reply = m.PollReply(deliveries=[], generation=1, ack_timeout_ms=30000, acked=2, stale=[["t", 0, 7, 2, 3]])
+    assert core.poll_replied(sent, Envelope(op="poll", corr_id=41, msg=reply), now=0.1) is reply
+    assert (core.stats["acked"], core.stats["stale"], core.held_acks()) == (2, 1, 0)
+
+
+def test_a_poll_fenced_on_arrival_holds_its_acks_again_and_asks_for_a_rejoin_once():
+    core = joined_core()
+    sent = core.poll_sent(41, poll_of(core, [["t", 0, 7, 0, 3]]), now=0.0, request_timeout=5.0)
+    fenced = Fenced("fenced", generation=2, member_known=False)
+    assert core.poll_replied(sent, Envelope(op="poll", corr_id=41, error=fenced), now=1.0) is None
+    assert core.held_acks() == 3 and core.acks_due_at(1.0) == 1.0 + core.ack_interval_s
+    assert core.rejoin_after(fenced, sent.member_id, sent.generation)
+    assert core.member_lost and core.member_id == "m"  # known no more: its leases are gone, its id stays
+    core.joined(join_reply("m", 2, [["t", 0]]), previous_member="m")
+    assert not core.rejoin_after(fenced, sent.member_id, sent.generation)  # re-joined since it was sent
+
+
+def test_a_poll_answered_after_it_waited_applied_its_acks_and_other_errors_are_raised():
+    core = joined_core()
+    sent = core.poll_sent(41, poll_of(core, [["t", 0, 7, 0, 3]]), now=0.0, request_timeout=5.0)
+    fenced = Fenced("fenced", generation=2, acked=3)
+    assert core.poll_replied(sent, Envelope(op="poll", corr_id=41, error=fenced), now=1.0) is None
+    assert (core.stats["acked"], core.held_acks()) == (3, 0)
+    assert core.rejoin_after(UnknownMember("gone"), "m", 1) and core.member_id == ""
+    with pytest.raises(NotCoordinator):
+        core.poll_replied(sent, Envelope(op="poll", corr_id=41, error=NotCoordinator("moved")), now=1.0)
+
+
 def test_a_join_ends_the_ahead_leases_and_gives_up_the_fetches_of_partitions_not_kept():
     core = ConsumerCore(group="g", topics=["t"], lease_ahead=True)
     core.joined(join_reply("m", 1, [["t", 0], ["t", 1]]), previous_member="")

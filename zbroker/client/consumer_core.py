@@ -197,6 +197,30 @@ def fetch_many_request(wanted: list[tuple[str, int, int, int]],
     return m.FetchMany(parts=parts, max_bytes=sum(part[3] for part in parts))
 
 
+class PollSent:
+    """A Poll sent and not answered yet: the sync driver's poll sent ahead, the asyncio
+    driver's Poll in flight (``reply`` is what the driver waits on: a correlation id, a future).
+
+    The coordinator may lease records to it at any time until it answers, so its
+    reply is kept even when the poll() that sent it returns (or is cancelled) first:
+    thrown away, those records would stay leased to this member, out of every poll's
+    reach, until their ack timeout (each such strand costs them a delivery attempt).
+    """
+
+    __slots__ = ("reply", "acks", "member_id", "generation", "give_up_at")
+
+    def __init__(self, reply: Any, acks: list, member_id: str, generation: int, give_up_at: float) -> None:
+        self.reply = reply
+        self.acks = acks  # riding on it: held again if it is refused on arrival or given up
+        self.member_id = member_id
+        self.generation = generation
+        self.give_up_at = give_up_at  # its max wait and the request timeout after it was sent
+
+    def take_acks(self) -> list:
+        acks, self.acks = self.acks, []
+        return acks
+
+
 def core_field(name: str) -> property:
     """A driver attribute that is its core's: the driver reads and sets it under its own name."""
     return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value))
@@ -301,6 +325,35 @@ class ConsumerCore:
         return (bool(previous_member) and previous_member == self.member_id and not self.member_lost
                 and [record.topic, record.partition] in [list(p) for p in self.assignment])
 
+    def rejoin_after(self, err: ZBrokerError, member_id: str, generation: int) -> bool:
+        """``err`` (FENCED or UNKNOWN_MEMBER) refused a request sent as ``member_id`` in
+        ``generation``: True if this member must re-join now (it has not since that request
+        was sent), with its leases counted gone if the coordinator lost it (`membership_lost`)."""
+        if (self.member_id, self.generation) != (member_id, generation):
+            return False  # re-joined already: the caller just sends again
+        lost, forget_id = membership_lost(err)
+        if lost:
+            self.lost(forget_id=forget_id)
+        return True
+
+    @staticmethod
+    def poll_sent(reply: Any, poll: m.Poll, now: float, request_timeout: float) -> PollSent:
+        """The record of ``poll``, sent at ``now``; ``reply`` is what the driver waits on."""
+        return PollSent(reply, poll.acks, poll.member_id, poll.generation,
+                        now + poll.max_wait_ms / 1000.0 + request_timeout)
+
+    def poll_replied(self, sent: PollSent, env: Envelope, now: float) -> m.PollReply | None:
+        """The answer to ``sent``: its reply (the acks it carried counted as applied, stale
+        ones noted), or None when the member must re-join before polling again (FENCED,
+        UNKNOWN_MEMBER; the acks are held again unless the error says they were applied).
+        Any other error is raised."""
+        err = env.error
+        if err is None:
+            return self.poll_answered(env.msg)
+        if self.poll_refused(err, sent.acks, now):
+            return None
+        raise err
+
     def standing_deliveries(self, deliveries: list, previous_member: str, lost: bool) -> list:
         """Of a poll answered before a re-join, the deliveries whose leases still stand.
         Ahead leases end with the generation (PROTOCOL.md, poll): not one of them does."""
@@ -387,6 +440,13 @@ class ConsumerCore:
             added = True
         if added and self.acks_since is None and now is not None:
             self.acks_since = now
+
+    def poll_answered(self, reply: m.PollReply) -> m.PollReply:
+        """A poll was answered: the acks it carried count as applied, the stale ones are noted."""
+        self.applied(reply.acked, reply.stale)
+        if reply.stale:
+            log.warning("ack.stale", group=self.group, ranges=len(reply.stale))
+        return reply
 
     def poll_refused(self, err: ZBrokerError, acks: list, now: float | None = None) -> bool:
         """A poll carrying ``acks`` was answered with ``err``. Answered after it waited (the error

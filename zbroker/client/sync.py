@@ -33,8 +33,8 @@ from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedReco
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client import consumer_core
 from zbroker.client.consumer_core import (AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore,
-                                          GroupCallRetry, connection_field, core_field, failure_reason, max_wait_ms,
-                                          membership_lost, plan_fetches)
+                                          GroupCallRetry, PollSent, connection_field, core_field, failure_reason,
+                                          max_wait_ms, membership_lost, plan_fetches)
 from zbroker.client.producer_core import (RETRIABLE_PRODUCE, ProduceError, ProducerCore, SentTogether,
                                           produce_many_request)
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
@@ -598,13 +598,12 @@ class Consumer:
                                  metadata=self.conn.metadata)
         self._core_ack = self.core.ack  # bound once: ack() runs per record
         self.poll_ahead = poll_ahead or lease_ahead
-        self._poll_ahead: tuple[int, int, float] | None = None  # (corr id, generation, give up at)
+        self._poll_ahead: PollSent | None = None  # its reply is a correlation id
         self.session_timeout_ms = session_timeout_ms
         self.on_assign = on_assign
         self.on_revoke = on_revoke
         # corr -> (ranges, ranges of polls before it, when it was sent)
         self._ack_requests: dict[int, tuple[list, list, float]] = {}
-        self._poll_acks: dict[int, list] = {}  # poll sent ahead (corr) -> the acks riding on it
         self._needs_rejoin = threading.Event()
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -650,13 +649,13 @@ class Consumer:
             self.member_id = ""
             reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
         revoked, assigned, given_up = self.core.joined(reply, previous_member)
-        if self._poll_ahead is not None and self._poll_ahead[1] != self.generation:
+        if self._poll_ahead is not None and self._poll_ahead.generation != self.generation:
             # Sent in the old generation: its leases (an ahead lease among them) ended with it.
             self._orphan_poll_ahead()
-        # Acks riding on polls sent in the old generation: those polls may have been fenced
-        # on arrival, so the acks go again (a repeat is harmless; a loss costs a redelivery).
-        for corr in list(self._poll_acks):
-            self._hold_again(self._poll_acks.pop(corr))
+        if self._poll_ahead is not None:
+            # Acks riding on a poll sent before the join: it may have been fenced on arrival,
+            # so the acks go again (a repeat is harmless; a loss costs a redelivery).
+            self._hold_again(self._poll_ahead.take_acks())
         self.conn.correlation.orphan_ranges(given_up)
         self._needs_rejoin.clear()
         self._connect_to_assigned()
@@ -737,10 +736,8 @@ class Consumer:
             except ZBrokerError as err:
                 decision = retry.after(err)
                 if decision == REJOIN:
-                    lost, forget_id = membership_lost(err)
-                    if lost:
-                        self.core.lost(forget_id=forget_id)  # expired: its leases are gone
-                    self._rejoin()
+                    if self.core.rejoin_after(err, self.member_id, self.generation):  # always: sent just now
+                        self._rejoin()
                 elif decision == FOLLOW:
                     log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
                     time.sleep(self.conn.coordinators.backoff())
@@ -806,8 +803,7 @@ class Consumer:
         it would be fenced). A rebalance keeps a member's leases on the partitions it keeps:
         dropped, they would come back only at their ack timeout, one attempt more."""
         self._stash_arrived()
-        corr = self._poll_ahead[0]
-        answered = self.conn._early.get(corr)
+        answered = self.conn._early.get(self._poll_ahead.reply)
         if answered is None or answered.error is not None:
             self._orphan_poll_ahead()
             return None
@@ -829,8 +825,7 @@ class Consumer:
         except BaseException:
             self._hold_again(acks)  # not known to be applied: they go again (a repeated ack is harmless)
             raise
-        self._on_poll_acks(reply)
-        return reply
+        return self.core.poll_answered(reply)
 
     # -- acks riding on polls -------------------------------------------------------------------
 
@@ -846,17 +841,11 @@ class Consumer:
         """Acks a poll carried that may not have been applied (fenced, lost): send them again."""
         self.core.hold_again(ranges, time.monotonic())
 
-    def _on_poll_acks(self, reply: m.PollReply) -> None:
-        self.core.applied(reply.acked, reply.stale)
-        if reply.stale:
-            log.warning("ack.stale", group=self.group, ranges=len(reply.stale))
-
     def _orphan_poll_ahead(self) -> None:
         """Stop waiting for the poll sent ahead; the acks it carried are held again."""
-        corr = self._poll_ahead[0]
-        self._poll_ahead = None
-        self.conn.correlation.orphan(corr)
-        self._hold_again(self._poll_acks.pop(corr, []))
+        sent, self._poll_ahead = self._poll_ahead, None
+        self.conn.correlation.orphan(sent.reply)
+        self._hold_again(sent.acks)
 
     # -- ahead leases -------------------------------------------------------------------------
 
@@ -879,7 +868,7 @@ class Consumer:
                     self._send_poll_ahead(max_records, max_wait_ms(deadline - time.monotonic()))
                 self._send_read_ahead(max(0.0, deadline - time.monotonic()), collected=True)
                 return records
-            if not self._ahead_leases or (self._poll_ahead is not None and self._poll_ahead[0] in self.conn._early):
+            if not self._ahead_leases or (self._poll_ahead is not None and self._poll_ahead.reply in self.conn._early):
                 return []  # all used up, or the coordinator answered: the caller takes it from here
             now = time.monotonic()
             if self._poll_ahead is None:
@@ -911,44 +900,32 @@ class Consumer:
         """Ask for the next lease now, so the coordinator works while the caller handles this batch."""
         if self._needs_rejoin.is_set():
             return  # the next poll re-joins first
-        acks = self._acks_for_poll()
+        poll = m.Poll(group=self.group, member_id=self.member_id, generation=self.generation,
+                      max_records=max_records, max_wait_ms=max_wait_ms, ahead=self._ahead_wanted(max_records),
+                      acks=self._acks_for_poll())
         try:
-            corr = self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=self.member_id,
-                                                        generation=self.generation, max_records=max_records,
-                                                        max_wait_ms=max_wait_ms,
-                                                        ahead=self._ahead_wanted(max_records), acks=acks))
+            corr = self.conn.send(self.conn.url, poll)
         except ZBrokerError:
-            self._hold_again(acks)
+            self._hold_again(poll.acks)
             return  # the next poll asks the usual way
-        if acks:
-            self._poll_acks[corr] = acks
-        self._poll_ahead = (corr, self.generation,
-                            time.monotonic() + max_wait_ms / 1000.0 + self.conn.request_timeout)
+        self._poll_ahead = self.core.poll_sent(corr, poll, time.monotonic(), self.conn.request_timeout)
 
     def _take_poll_ahead(self, timeout: float) -> Any:
         """The poll sent ahead: its reply, _NOT_YET when it needs longer than ``timeout``,
         or None when it failed in a way a fresh poll recovers from (fenced, lost)."""
-        corr, generation, give_up_at = self._poll_ahead
-        wait = min(timeout, give_up_at - time.monotonic())
+        sent = self._poll_ahead
         try:
-            env = self._wait_sending_acks(corr, max(0.0, wait))
+            env = self._wait_sending_acks(sent.reply, max(0.0, min(timeout, sent.give_up_at - time.monotonic())))
         except RequestTimeout:
-            if time.monotonic() < give_up_at:
+            if time.monotonic() < sent.give_up_at:
                 return _NOT_YET  # still parked at the coordinator: keep it for the next poll
             self._orphan_poll_ahead()
             return None
         self._poll_ahead = None
-        acks = self._poll_acks.pop(corr, [])
-        if env.error is None:
-            self._on_poll_acks(env.msg)
-            return env.msg
-        if self.core.poll_refused(env.error, acks, time.monotonic()):
-            if generation == self.generation:  # not re-joined since it was sent: do it now
-                if env.error.code == ErrorCode.UNKNOWN_MEMBER:
-                    self.member_id = ""
-                self._rejoin()
-            return None
-        raise env.error
+        reply = self.core.poll_replied(sent, env, time.monotonic())
+        if reply is None and self.core.rejoin_after(env.error, sent.member_id, sent.generation):
+            self._rejoin()
+        return reply
 
     def _wait_sending_acks(self, corr: int, wait: float) -> codec.Envelope:
         """`Connection.wait_for`, sending the held acks when their interval is up meanwhile.
@@ -1166,14 +1143,13 @@ class Consumer:
         ``wait`` sends one, empty if need be.
         """
         self.core.fold_in_order_acks()
-        if self.acks or (wait and self._poll_acks):
+        riding = self._poll_ahead.acks if self._poll_ahead is not None else []
+        if self.acks or (wait and riding):
             ranges = self.core.take_acks()
-            # Answered => every poll sent before it in this generation applied its acks
+            # Answered => the poll sent before it in this generation applied its acks
             # (or was fenced, and then so is this request: see _on_ack_reply).
-            ranges_before = [r for acks in self._poll_acks.values() for r in acks] if wait else []
+            ranges_before = self._poll_ahead.take_acks() if wait and riding else []
             self._send_acks(ranges, ranges_before)
-            if wait:
-                self._poll_acks = {}
         self.core.acks_since = None
         self._collect_ack_replies(block=wait)
 
