@@ -9,9 +9,9 @@ import pathlib
 
 import pytest
 
-from zbroker.client.consumer_core import (FOLLOW, RAISE, READ_AHEAD_FOLLOW, REJOIN, ConsumerCore, FetchSizer,
-                                          GroupCallRetry, RetryBackoff, failure_reason, fetch_bytes, max_wait_ms,
-                                          membership_lost)
+from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, FOLLOW, RAISE, READ_AHEAD_FOLLOW,
+                                          REJOIN, ConsumerCore, FetchSizer, GroupCallRetry, RetryBackoff,
+                                          failure_reason, fetch_bytes, max_wait_ms, membership_lost)
 from zbroker.protocol.batch import build_batch_header, encode_values
 from zbroker.protocol.codec import Envelope
 from zbroker.client.core import ConsumedRecord, MetadataCache
@@ -191,6 +191,20 @@ def test_a_poll_answered_after_it_waited_applied_its_acks_and_other_errors_are_r
     assert core.rejoin_after(UnknownMember("gone"), "m", 1) and core.member_id == ""
     with pytest.raises(NotCoordinator):
         core.poll_replied(sent, Envelope(op="poll", corr_id=41, error=NotCoordinator("moved")), now=1.0)
+
+
+def test_what_a_refused_ack_request_means_for_its_ranges():
+    core = joined_core()
+    ranges = [["t", 0, 7, 0, 5]]
+    stale = StaleLease("stale", applied=3, stale=[["t", 0, 7, 3, 5]])
+    assert core.ack_refused(stale, ranges, now=1.0) == ACK_STALE
+    assert (core.stats["acked"], core.stats["stale"], core.held_acks()) == (3, 2, 0)  # not sent again
+    assert core.ack_refused(Fenced("fenced", generation=2), ranges, now=1.0) == ACK_REJOIN
+    assert core.take_acks() == ranges and core.member_id == "m"  # held for the request after the join
+    assert core.ack_refused(UnknownMember("gone"), ranges, now=1.0) == ACK_REJOIN and core.member_id == ""
+    core.take_acks()
+    assert core.ack_refused(RequestTimeout("lost"), ranges, now=1.0) == ACK_FAILED and core.take_acks() == ranges
+    assert core.ack_refused(BadRequest("bad"), ranges, now=1.0) == ACK_FAILED and core.held_acks() == 0
 
 
 def test_a_join_ends_the_ahead_leases_and_gives_up_the_fetches_of_partitions_not_kept():

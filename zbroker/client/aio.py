@@ -28,7 +28,7 @@ from zbroker.client.core import (RANGES_PER_REQUEST, BatchAccumulator, ChunkedSe
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client.admin_calls import async_method, with_admin_calls
 from zbroker.client.keys import ClientKeys
-from zbroker.client.consumer_core import (FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
+from zbroker.client.consumer_core import (ACK_STALE, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
                                           PollSent, RetryBackoff, connection_field, core_field, failure_reason,
                                           max_wait_ms)
 from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry, window_has_room
@@ -953,11 +953,11 @@ class AsyncConsumer:
                     await self._group_call(lambda chunk=chunk: m.Ack(group=self.group, member_id=self.member_id,
                                                                      generation=self.generation, ranges=chunk))
                 except ZBrokerError as err:
-                    if err.code is ErrorCode.STALE_LEASE:
-                        continue  # those leases are gone: sending them again cannot help
-                    # Not applied, or not known to be: they go again (a repeat is harmless). Refused: only
-                    # the unsent.
-                    self._hold_again(itertools.chain.from_iterable(chunks[i if err.retriable else i + 1:]))
+                    # The core's rule, the sync Consumer's too: stale ones are noted, retriable ones
+                    # held again (a re-join was `_group_call`'s already). Then the unsent go again.
+                    if self.core.ack_refused(err, chunk, asyncio.get_running_loop().time()) == ACK_STALE:
+                        continue
+                    self._hold_again(itertools.chain.from_iterable(chunks[i + 1:]))
                     outcome = err
                     raise
                 except BaseException:  # cancelled mid-call: sent or not, sending again is harmless

@@ -108,6 +108,7 @@ class FetchSizer:
 
 
 RAISE, REJOIN, FOLLOW = "raise", "rejoin", "follow"
+ACK_STALE, ACK_REJOIN, ACK_FAILED = "stale", "rejoin", "failed"  # what `ConsumerCore.ack_refused` found
 
 
 def membership_lost(err: ZBrokerError) -> tuple[bool, bool]:
@@ -457,6 +458,26 @@ class ConsumerCore:
         else:
             self.hold_again(acks, now)
         return err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER)
+
+    def ack_refused(self, err: ZBrokerError, ranges: list, now: float) -> str:
+        """An ack request carrying ``ranges`` was answered with ``err``. `ACK_STALE`: its valid
+        ranges were applied, the stale ones are noted (sending them again cannot help).
+        Otherwise a retriable error means not applied, or not known to be: they are held again
+        (a repeated ack is harmless, a lost one is not). `ACK_REJOIN` (FENCED, UNKNOWN_MEMBER,
+        the latter joining as a new member): re-join, then send the held acks; `ACK_FAILED`:
+        the caller raises ``err``."""
+        if err.code is ErrorCode.STALE_LEASE:
+            stale = err.data.get("stale", [])
+            self.applied(int(err.data.get("applied", 0)), stale)
+            log.warning("ack.stale", group=self.group, ranges=len(stale))
+            return ACK_STALE
+        if err.retriable:
+            self.hold_again(ranges, now)
+        if err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
+            if err.code is ErrorCode.UNKNOWN_MEMBER:
+                self.member_id = ""
+            return ACK_REJOIN
+        return ACK_FAILED
 
     def applied(self, count: int, stale: list) -> None:
         """An ack (or a poll carrying acks) was answered: ``count`` applied, ``stale`` refused."""

@@ -32,9 +32,9 @@ from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedReco
                                  group_by_lease, checked_partition, checked_record, checked_timestamp,
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client import consumer_core
-from zbroker.client.consumer_core import (AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore,
-                                          GroupCallRetry, PollSent, connection_field, core_field, failure_reason,
-                                          max_wait_ms, membership_lost, plan_fetches)
+from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN,
+                                          ConsumerCore, GroupCallRetry, PollSent, connection_field, core_field,
+                                          failure_reason, max_wait_ms, membership_lost, plan_fetches)
 from zbroker.client.producer_core import (RETRIABLE_PRODUCE, ProduceError, ProducerCore, SentTogether,
                                           produce_many_request)
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
@@ -1204,26 +1204,12 @@ class Consumer:
         if env.error is None:
             self.core.applied(env.msg.applied, [])
             return
-        err = env.error
-        if err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
-            if err.code == ErrorCode.UNKNOWN_MEMBER:
-                self.member_id = ""
-            try:
-                self._rejoin()
-            except BaseException:
-                self._hold_again(list(ranges_before) + list(ranges))  # they go after a later join
-                raise
-            # A repeated ack is harmless, a lost one is not.
-            self._send_acks(list(ranges_before) + list(ranges), [])
-            return
-        if err.code == ErrorCode.STALE_LEASE:
-            stale = err.data.get("stale", [])
-            self.core.applied(int(err.data.get("applied", 0)), stale)
-            log.warning("ack.stale", group=self.group, ranges=len(stale))
-            return
-        if err.retriable:  # the coordinator is stopping or unreachable: the acks go again later
-            self._hold_again(list(ranges_before) + list(ranges))
-        raise err
+        outcome = self.core.ack_refused(env.error, [*ranges_before, *ranges], time.monotonic())
+        if outcome == ACK_REJOIN:
+            self._rejoin()  # raising, the acks stay held: they go after a later join
+            self._send_acks(self.core.take_acks(), [])
+        elif outcome == ACK_FAILED:
+            raise env.error
 
     def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
         """Records applied, over as many requests as the ranges need."""
