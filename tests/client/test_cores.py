@@ -15,6 +15,7 @@ from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, FOL
 from zbroker.protocol.batch import build_batch_header, encode_values
 from zbroker.protocol.codec import Envelope
 from zbroker.client.core import ConsumedRecord, MetadataCache
+from zbroker.client.fetch_round import FetchRound
 from zbroker.client.producer_core import ProduceError, ProducerCore, leader_hint, retry_delay
 from zbroker.client.transport import Coordinators, Correlation, bootstrap_urls
 from zbroker.protocol import messages as m
@@ -25,7 +26,7 @@ CLIENT = pathlib.Path(__file__).resolve().parents[2] / "zbroker" / "client"
 FORBIDDEN = {"zmq", "asyncio", "time", "socket"}
 
 
-@pytest.mark.parametrize("module", ["consumer_core.py", "producer_core.py", "core.py", "transport.py",
+@pytest.mark.parametrize("module", ["consumer_core.py", "fetch_round.py", "producer_core.py", "core.py", "transport.py",
                                     "admin_calls.py"])
 def test_the_cores_import_neither_zmq_asyncio_time_nor_socket(module):
     imported = set()
@@ -73,7 +74,7 @@ def forbidden_reach(module: str) -> dict[str, set[str]]:
     return found
 
 
-@pytest.mark.parametrize("module", ["consumer_core", "producer_core", "transport", "admin_calls"])
+@pytest.mark.parametrize("module", ["consumer_core", "fetch_round", "producer_core", "transport", "admin_calls"])
 def test_nothing_a_core_imports_imports_zmq_asyncio_time_or_socket_either(module):
     assert not forbidden_reach(module)
 
@@ -304,6 +305,66 @@ def test_the_core_plans_a_lease_fetch_learns_its_size_and_asks_for_the_rest():
     assert core.fetch_sizer.per_record == 256  # small records: the next fetch keeps the floor
     got, rest, _ = core.lease_fetch_replied(delivery, 4, fetch_reply(4, 10), None, now=1.0)
     assert [r.offset for r in got] == list(range(4, 10)) and rest is None  # records past the lease end dropped
+
+
+def many_reply(*parts: tuple[int, int]) -> Envelope:
+    frames = [frame(first, count) for first, count in parts]
+    rows = [[0, first + count, len(f), None] for (first, count), f in zip(parts, frames)]
+    return Envelope(op="fetch_many", corr_id=0, msg=m.FetchManyReply(parts=rows), frames=[b"".join(frames)])
+
+
+def test_a_fetch_round_sends_one_fetch_many_per_actor_and_fetches_the_rest_of_a_cut_lease_alone():
+    core = joined_core()
+    deliveries = [["t", 0, 7, 0, 5, 1, "new"], ["t", 1, 8, 0, 3, 1, "new"], ["t", 2, 9, 0, 2, 1, "new"]]
+    fetches = FetchRound(core, deliveries)
+    fetches.route((0, deliveries[0], 0), "ep-a")
+    fetches.route((1, deliveries[1], 0), "ep-a")
+    fetches.route((2, deliveries[2], 0), "ep-b")
+    requests = fetches.requests()
+    assert [(endpoint, msg.op) for endpoint, msg, _items in requests] == [("ep-a", "fetch_many"), ("ep-b", "fetch")]
+    fetches.sent(11, requests[0])
+    fetches.sent(12, requests[1])
+    assert fetches.next_awaited() == 11  # the fetch_many first
+    again = fetches.replied(11, many_reply((0, 2), (0, 3)), None, now=1.0)
+    assert again == [(0, deliveries[0], 2)]  # partition 0's lease was cut short at offset 2
+    fetches.route(again[0], "ep-a", alone=True)
+    [rest] = fetches.requests()
+    assert (rest[1].op, rest[1].offset) == ("fetch", 2)
+    fetches.sent(13, rest)
+    assert fetches.next_awaited() == 12  # then the fetches, in the order sent
+    assert fetches.replied(12, fetch_reply(0, 2), None, now=1.0) == []
+    assert fetches.replied(13, fetch_reply(2, 3), None, now=1.0) == [] and fetches.next_awaited() is None
+    assert [[r.offset for r in part] for part in fetches.parts] == [[0, 1, 2, 3, 4], [0, 1, 2], [0, 1]]
+
+
+def test_a_fetch_round_costs_a_partition_it_cannot_reach_only_its_own_delivery():
+    core = joined_core()
+    core.metadata.update([{"name": "t", "partitions": [{"endpoint": "ep-a"}, {"endpoint": "ep-b"}]}])
+    deliveries = [["t", 0, 7, 0, 2, 1, "new"], ["t", 1, 8, 0, 2, 1, "new"]]
+    fetches = FetchRound(core, deliveries)
+    fetches.route((0, deliveries[0], 0), "ep-a")
+    fetches.unroutable((1, deliveries[1], 0), NotOwner("moved"), now=1.0)
+    [request] = fetches.requests()
+    fetches.sent(5, request)
+    assert fetches.replied(5, None, RequestTimeout("no reply"), now=2.0) == []
+    assert fetches.parts == [[], []] and fetches.next_awaited() is None
+    assert "t" not in core.metadata.topics  # where its partitions live is asked again
+
+
+def test_an_actor_without_fetch_many_gets_single_fetches_from_then_on():
+    core = joined_core()
+    deliveries = [["t", 0, 7, 0, 2, 1, "new"], ["t", 1, 8, 0, 2, 1, "new"]]
+    fetches = FetchRound(core, deliveries)
+    for i, d in enumerate(deliveries):
+        fetches.route((i, d, 0), "ep-old")
+    [request] = fetches.requests()
+    fetches.sent(5, request)
+    refused = Envelope(op="fetch_many", corr_id=5, error=BadRequest("unknown op", code=ErrorCode.UNKNOWN_OP))
+    again = fetches.replied(5, refused, None, now=1.0)
+    assert again == [(0, deliveries[0], 0), (1, deliveries[1], 0)]
+    for item in again:
+        fetches.route(item, "ep-old")  # even routed together, they now go one by one
+    assert [msg.op for _e, msg, _items in fetches.requests()] == ["fetch", "fetch"]
 
 
 def test_a_lease_fetch_refused_as_not_owner_forgets_the_owner_and_costs_only_its_delivery():

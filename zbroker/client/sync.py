@@ -34,7 +34,8 @@ from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedReco
 from zbroker.client import consumer_core
 from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN,
                                           ConsumerCore, GroupCallRetry, PollSent, connection_field, core_field,
-                                          failure_reason, max_wait_ms, membership_lost, plan_fetches)
+                                          failure_reason, max_wait_ms, membership_lost)
+from zbroker.client.fetch_round import FetchRound
 from zbroker.client.producer_core import (RETRIABLE_PRODUCE, ProduceError, ProducerCore, SentTogether,
                                           produce_many_request)
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
@@ -973,76 +974,44 @@ class Consumer:
         self._give_up(self.core.collect_read_ahead(self.conn._early, time.monotonic()))
 
     def _fetch_deliveries(self, deliveries: list) -> list[list[ConsumedRecord]]:
-        """The records of each of ``deliveries``, in offset order (dense: a delivery's records
-        are consecutive offsets, which lets acks given in order fold into one range, see `ack`):
-        from what the read-ahead holds, then fetched, as the core plans."""
+        """The records of each of ``deliveries``, in offset order: from what the read-ahead
+        holds, then fetched, as `fetch_round.FetchRound` plans and folds them."""
         core, conn = self.core, self.conn
         ahead_deadline = time.monotonic() + READ_AHEAD_WAIT_S
-        pending: dict[int, tuple[int, list, int]] = {}  # corr -> (delivery index, delivery, offset fetched from)
-        parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
         if conn.correlation.has_orphans():
             conn.correlation.drop_orphans()
-
-        def fetch(i: int, d: list, start: int) -> None:
-            try:
-                pending[conn.send(conn.endpoint(d[0], d[1]), core.lease_fetch(d, start))] = (i, d, start)
-            except ZBrokerError as err:
-                self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
-
-        routed = []
+        fetches = FetchRound(core, deliveries)
         for i, d in enumerate(deliveries):
-            start = self._serve_from_read_ahead(d, parts[i], ahead_deadline) if core.reading_ahead else d[3]
-            if start >= d[4]:
-                continue
-            try:
-                routed.append((conn.endpoint(d[0], d[1]), (i, d, start)))
-            except ZBrokerError as err:
-                self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
-        # The deliveries of one actor go in one fetch_many (issue #29: at 1,024 partitions a
-        # poll's thousand records came one or two per partition, a fetch each).
-        together: dict[int, tuple[str, list]] = {}
-        for endpoint, group in plan_fetches(routed, core.single_fetch_only):
-            if len(group) == 1:
-                fetch(*group[0])
-                continue
-            try:
-                together[conn.send(endpoint, core.lease_fetch_many(group))] = (endpoint, group)
-            except ZBrokerError as err:
-                for _i, d, _start in group:
-                    self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
-        for corr, (endpoint, group) in together.items():
-            env, err = None, None
-            try:
-                env = conn.wait_for(corr)
-            except RequestTimeout as timeout:
-                conn.correlation.orphan(corr)
-                err = timeout
-            for i, d, start, frame, part_err in core.lease_fetch_many_replied(endpoint, group, env, err):
-                if part_err is not None:
-                    self._give_up(core.fetch_failed((d[0], d[1]), part_err, time.monotonic()))
-                elif frame is None:  # an actor without fetch_many: the usual fetch
-                    fetch(i, d, start)
-                else:
-                    got, rest, given_up = core.lease_part_fetched(d, start, frame, time.monotonic(), in_many=True)
-                    self._give_up(given_up)
-                    parts[i].extend(got)
-                    if rest is not None:
-                        fetch(i, d, rest)
-        while pending:
-            corr, (i, d, start) = next(iter(pending.items()))
-            del pending[corr]
+            start = self._serve_from_read_ahead(d, fetches.parts[i], ahead_deadline) if core.reading_ahead else d[3]
+            if start < d[4]:
+                self._route(fetches, (i, d, start))
+        self._send_fetches(fetches)
+        while (corr := fetches.next_awaited()) is not None:
             env, err = None, None
             try:
                 env = conn.wait_for(corr)
             except RequestTimeout as timeout:
                 conn.correlation.orphan(corr)  # a reply that comes after all is dropped
                 err = timeout
-            got, rest, given_up = core.lease_fetch_replied(d, start, env, err, time.monotonic())
-            self._give_up(given_up)
-            parts[i].extend(got)
-            if rest is not None:
-                fetch(i, d, rest)  # max_bytes cut the range short: fetch the rest
-        return parts
+            for item in fetches.replied(corr, env, err, time.monotonic()):
+                self._route(fetches, item, alone=True)
+            self._send_fetches(fetches)
+        return fetches.parts
+
+    def _route(self, fetches: FetchRound, item: tuple, alone: bool = False) -> None:
+        d = item[1]
+        try:
+            fetches.route(item, self.conn.endpoint(d[0], d[1]), alone=alone)
+        except ZBrokerError as err:
+            fetches.unroutable(item, err, time.monotonic())
+
+    def _send_fetches(self, fetches: FetchRound) -> None:
+        for request in fetches.requests():
+            try:
+                fetches.sent(self.conn.send(request[0], request[1]), request)
+            except ZBrokerError as err:
+                fetches.send_failed(request, err, time.monotonic())
+        self._give_up(fetches.take_given_up())
 
     def _serve_from_read_ahead(self, d: list, out: list, deadline: float) -> int:
         """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
