@@ -14,7 +14,7 @@ from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, FOL
                                           failure_reason, fetch_bytes, max_wait_ms, membership_lost)
 from zbroker.protocol.batch import build_batch_header, encode_values
 from zbroker.protocol.codec import Envelope
-from zbroker.client.core import ConsumedRecord, MetadataCache
+from zbroker.client.core import MAX_FRAME_BYTES, ConsumedRecord, MetadataCache
 from zbroker.client.fetch_round import FetchRound
 from zbroker.client.producer_core import ProduceError, ProducerCore, leader_hint, retry_delay
 from zbroker.client.transport import Coordinators, Correlation, bootstrap_urls
@@ -470,6 +470,47 @@ def test_not_leader_is_retried_at_the_leader_it_names_with_a_capped_backoff():
     cache.update([{"name": "t", "partitions": [{"endpoint": "tcp://127.0.0.1:7401"}]}])
     cache.redirect("t", 0, "tcp://127.0.0.2:7401")
     assert cache.endpoint("t", 0) == "tcp://127.0.0.2:7401"
+
+
+def test_batches_sent_together_go_as_one_produce_many_per_actor_each_an_attempt_more():
+    core = ProducerCore()
+    a, b, c = closed_batch(core, 2, partition=0), closed_batch(core, 2, partition=1), closed_batch(core, 2, partition=2)
+    for batch in (a, b, c):
+        core.admit(batch)
+    requests = core.requests([("ep-1", a), ("ep-2", b), ("ep-1", c)])
+    assert [(endpoint, msg.op) for endpoint, msg, _frames, _sent in requests] == [("ep-1", "produce_many"),
+                                                                                 ("ep-2", "produce")]
+    assert [x.attempts for x in (a, b, c)] == [1, 1, 1]
+    assert requests[0][3].batches == [a, c] and requests[1][3] is b and requests[1][2] == (b.payload,)
+    core.send_failed(requests[0][3], NotOwner("moved"), now=3.0)  # both retried after their backoff
+    assert core.next_retry_at() == 3.0 + retry_delay(1)
+    core.unroutable(b, NotOwner("moved"), now=3.0)
+    assert b.attempts == 2 and core.stats["retries"] == 3
+
+
+def test_the_sync_drivers_wait_and_its_resends_come_from_the_core():
+    core = ProducerCore(retries=5)
+    assert core.pump_wait(1.0, now=0.0) == 0.05 and core.pump_wait(0.01, now=0.0) == 0.01
+    x, y = closed_batch(core, partition=0), closed_batch(core, partition=1)
+    leader = {"endpoint": "tcp://127.0.0.2:7401"}
+    for corr, batch in ((1, x), (2, y)):
+        core.admit(batch)
+        batch.attempts = 1
+        core.sent(corr, batch, now=0.0)
+        core.settle(corr, NotLeader("moved", leader=leader), None, now=0.0)
+    assert core.pump_wait(1.0, now=0.04) == pytest.approx(0.01)  # not past the retry at 0.05
+    assert core.resends(now=0.01) == ([], [], [])
+    assert core.resends(now=0.05) == ([x, y], [("t", 0, "tcp://127.0.0.2:7401"), ("t", 1, "tcp://127.0.0.2:7401")],
+                                      ["t"])
+
+
+def test_a_batch_larger_than_a_frame_fails_at_once_and_is_reported():
+    core = ProducerCore(batch_bytes=1 << 30)
+    batch = closed_batch(core, 1)
+    batch.payload = b"x" * (MAX_FRAME_BYTES + 1)
+    core.admit(batch)
+    assert core.produce_request(batch) is None and batch.attempts == 1  # never sent: no actor could take it
+    assert (core.in_flight_records, core.in_flight_bytes) == (0, 0) and core.take_failure().code is ErrorCode.TOO_LARGE
 
 
 def test_not_owner_without_a_hint_and_a_timeout_are_retried_too():

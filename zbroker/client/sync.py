@@ -36,8 +36,7 @@ from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, AHEAD_RETRY_S,
                                           ConsumerCore, GroupCallRetry, PollSent, connection_field, core_field,
                                           failure_reason, max_wait_ms, membership_lost)
 from zbroker.client.fetch_round import FetchRound
-from zbroker.client.producer_core import (RETRIABLE_PRODUCE, ProduceError, ProducerCore, SentTogether,
-                                          produce_many_request)
+from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
 from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
 
@@ -357,28 +356,20 @@ class Producer:
         self._send_all(admitted)
 
     def _send_all(self, batches: list[PendingBatch]) -> None:
-        """Send (or resend) batches admitted to the window: a `produce_many` per actor."""
-        routed = []
+        """Send (or resend) batches admitted to the window, as `ProducerCore.requests` says."""
+        core, routed = self.core, []
         for batch in batches:
             try:
                 routed.append((self.conn.endpoint(batch.topic, batch.partition), batch))
             except ZBrokerError as err:
-                batch.attempts += 1
-                self._failed(batch, err)
-        for endpoint, group in self.core.group_by_actor(routed):
-            if len(group) == 1:
-                self._send(group[0])
-                continue
-            for batch in group:
-                batch.attempts += 1
-            msg, frame = produce_many_request(group)
+                core.unroutable(batch, err, time.monotonic())
+        for endpoint, msg, frames, sent in core.requests(routed):
             try:
-                corr = self.conn.send(endpoint, msg, (frame,))
+                corr = self.conn.send(endpoint, msg, frames)
             except ZBrokerError as err:
-                for batch in group:
-                    self._failed(batch, err)
+                core.send_failed(sent, err, time.monotonic())
                 continue
-            self.core.sent(corr, SentTogether(endpoint, group), time.monotonic())
+            core.sent(corr, sent, time.monotonic())
 
     def send_many(self, topic: str, values: list[bytes], partition: int | None = None) -> None:
         """Fast path for key-less, header-less values: whole batches at once."""
@@ -425,62 +416,43 @@ class Producer:
 
     def _send(self, batch: PendingBatch) -> None:
         """Send (or resend) a batch admitted to the window."""
-        batch.attempts += 1
-        refused = batch.over_frame_limit()
-        if refused is not None:
-            self._failed(batch, refused)  # not retriable: it fails now
-            return
+        msg = self.core.produce_request(batch)
+        if msg is None:
+            return  # failed for good, now
         try:
-            endpoint = self.conn.endpoint(batch.topic, batch.partition)
-            corr = self.conn.send(endpoint, m.Produce(topic=batch.topic, partition=batch.partition,
-                                                      producer_id=batch.producer_id, sequence=batch.sequence),
-                                  (batch.payload,))
+            corr = self.conn.send(self.conn.endpoint(batch.topic, batch.partition), msg, (batch.payload,))
         except ZBrokerError as err:
-            self._failed(batch, err)
+            self.core.failed(batch, err, time.monotonic())
             return
         self.core.sent(corr, batch, time.monotonic())
 
-    def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
-        if not self.core.failed(batch, err, time.monotonic()):
-            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
-                      reason=err.message, attempts=batch.attempts)
-
     def _resend_due(self, now: float) -> None:
-        due = self.core.due(now)
-        if not due:
-            return
-        for topic, partition, endpoint in self.core.take_hints():  # the new leader, as the error named it
+        due, hints, topics = self.core.resends(now)
+        for topic, partition, endpoint in hints:  # the new leader, as the error named it
             self.conn.metadata.redirect(topic, partition, endpoint)
-        for topic in {b.topic for b in due}:  # where do they live now? once per topic
+        for topic in topics:
             try:
                 self.conn.refresh([topic])
             except ZBrokerError:
                 pass
-        self._send_all(due)
+        if due:
+            self._send_all(due)
 
     def _pump(self, timeout_s: float) -> None:
-        wait = min(timeout_s, 0.05)
-        retry_at = self.core.next_retry_at()
-        if retry_at is not None:
-            wait = max(0.0, min(wait, retry_at - time.monotonic()))
         stashed = self.conn.take_stashed()  # produce replies that came during a metadata refresh
         for env in stashed:
             self._on_reply(env)
-        env = self.conn.recv(0.0 if stashed else wait)
+        env = self.conn.recv(0.0 if stashed else self.core.pump_wait(timeout_s, time.monotonic()))
         if env is not None:
             self._on_reply(env)
         for env in self.conn.recv_nowait_all():
             self._on_reply(env)
         now = time.monotonic()
-        for batch in self.core.timed_out(now):
-            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code="TIMEOUT",
-                      attempts=batch.attempts)
+        self.core.timed_out(now)  # retried, or failed for good (logged)
         self._resend_due(now)
 
     def _on_reply(self, env: codec.Envelope) -> None:
-        for batch, err in self.core.settle(env.corr_id, env.error, env.msg, time.monotonic()):
-            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
-                      reason=err.message, attempts=batch.attempts)
+        self.core.settle(env.corr_id, env.error, env.msg, time.monotonic())
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered and wait until all of it is acknowledged."""
