@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, FOLLOW, RAISE, READ_AHEAD_FOLLOW,
+from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, AHEAD_RETRY_S, FOLLOW, RAISE, READ_AHEAD_FOLLOW,
                                           REJOIN, ConsumerCore, FetchSizer, GroupCallRetry, RetryBackoff,
                                           failure_reason, fetch_bytes, max_wait_ms, membership_lost)
 from zbroker.protocol.batch import build_batch_header, encode_values
@@ -232,6 +232,22 @@ def test_stale_acks_end_the_ahead_lease_they_name():
     core.take_ahead_leases([["t", 0, 7, 0, 10, 1, "ahead"]])
     core.applied(3, [["t", 0, 7, 0, 2]])
     assert core.ahead_leases == {} and core.stats["stale"] == 2 and core.stats["acked"] == 3
+
+
+def test_a_damaged_frame_under_an_ahead_lease_drops_that_partitions_read_ahead_and_serves_the_others():
+    core = ConsumerCore(group="g", topics=["t"], lease_ahead=True)
+    core.metadata.update([{"name": "t", "partitions": [{"endpoint": "ep"}, {"endpoint": "ep"}]}])
+    core.joined(join_reply("m", 1, [["t", 0], ["t", 1]]), previous_member="")
+    core.take_ahead_leases([["t", 0, 7, 0, 3, 1, "ahead"], ["t", 1, 8, 0, 3, 1, "ahead"]])
+    rotten = bytearray(frame(0, 3))
+    rotten[-1] ^= 0xFF  # bit rot in the segment: its CRC fails
+    for key, corr, data in ((("t", 0), 40, bytes(rotten)), (("t", 1), 50, frame(0, 3))):
+        core.ahead.sent(key, corr, 0, follow=2)
+        core.ahead.arrived(key, corr, data, more=True)
+    parts, given_up = core.ahead_records(10, now=5.0)
+    assert [[(r.partition, r.offset) for r in part] for part in parts] == [[(1, 0), (1, 1), (1, 2)]]
+    assert given_up == [(41, 42)]  # partition 0's fetch: its later replies are dropped when they come
+    assert core.ahead_retry == {("t", 0): 5.0 + AHEAD_RETRY_S}  # and it is fetched again after a pause
 
 
 def test_the_stale_ranges_a_consumer_keeps_are_bounded():
@@ -573,6 +589,15 @@ def test_not_coordinator_follows_the_leader_named_or_rotates_with_a_capped_backo
     c.answered()
     assert c.backoff() == Coordinators.BACKOFF_START_S
     assert not c.redirected(BadRequest("no"))
+
+
+def test_a_coordinator_request_is_sent_again_after_a_backoff_until_its_attempts_run_out():
+    c = Coordinators("tcp://a:1,tcp://b:2")
+    assert c.retry_in(NotCoordinator("not me", leader=None), attempt=0) == Coordinators.BACKOFF_START_S
+    assert c.current == "tcp://b:2"
+    assert c.retry_in(BadRequest("no"), attempt=1) is None  # the caller's
+    assert c.retry_in(NotCoordinator("not me"), attempt=c.attempts() - 1) is None  # the last attempt raises
+    assert Coordinators("tcp://a:1").retry_in(RequestTimeout("no reply"), attempt=0) is None  # one URL: as before
 
 
 def test_no_connection_to_the_current_coordinator_rotates_as_a_timeout_does():

@@ -1,7 +1,8 @@
 """The asyncio twin of the client: `AsyncAdmin`, `AsyncProducer`, `AsyncConsumer`.
 
-Same decisions as the sync client (they share `zbroker.client.core`), with
-asyncio transport: one reader task per socket resolves the future of each
+Same decisions as the sync client (`consumer_core`, `producer_core`'s rules,
+`transport`, `core`: the same functions, called from here), with asyncio
+transport: one reader task per socket resolves the future of each
 request by correlation id, the producer lingers and dispatches in background tasks, and the
 consumer heartbeats in one.
 """
@@ -147,10 +148,10 @@ class AsyncConnection:
             try:
                 reply = (await self.call(self.url, msg, timeout=timeout)).msg
             except ZBrokerError as err:
-                if attempt == coordinators.attempts() - 1 or not coordinators.redirected(err):
+                wait = coordinators.retry_in(err, attempt)
+                if wait is None:
                     raise
-                log.info("coordinator.redirected", code=err.code.value, to=self.url)
-                await asyncio.sleep(coordinators.backoff())
+                await asyncio.sleep(wait)
                 continue
             coordinators.answered()
             return reply
@@ -864,9 +865,7 @@ class AsyncConsumer:
         loop = asyncio.get_running_loop()
         while True:
             self._collect_read_ahead()
-            parts, damaged = self.core.serve_ahead(max_records)
-            for key, err in damaged:
-                self.core.damaged_read_ahead(key, err, loop.time())
+            parts, _given_up = self.core.ahead_records(max_records, loop.time())  # dropped: `_prune_ahead_fetches`
             if parts:
                 self.core.held.extend(parts)
                 return

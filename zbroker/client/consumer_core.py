@@ -593,6 +593,15 @@ class ConsumerCore:
                 del self.ahead_leases[key]
         return parts, damaged
 
+    def ahead_records(self, max_records: int, now: float) -> tuple[list[list[ConsumedRecord]], list[tuple[int, int]]]:
+        """`serve_ahead`, with a partition whose held frames proved damaged dropped
+        (`damaged_read_ahead`): (parts, the id ranges given up on)."""
+        parts, damaged = self.serve_ahead(max_records)
+        given_up: list[tuple[int, int]] = []
+        for key, err in damaged:
+            given_up += self.damaged_read_ahead(key, err, now)
+        return parts, given_up
+
     def read_ahead_failed(self, key: tuple[str, int], now: float) -> None:
         """The read-ahead gave up on ``key`` (its actor restarted, the partition moved).
         Records under an ahead lease come only through it: fetch again soon, or they

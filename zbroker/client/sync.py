@@ -1,8 +1,8 @@
 """The synchronous Python client: `Admin`, `Producer` and `Consumer`.
 
-A thin driver: the decisions live in `producer_core`, `consumer_core` and
-`transport` (shared with the asyncio driver); this module reads the clock,
-sends and receives. One `Connection` holds a DEALER socket per actor endpoint
+A driver: the decisions live in `producer_core`, `consumer_core`,
+`fetch_round` and `transport` (the asyncio driver calls the same ones); this
+module reads the clock, sends, receives and waits. One `Connection` holds a DEALER socket per actor endpoint
 (the coordinator and each partition actor) and matches replies to requests by
 correlation id, so many requests can be in flight at once (pipelining).
 Sockets use ``ZMQ_IMMEDIATE``: nothing is queued towards a peer that is not
@@ -151,10 +151,10 @@ class Connection:
             try:
                 reply = self.call(self.url, msg, timeout=timeout).msg
             except ZBrokerError as err:
-                if attempt == coordinators.attempts() - 1 or not coordinators.redirected(err):
+                wait = coordinators.retry_in(err, attempt)
+                if wait is None:
                     raise
-                log.info("coordinator.redirected", code=err.code.value, to=self.url)
-                time.sleep(coordinators.backoff())
+                time.sleep(wait)
                 continue
             coordinators.answered()
             return reply
@@ -833,7 +833,8 @@ class Consumer:
         ``deadline`` for some; returns early (empty) when the poll sent ahead is answered."""
         while True:
             self._collect_read_ahead()
-            parts = self._serve_ahead(max_records)
+            parts, given_up = self.core.ahead_records(max_records, time.monotonic())
+            self._give_up(given_up)
             if parts:
                 self._held = parts
                 records = self._hand_out(max_records)
@@ -858,13 +859,6 @@ class Consumer:
             env = self.conn.recv(until - now)
             if env is not None and isinstance(env.corr_id, int):
                 self.conn._early[env.corr_id] = env
-
-    def _serve_ahead(self, max_records: int) -> list[list[ConsumedRecord]]:
-        """Records under the ahead leases that the read-ahead already holds, one part per lease."""
-        parts, damaged = self.core.serve_ahead(max_records)
-        for key, err in damaged:
-            self._give_up(self.core.damaged_read_ahead(key, err, time.monotonic()))
-        return parts
 
     def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
         return self.core.hand_out(max_records)
