@@ -9,12 +9,13 @@ import pathlib
 
 import pytest
 
-from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, AHEAD_RETRY_S, FOLLOW, RAISE, READ_AHEAD_FOLLOW,
-                                          REJOIN, ConsumerCore, FetchSizer, GroupCallRetry, RetryBackoff,
-                                          failure_reason, fetch_bytes, max_wait_ms, membership_lost)
+from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, AHEAD_RETRY_S, FOLLOW, RAISE,
+                                          READ_AHEAD_FOLLOW, REJOIN, AckRequests, ConsumerCore, FetchSizer,
+                                          GroupCallRetry, RetryBackoff, failure_reason, fetch_bytes, max_wait_ms,
+                                          membership_lost)
 from zbroker.protocol.batch import build_batch_header, encode_values
 from zbroker.protocol.codec import Envelope
-from zbroker.client.core import MAX_FRAME_BYTES, ConsumedRecord, MetadataCache
+from zbroker.client.core import MAX_FRAME_BYTES, RANGES_PER_REQUEST, ConsumedRecord, MetadataCache
 from zbroker.client.fetch_round import FetchRound
 from zbroker.client.producer_core import ProduceError, ProducerCore, leader_hint, retry_delay
 from zbroker.client.transport import Coordinators, Correlation, bootstrap_urls
@@ -206,6 +207,21 @@ def test_what_a_refused_ack_request_means_for_its_ranges():
     core.take_acks()
     assert core.ack_refused(RequestTimeout("lost"), ranges, now=1.0) == ACK_FAILED and core.take_acks() == ranges
     assert core.ack_refused(BadRequest("bad"), ranges, now=1.0) == ACK_FAILED and core.held_acks() == 0
+
+
+def test_ack_requests_stand_for_their_ranges_and_the_last_for_the_acks_that_rode_on_a_poll_before_it():
+    ranges = [["t", 0, lease, 0, 1] for lease in range(RANGES_PER_REQUEST + 1)]
+    rode = [["t", 0, 99, 0, 5]]
+    requests = AckRequests.requests(ranges, rode)
+    assert [(len(chunk), before) for chunk, before in requests] == [(RANGES_PER_REQUEST, []), (1, rode)]
+    assert AckRequests.requests([], rode) == [([], rode)]  # an empty request proves the poll's acks applied
+    sent = AckRequests()
+    for corr, (chunk, before) in enumerate(requests, start=1):
+        sent.sent(corr, chunk, before, now=10.0)
+    assert sent and sent.waiting() == [1, 2]
+    assert not sent.overdue(2, now=15.0, request_timeout=5.0) and sent.overdue(2, now=15.01, request_timeout=5.0)
+    assert sent.lost(2) == [*rode, ranges[-1]]  # no reply: all it stood for goes again
+    assert sent.answered(1) == (ranges[:RANGES_PER_REQUEST], []) and not sent
 
 
 def test_a_join_ends_the_ahead_leases_and_gives_up_the_fetches_of_partitions_not_kept():

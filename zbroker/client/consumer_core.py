@@ -46,7 +46,7 @@ from typing import Any
 
 import structlog
 
-from zbroker.client.core import AckAccumulator, ConsumedRecord, MetadataCache, ReadAhead
+from zbroker.client.core import AckAccumulator, ConsumedRecord, MetadataCache, ReadAhead, in_request_sized_chunks
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched, stored_range
 from zbroker.protocol.errors import ErrorCode, ZBrokerError
@@ -220,6 +220,49 @@ class PollSent:
     def take_acks(self) -> list:
         acks, self.acks = self.acks, []
         return acks
+
+
+class AckRequests:
+    """Ack requests sent and not answered yet (the sync driver's; the asyncio one awaits each
+    call), with what each stands for: its ranges and, for the last request of a flush, the
+    acks that rode on the poll sent before it (`before`: applied if it was, since the
+    coordinator serves one connection's requests in order). A request without a reply within
+    the request timeout (lost with a coordinator that died, say) is given up on, and all it
+    stood for goes again (a repeated ack is harmless, a lost one is not)."""
+
+    __slots__ = ("_sent",)
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[list, list, float]] = {}  # corr -> (ranges, before, sent at)
+
+    def __bool__(self) -> bool:
+        return bool(self._sent)
+
+    @staticmethod
+    def requests(ranges: list, before: list) -> list[tuple[list, list]]:
+        """(ranges, before) per request: RANGES_PER_REQUEST ranges each (a larger header is
+        answered TOO_LARGE with no id), the last one also standing for ``before``."""
+        chunks = in_request_sized_chunks(ranges)
+        return [(chunk, before if i == len(chunks) - 1 else []) for i, chunk in enumerate(chunks)]
+
+    def sent(self, corr: int, ranges: list, before: list, now: float) -> None:
+        self._sent[corr] = (ranges, before, now)
+
+    def waiting(self) -> list[int]:
+        return list(self._sent)
+
+    def overdue(self, corr: int, now: float, request_timeout: float) -> bool:
+        return now - self._sent[corr][2] > request_timeout
+
+    def answered(self, corr: int) -> tuple[list, list]:
+        """The request's (ranges, before), no longer waited for."""
+        ranges, before, _at = self._sent.pop(corr)
+        return ranges, before
+
+    def lost(self, corr: int) -> list:
+        """Given up on: every range it stood for, to hold again."""
+        ranges, before = self.answered(corr)
+        return [*before, *ranges]
 
 
 def core_field(name: str) -> property:

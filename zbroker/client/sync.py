@@ -33,8 +33,8 @@ from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedReco
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client import consumer_core
 from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN,
-                                          ConsumerCore, GroupCallRetry, PollSent, connection_field, core_field,
-                                          failure_reason, max_wait_ms, membership_lost)
+                                          AckRequests, ConsumerCore, GroupCallRetry, PollSent, connection_field,
+                                          core_field, failure_reason, max_wait_ms, membership_lost)
 from zbroker.client.fetch_round import FetchRound
 from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
@@ -575,8 +575,7 @@ class Consumer:
         self.session_timeout_ms = session_timeout_ms
         self.on_assign = on_assign
         self.on_revoke = on_revoke
-        # corr -> (ranges, ranges of polls before it, when it was sent)
-        self._ack_requests: dict[int, tuple[list, list, float]] = {}
+        self._ack_requests = AckRequests()  # sent, not answered yet
         self._needs_rejoin = threading.Event()
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -1089,45 +1088,42 @@ class Consumer:
         self._collect_ack_replies(block=wait)
 
     def _send_acks(self, ranges: list, ranges_before: list) -> None:
-        """Ack requests (one per RANGES_PER_REQUEST ranges, the last one also standing for
-        `ranges_before`); ranges that could not be sent are held again (and the error raised)."""
-        chunks = in_request_sized_chunks(ranges)
-        for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
+        """The ack requests for ``ranges`` (`AckRequests.requests`, the last one also standing
+        for ``ranges_before``); what could not be sent is held again (and the error raised)."""
+        requests = AckRequests.requests(ranges, ranges_before)
+        for i, (chunk, before) in enumerate(requests):
             try:
                 corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
                                                            generation=self.generation, ranges=chunk))
             except ZBrokerError:
-                self._hold_again([r for rest in chunks[i:] for r in rest])
+                self._hold_again([r for rest, rode in requests[i:] for r in (*rode, *rest)])
                 raise
-            self._ack_requests[corr] = (chunk, ranges_before if last else [], time.monotonic())
+            self._ack_requests.sent(corr, chunk, before, time.monotonic())
 
     def _collect_ack_replies(self, block: bool) -> None:
         """Take the replies of the ack requests out, each as it comes (one that never
         comes must not hide the others: a FENCED one among them means re-join now).
         With ``block``, wait for all of them. A request without a reply within the
-        request timeout (lost with a coordinator that died, say) has its ranges held
-        again, to go with the next request (a repeated ack is harmless, a lost one is
-        not); with ``block`` its timeout is raised once the others are taken."""
+        request timeout has its ranges held again, to go with the next request
+        (`AckRequests`); with ``block`` its timeout is raised once the others are taken."""
         lost: RequestTimeout | None = None
-        while self._ack_requests:
+        requests = self._ack_requests
+        while requests:
             if not block:
-                    self._stash_arrived()
-            for corr in list(self._ack_requests):
-                ranges, ranges_before, sent_at = self._ack_requests[corr]
+                self._stash_arrived()
+            for corr in requests.waiting():
                 env = None
                 if block or corr in self.conn._early:
                     try:
                         env = self.conn.wait_for(corr)
                     except RequestTimeout as err:
                         lost = err
-                elif time.monotonic() - sent_at <= self.conn.request_timeout:
+                elif not requests.overdue(corr, time.monotonic(), self.conn.request_timeout):
                     continue  # still on its way
-                del self._ack_requests[corr]
                 if env is None:
-                    self._hold_again(list(ranges_before) + list(ranges))
+                    self._hold_again(requests.lost(corr))
                     continue
-                self._on_ack_reply(env, ranges, ranges_before)
+                self._on_ack_reply(env, *requests.answered(corr))
             if not block:
                 break  # (a re-sent request, after a FENCED reply, is taken next time)
         if lost is not None:
