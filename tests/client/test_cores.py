@@ -9,12 +9,14 @@ import pathlib
 
 import pytest
 
-from zbroker.client.consumer_core import (FOLLOW, RAISE, READ_AHEAD_FOLLOW, REJOIN, ConsumerCore, FetchSizer,
+from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, AHEAD_RETRY_S, FOLLOW, RAISE,
+                                          READ_AHEAD_FOLLOW, REJOIN, AckRequests, ConsumerCore, FetchSizer,
                                           GroupCallRetry, RetryBackoff, failure_reason, fetch_bytes, max_wait_ms,
                                           membership_lost)
 from zbroker.protocol.batch import build_batch_header, encode_values
 from zbroker.protocol.codec import Envelope
-from zbroker.client.core import ConsumedRecord, MetadataCache
+from zbroker.client.core import MAX_FRAME_BYTES, RANGES_PER_REQUEST, ConsumedRecord, MetadataCache
+from zbroker.client.fetch_round import FetchRound
 from zbroker.client.producer_core import ProduceError, ProducerCore, leader_hint, retry_delay
 from zbroker.client.transport import Coordinators, Correlation, bootstrap_urls
 from zbroker.protocol import messages as m
@@ -25,7 +27,7 @@ CLIENT = pathlib.Path(__file__).resolve().parents[2] / "zbroker" / "client"
 FORBIDDEN = {"zmq", "asyncio", "time", "socket"}
 
 
-@pytest.mark.parametrize("module", ["consumer_core.py", "producer_core.py", "core.py", "transport.py",
+@pytest.mark.parametrize("module", ["consumer_core.py", "fetch_round.py", "producer_core.py", "core.py", "transport.py",
                                     "admin_calls.py"])
 def test_the_cores_import_neither_zmq_asyncio_time_nor_socket(module):
     imported = set()
@@ -73,7 +75,7 @@ def forbidden_reach(module: str) -> dict[str, set[str]]:
     return found
 
 
-@pytest.mark.parametrize("module", ["consumer_core", "producer_core", "transport", "admin_calls"])
+@pytest.mark.parametrize("module", ["consumer_core", "fetch_round", "producer_core", "transport", "admin_calls"])
 def test_nothing_a_core_imports_imports_zmq_asyncio_time_or_socket_either(module):
     assert not forbidden_reach(module)
 
@@ -150,6 +152,78 @@ def test_a_poll_answered_before_a_rejoin_keeps_only_its_standing_ordinary_delive
     assert core.standing_deliveries(deliveries, "m", lost=True) == []
 
 
+def poll_of(core: ConsumerCore, acks: list, max_wait_ms: int = 100) -> m.Poll:
+    return m.Poll(group="g", member_id=core.member_id, generation=core.generation, max_records=10,
+                  max_wait_ms=max_wait_ms, acks=acks)
+
+
+def test_a_poll_sent_is_given_up_after_its_wait_and_the_request_timeout():
+    core = joined_core()
+    sent = core.poll_sent(41, poll_of(core, [["t", 0, 7, 0, 3]], max_wait_ms=250), now=10.0, request_timeout=5.0)
+    assert (sent.reply, sent.member_id, sent.generation, sent.give_up_at) == (41, "m", 1, 15.25)
+    assert sent.take_acks() == [["t", 0, 7, 0, 3]] and sent.acks == []
+
+
+def test_a_poll_answered_counts_its_acks_applied_and_notes_the_stale_ones():
+    core = joined_core()
+    sent = core.poll_sent(41, poll_of(core, [["t", 0, 7, 0, 3]]), now=0.0, request_timeout=5.0)
+    reply = m.PollReply(deliveries=[], generation=1, ack_timeout_ms=30000, acked=2, stale=[["t", 0, 7, 2, 3]])
+    assert core.poll_replied(sent, Envelope(op="poll", corr_id=41, msg=reply), now=0.1) is reply
+    assert (core.stats["acked"], core.stats["stale"], core.held_acks()) == (2, 1, 0)
+
+
+def test_a_poll_fenced_on_arrival_holds_its_acks_again_and_asks_for_a_rejoin_once():
+    core = joined_core()
+    sent = core.poll_sent(41, poll_of(core, [["t", 0, 7, 0, 3]]), now=0.0, request_timeout=5.0)
+    fenced = Fenced("fenced", generation=2, member_known=False)
+    assert core.poll_replied(sent, Envelope(op="poll", corr_id=41, error=fenced), now=1.0) is None
+    assert core.held_acks() == 3 and core.acks_due_at(1.0) == 1.0 + core.ack_interval_s
+    assert core.rejoin_after(fenced, sent.member_id, sent.generation)
+    assert core.member_lost and core.member_id == "m"  # known no more: its leases are gone, its id stays
+    core.joined(join_reply("m", 2, [["t", 0]]), previous_member="m")
+    assert not core.rejoin_after(fenced, sent.member_id, sent.generation)  # re-joined since it was sent
+
+
+def test_a_poll_answered_after_it_waited_applied_its_acks_and_other_errors_are_raised():
+    core = joined_core()
+    sent = core.poll_sent(41, poll_of(core, [["t", 0, 7, 0, 3]]), now=0.0, request_timeout=5.0)
+    fenced = Fenced("fenced", generation=2, acked=3)
+    assert core.poll_replied(sent, Envelope(op="poll", corr_id=41, error=fenced), now=1.0) is None
+    assert (core.stats["acked"], core.held_acks()) == (3, 0)
+    assert core.rejoin_after(UnknownMember("gone"), "m", 1) and core.member_id == ""
+    with pytest.raises(NotCoordinator):
+        core.poll_replied(sent, Envelope(op="poll", corr_id=41, error=NotCoordinator("moved")), now=1.0)
+
+
+def test_what_a_refused_ack_request_means_for_its_ranges():
+    core = joined_core()
+    ranges = [["t", 0, 7, 0, 5]]
+    stale = StaleLease("stale", applied=3, stale=[["t", 0, 7, 3, 5]])
+    assert core.ack_refused(stale, ranges, now=1.0) == ACK_STALE
+    assert (core.stats["acked"], core.stats["stale"], core.held_acks()) == (3, 2, 0)  # not sent again
+    assert core.ack_refused(Fenced("fenced", generation=2), ranges, now=1.0) == ACK_REJOIN
+    assert core.take_acks() == ranges and core.member_id == "m"  # held for the request after the join
+    assert core.ack_refused(UnknownMember("gone"), ranges, now=1.0) == ACK_REJOIN and core.member_id == ""
+    core.take_acks()
+    assert core.ack_refused(RequestTimeout("lost"), ranges, now=1.0) == ACK_FAILED and core.take_acks() == ranges
+    assert core.ack_refused(BadRequest("bad"), ranges, now=1.0) == ACK_FAILED and core.held_acks() == 0
+
+
+def test_ack_requests_stand_for_their_ranges_and_the_last_for_the_acks_that_rode_on_a_poll_before_it():
+    ranges = [["t", 0, lease, 0, 1] for lease in range(RANGES_PER_REQUEST + 1)]
+    rode = [["t", 0, 99, 0, 5]]
+    requests = AckRequests.requests(ranges, rode)
+    assert [(len(chunk), before) for chunk, before in requests] == [(RANGES_PER_REQUEST, []), (1, rode)]
+    assert AckRequests.requests([], rode) == [([], rode)]  # an empty request proves the poll's acks applied
+    sent = AckRequests()
+    for corr, (chunk, before) in enumerate(requests, start=1):
+        sent.sent(corr, chunk, before, now=10.0)
+    assert sent and sent.waiting() == [1, 2]
+    assert not sent.overdue(2, now=15.0, request_timeout=5.0) and sent.overdue(2, now=15.01, request_timeout=5.0)
+    assert sent.lost(2) == [*rode, ranges[-1]]  # no reply: all it stood for goes again
+    assert sent.answered(1) == (ranges[:RANGES_PER_REQUEST], []) and not sent
+
+
 def test_a_join_ends_the_ahead_leases_and_gives_up_the_fetches_of_partitions_not_kept():
     core = ConsumerCore(group="g", topics=["t"], lease_ahead=True)
     core.joined(join_reply("m", 1, [["t", 0], ["t", 1]]), previous_member="")
@@ -174,6 +248,22 @@ def test_stale_acks_end_the_ahead_lease_they_name():
     core.take_ahead_leases([["t", 0, 7, 0, 10, 1, "ahead"]])
     core.applied(3, [["t", 0, 7, 0, 2]])
     assert core.ahead_leases == {} and core.stats["stale"] == 2 and core.stats["acked"] == 3
+
+
+def test_a_damaged_frame_under_an_ahead_lease_drops_that_partitions_read_ahead_and_serves_the_others():
+    core = ConsumerCore(group="g", topics=["t"], lease_ahead=True)
+    core.metadata.update([{"name": "t", "partitions": [{"endpoint": "ep"}, {"endpoint": "ep"}]}])
+    core.joined(join_reply("m", 1, [["t", 0], ["t", 1]]), previous_member="")
+    core.take_ahead_leases([["t", 0, 7, 0, 3, 1, "ahead"], ["t", 1, 8, 0, 3, 1, "ahead"]])
+    rotten = bytearray(frame(0, 3))
+    rotten[-1] ^= 0xFF  # bit rot in the segment: its CRC fails
+    for key, corr, data in ((("t", 0), 40, bytes(rotten)), (("t", 1), 50, frame(0, 3))):
+        core.ahead.sent(key, corr, 0, follow=2)
+        core.ahead.arrived(key, corr, data, more=True)
+    parts, given_up = core.ahead_records(10, now=5.0)
+    assert [[(r.partition, r.offset) for r in part] for part in parts] == [[(1, 0), (1, 1), (1, 2)]]
+    assert given_up == [(41, 42)]  # partition 0's fetch: its later replies are dropped when they come
+    assert core.ahead_retry == {("t", 0): 5.0 + AHEAD_RETRY_S}  # and it is fetched again after a pause
 
 
 def test_the_stale_ranges_a_consumer_keeps_are_bounded():
@@ -247,6 +337,66 @@ def test_the_core_plans_a_lease_fetch_learns_its_size_and_asks_for_the_rest():
     assert core.fetch_sizer.per_record == 256  # small records: the next fetch keeps the floor
     got, rest, _ = core.lease_fetch_replied(delivery, 4, fetch_reply(4, 10), None, now=1.0)
     assert [r.offset for r in got] == list(range(4, 10)) and rest is None  # records past the lease end dropped
+
+
+def many_reply(*parts: tuple[int, int]) -> Envelope:
+    frames = [frame(first, count) for first, count in parts]
+    rows = [[0, first + count, len(f), None] for (first, count), f in zip(parts, frames)]
+    return Envelope(op="fetch_many", corr_id=0, msg=m.FetchManyReply(parts=rows), frames=[b"".join(frames)])
+
+
+def test_a_fetch_round_sends_one_fetch_many_per_actor_and_fetches_the_rest_of_a_cut_lease_alone():
+    core = joined_core()
+    deliveries = [["t", 0, 7, 0, 5, 1, "new"], ["t", 1, 8, 0, 3, 1, "new"], ["t", 2, 9, 0, 2, 1, "new"]]
+    fetches = FetchRound(core, deliveries)
+    fetches.route((0, deliveries[0], 0), "ep-a")
+    fetches.route((1, deliveries[1], 0), "ep-a")
+    fetches.route((2, deliveries[2], 0), "ep-b")
+    requests = fetches.requests()
+    assert [(endpoint, msg.op) for endpoint, msg, _items in requests] == [("ep-a", "fetch_many"), ("ep-b", "fetch")]
+    fetches.sent(11, requests[0])
+    fetches.sent(12, requests[1])
+    assert fetches.next_awaited() == 11  # the fetch_many first
+    again = fetches.replied(11, many_reply((0, 2), (0, 3)), None, now=1.0)
+    assert again == [(0, deliveries[0], 2)]  # partition 0's lease was cut short at offset 2
+    fetches.route(again[0], "ep-a", alone=True)
+    [rest] = fetches.requests()
+    assert (rest[1].op, rest[1].offset) == ("fetch", 2)
+    fetches.sent(13, rest)
+    assert fetches.next_awaited() == 12  # then the fetches, in the order sent
+    assert fetches.replied(12, fetch_reply(0, 2), None, now=1.0) == []
+    assert fetches.replied(13, fetch_reply(2, 3), None, now=1.0) == [] and fetches.next_awaited() is None
+    assert [[r.offset for r in part] for part in fetches.parts] == [[0, 1, 2, 3, 4], [0, 1, 2], [0, 1]]
+
+
+def test_a_fetch_round_costs_a_partition_it_cannot_reach_only_its_own_delivery():
+    core = joined_core()
+    core.metadata.update([{"name": "t", "partitions": [{"endpoint": "ep-a"}, {"endpoint": "ep-b"}]}])
+    deliveries = [["t", 0, 7, 0, 2, 1, "new"], ["t", 1, 8, 0, 2, 1, "new"]]
+    fetches = FetchRound(core, deliveries)
+    fetches.route((0, deliveries[0], 0), "ep-a")
+    fetches.unroutable((1, deliveries[1], 0), NotOwner("moved"), now=1.0)
+    [request] = fetches.requests()
+    fetches.sent(5, request)
+    assert fetches.replied(5, None, RequestTimeout("no reply"), now=2.0) == []
+    assert fetches.parts == [[], []] and fetches.next_awaited() is None
+    assert "t" not in core.metadata.topics  # where its partitions live is asked again
+
+
+def test_an_actor_without_fetch_many_gets_single_fetches_from_then_on():
+    core = joined_core()
+    deliveries = [["t", 0, 7, 0, 2, 1, "new"], ["t", 1, 8, 0, 2, 1, "new"]]
+    fetches = FetchRound(core, deliveries)
+    for i, d in enumerate(deliveries):
+        fetches.route((i, d, 0), "ep-old")
+    [request] = fetches.requests()
+    fetches.sent(5, request)
+    refused = Envelope(op="fetch_many", corr_id=5, error=BadRequest("unknown op", code=ErrorCode.UNKNOWN_OP))
+    again = fetches.replied(5, refused, None, now=1.0)
+    assert again == [(0, deliveries[0], 0), (1, deliveries[1], 0)]
+    for item in again:
+        fetches.route(item, "ep-old")  # even routed together, they now go one by one
+    assert [msg.op for _e, msg, _items in fetches.requests()] == ["fetch", "fetch"]
 
 
 def test_a_lease_fetch_refused_as_not_owner_forgets_the_owner_and_costs_only_its_delivery():
@@ -354,6 +504,47 @@ def test_not_leader_is_retried_at_the_leader_it_names_with_a_capped_backoff():
     assert cache.endpoint("t", 0) == "tcp://127.0.0.2:7401"
 
 
+def test_batches_sent_together_go_as_one_produce_many_per_actor_each_an_attempt_more():
+    core = ProducerCore()
+    a, b, c = closed_batch(core, 2, partition=0), closed_batch(core, 2, partition=1), closed_batch(core, 2, partition=2)
+    for batch in (a, b, c):
+        core.admit(batch)
+    requests = core.requests([("ep-1", a), ("ep-2", b), ("ep-1", c)])
+    assert [(endpoint, msg.op) for endpoint, msg, _frames, _sent in requests] == [("ep-1", "produce_many"),
+                                                                                 ("ep-2", "produce")]
+    assert [x.attempts for x in (a, b, c)] == [1, 1, 1]
+    assert requests[0][3].batches == [a, c] and requests[1][3] is b and requests[1][2] == (b.payload,)
+    core.send_failed(requests[0][3], NotOwner("moved"), now=3.0)  # both retried after their backoff
+    assert core.next_retry_at() == 3.0 + retry_delay(1)
+    core.unroutable(b, NotOwner("moved"), now=3.0)
+    assert b.attempts == 2 and core.stats["retries"] == 3
+
+
+def test_the_sync_drivers_wait_and_its_resends_come_from_the_core():
+    core = ProducerCore(retries=5)
+    assert core.pump_wait(1.0, now=0.0) == 0.05 and core.pump_wait(0.01, now=0.0) == 0.01
+    x, y = closed_batch(core, partition=0), closed_batch(core, partition=1)
+    leader = {"endpoint": "tcp://127.0.0.2:7401"}
+    for corr, batch in ((1, x), (2, y)):
+        core.admit(batch)
+        batch.attempts = 1
+        core.sent(corr, batch, now=0.0)
+        core.settle(corr, NotLeader("moved", leader=leader), None, now=0.0)
+    assert core.pump_wait(1.0, now=0.04) == pytest.approx(0.01)  # not past the retry at 0.05
+    assert core.resends(now=0.01) == ([], [], [])
+    assert core.resends(now=0.05) == ([x, y], [("t", 0, "tcp://127.0.0.2:7401"), ("t", 1, "tcp://127.0.0.2:7401")],
+                                      ["t"])
+
+
+def test_a_batch_larger_than_a_frame_fails_at_once_and_is_reported():
+    core = ProducerCore(batch_bytes=1 << 30)
+    batch = closed_batch(core, 1)
+    batch.payload = b"x" * (MAX_FRAME_BYTES + 1)
+    core.admit(batch)
+    assert core.produce_request(batch) is None and batch.attempts == 1  # never sent: no actor could take it
+    assert (core.in_flight_records, core.in_flight_bytes) == (0, 0) and core.take_failure().code is ErrorCode.TOO_LARGE
+
+
 def test_not_owner_without_a_hint_and_a_timeout_are_retried_too():
     assert leader_hint(NotOwner("moved")) is None
     assert leader_hint(NotLeader("moved", leader=None)) is None
@@ -414,6 +605,15 @@ def test_not_coordinator_follows_the_leader_named_or_rotates_with_a_capped_backo
     c.answered()
     assert c.backoff() == Coordinators.BACKOFF_START_S
     assert not c.redirected(BadRequest("no"))
+
+
+def test_a_coordinator_request_is_sent_again_after_a_backoff_until_its_attempts_run_out():
+    c = Coordinators("tcp://a:1,tcp://b:2")
+    assert c.retry_in(NotCoordinator("not me", leader=None), attempt=0) == Coordinators.BACKOFF_START_S
+    assert c.current == "tcp://b:2"
+    assert c.retry_in(BadRequest("no"), attempt=1) is None  # the caller's
+    assert c.retry_in(NotCoordinator("not me"), attempt=c.attempts() - 1) is None  # the last attempt raises
+    assert Coordinators("tcp://a:1").retry_in(RequestTimeout("no reply"), attempt=0) is None  # one URL: as before
 
 
 def test_no_connection_to_the_current_coordinator_rotates_as_a_timeout_does():

@@ -84,7 +84,7 @@ def fetch_offsets(consumer):
     async def fetch() -> None:
         while consumer._to_fetch:
             topic, partition, _lease, offset, end, _attempt, _reason = consumer._to_fetch.pop(0)
-            consumer._leased.extend((topic, partition, o) for o in range(offset, end))
+            consumer.core.held.append([(topic, partition, o) for o in range(offset, end)])
     return fetch
 
 

@@ -15,6 +15,7 @@ from zbroker.protocol import messages as m
 from zbroker.protocol.errors import Fenced, NotOwner, RequestTimeout, Unavailable
 from tests.unit.test_consumer_acks import acked_set, bare_consumer, records_of
 from tests.unit.test_read_ahead import stored
+from zbroker.client.consumer_core import PollSent
 from zbroker.client.core import MetadataCache
 from zbroker.client.transport import Coordinators, Correlation
 from zbroker.client.sync import AHEAD_RETRY_S, Consumer
@@ -221,6 +222,18 @@ def test_acks_of_a_fenced_request_are_kept_when_the_re_join_fails():
     c.flush_acks(wait=False)  # the coordinator is back
     sent = [r for msg in c.conn.sent.values() for r in msg.ranges]
     assert acked_set(sent) == acked_set([["t", 0, 7, 0, 5], ["t", 0, 6, 0, 2]])
+
+
+def test_acks_riding_on_a_poll_are_held_again_when_the_ack_that_would_prove_them_cannot_be_sent():
+    c = counting(bare_consumer(ack_batch=1000))
+    c._poll_ahead = PollSent(99, [["t", 0, 6, 0, 2]], c.member_id, c.generation, give_up_at=1e12)
+
+    def refuse(endpoint, msg, frames=()):
+        raise Unavailable("coordinator restarting")
+    c.conn.send = refuse
+    with pytest.raises(Unavailable):
+        c.flush_acks(wait=True)
+    assert acked_set(c.core.take_acks()) == acked_set([["t", 0, 6, 0, 2]])  # they go with the next request
 
 
 def test_one_unreachable_partition_costs_only_its_own_records(monkeypatch):

@@ -1,7 +1,8 @@
 """The asyncio twin of the client: `AsyncAdmin`, `AsyncProducer`, `AsyncConsumer`.
 
-Same decisions as the sync client (they share `zbroker.client.core`), with
-asyncio transport: one reader task per socket resolves the future of each
+Same decisions as the sync client (`consumer_core`, `producer_core`'s rules,
+`transport`, `core`: the same functions, called from here), with asyncio
+transport: one reader task per socket resolves the future of each
 request by correlation id, the producer lingers and dispatches in background tasks, and the
 consumer heartbeats in one.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import itertools
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -29,9 +29,9 @@ from zbroker.client.core import (RANGES_PER_REQUEST, BatchAccumulator, ChunkedSe
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client.admin_calls import async_method, with_admin_calls
 from zbroker.client.keys import ClientKeys
-from zbroker.client.consumer_core import (FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
-                                          RetryBackoff, connection_field, core_field, failure_reason, max_wait_ms,
-                                          membership_lost)
+from zbroker.client.consumer_core import (ACK_STALE, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
+                                          PollSent, RetryBackoff, connection_field, core_field, failure_reason,
+                                          max_wait_ms)
 from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry, window_has_room
 from zbroker.client.sockets import client_dealer, curve_from_env
 from zbroker.client.transport import DEFAULT_URL, Coordinators
@@ -148,10 +148,10 @@ class AsyncConnection:
             try:
                 reply = (await self.call(self.url, msg, timeout=timeout)).msg
             except ZBrokerError as err:
-                if attempt == coordinators.attempts() - 1 or not coordinators.redirected(err):
+                wait = coordinators.retry_in(err, attempt)
+                if wait is None:
                     raise
-                log.info("coordinator.redirected", code=err.code.value, to=self.url)
-                await asyncio.sleep(coordinators.backoff())
+                await asyncio.sleep(wait)
                 continue
             coordinators.answered()
             return reply
@@ -477,23 +477,6 @@ class AsyncProducer:
         await self.close()
 
 
-@dataclasses.dataclass
-class PollInFlight:
-    """A Poll sent and not answered yet.
-
-    The coordinator may lease records to it at any time until it answers, so its
-    reply is kept even when the poll() that sent it is cancelled: thrown away, those
-    records would stay leased to this member, out of every poll's reach, until their
-    ack timeout (each such strand costs them a delivery attempt).
-    """
-
-    reply: asyncio.Future
-    acks: list  # riding on it: held again if it is refused on arrival or given up
-    member_id: str
-    generation: int
-    give_up_at: float  # loop time: its max wait and the request timeout after it was sent
-
-
 class AsyncConsumer:
     """A member of a consumer group for asyncio: poll leases, fetch their records, ack each one.
 
@@ -540,8 +523,7 @@ class AsyncConsumer:
         # One poll() at a time: two interleaved at their awaits could each send a Poll (the
         # first one's leases stranded until the ack timeout) or fetch the same delivery.
         self._poll_lock = asyncio.Lock()
-        self._poll_in_flight: PollInFlight | None = None
-        self._leased: list[ConsumedRecord] = []  # fetched for a poll reply, beyond what its poll() asked for
+        self._poll_in_flight: PollSent | None = None  # its reply is a future; kept when a poll() is cancelled
         # Deliveries of a poll reply not fetched yet, each [topic, partition, lease, next offset, end,
         # attempt, reason]: a poll() cancelled while it fetched leaves them to the next one, instead
         # of stranding their leases until the ack timeout (each strand costs a delivery attempt).
@@ -573,20 +555,13 @@ class AsyncConsumer:
         except UnknownMember:
             self.core.lost(forget_id=True)
             reply = await self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
-        # The core's rule, the sync Consumer's too: records leased (fetched or not) survive the
-        # join only where their lease still stands (same member, partition kept); the others'
-        # leases went to another member. A Poll of the old generation already answered is kept.
-        parts: list[list[ConsumedRecord]] = []  # the core judges one partition's run at a time
-        for r in self._leased:
-            if parts and (parts[-1][0].topic, parts[-1][0].partition) == (r.topic, r.partition):
-                parts[-1].append(r)
-            else:
-                parts.append([r])
-        was_lost, self.core.held = self.core.member_lost, parts
+        # The core's rule, the sync Consumer's too: records leased (fetched, `core.held`, or not)
+        # survive the join only where their lease still stands (same member, partition kept);
+        # the others' leases went to another member. A Poll of the old generation already
+        # answered is kept.
+        was_lost = self.core.member_lost
         revoked, assigned, _given_up = self.core.joined(reply, previous_member)
         self._prune_ahead_fetches()  # the read-ahead of partitions not kept
-        self._leased = [r for part in self.core.held for r in part]
-        self.core.held = []
         self._to_fetch = self.core.standing_deliveries(self._to_fetch, previous_member, was_lost)
         in_flight = self._poll_in_flight
         if in_flight is not None and in_flight.generation != self.generation:
@@ -627,12 +602,8 @@ class AsyncConsumer:
         """Re-join after ``err`` (FENCED or UNKNOWN_MEMBER) refused a request sent as
         ``member_id`` in ``generation``, unless another task re-joined since it was sent."""
         async with self._join_lock:
-            if (self.member_id, self.generation) != (member_id, generation):
-                return  # re-joined already: the caller just sends again
-            lost, forget_id = membership_lost(err)
-            if lost:
-                self.core.lost(forget_id=forget_id)  # its leases are gone
-            await self._join()
+            if self.core.rejoin_after(err, member_id, generation):
+                await self._join()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -679,7 +650,7 @@ class AsyncConsumer:
 
         The held acks ride on the Poll (`Poll.acks`): applied before it leases, no
         round trip of their own. A poll() cancelled while its Poll waits at the
-        coordinator leaves that Poll in flight (see `PollInFlight`): the next poll()
+        coordinator leaves that Poll in flight (see `consumer_core.PollSent`): the next poll()
         takes its reply first, waiting for it at most its own ``timeout``.
 
         Tasks sharing one consumer may all call poll(): the calls take turns, and
@@ -691,19 +662,19 @@ class AsyncConsumer:
         if not await self._wait_for_turn(timeout):
             return []
         try:
-            if not self._leased and not self._to_fetch and self.core.ahead_leases:
+            if not self.core.held and not self._to_fetch and self.core.ahead_leases:
                 await self._records_ahead(max_records, deadline)
-            if not self._leased and not self._to_fetch:
+            if not self.core.held and not self._to_fetch:
                 reply = await self._poll_reply(max_records, max(0.0, deadline - loop.time()))
                 if reply is None:
                     return []
                 self._to_fetch = [list(delivery) for delivery in self.core.take_ahead_leases(reply.deliveries)]
             if self._to_fetch:
                 await self._fetch()
-            if not self._leased and self.core.ahead_leases:
+            if not self.core.held and self.core.ahead_leases:
                 await self._records_ahead(max_records, deadline)
-            records = self._hand_out(max_records)
-            if self.poll_ahead and not self._leased and self._poll_in_flight is None:
+            records = self.core.hand_out(max_records)
+            if self.poll_ahead and not self.core.held and self._poll_in_flight is None:
                 with contextlib.suppress(ZBrokerError):  # not sent: the next poll() asks the usual way
                     await self._send_poll(max_records, timeout)
             if self.core.reading_ahead:
@@ -732,10 +703,6 @@ class AsyncConsumer:
                 self._poll_lock.release()
         return taken
 
-    def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
-        records, self._leased = self._leased[:max_records], self._leased[max_records:]
-        return records
-
     async def _poll_reply(self, max_records: int, timeout: float) -> m.PollReply | None:
         """The reply of the Poll in flight, or of a new one; None if the one in flight
         is still waiting at the coordinator when ``timeout`` is up."""
@@ -760,29 +727,27 @@ class AsyncConsumer:
                 continue  # an old one given up: a new poll, with what is left of this call's timeout
             self._poll_in_flight = None
             env = sent.reply.result()
-            err = env.error
-            if err is None:
-                return env.msg
-            if not self.core.poll_refused(err, sent.acks) or attempt == 2:
-                raise err
-            await self._rejoin_unless_done(err, sent.member_id, sent.generation)
+            reply = self.core.poll_replied(sent, env, loop.time())
+            if reply is not None:
+                return reply
+            if attempt == 2:
+                raise env.error
+            await self._rejoin_unless_done(env.error, sent.member_id, sent.generation)
         raise AssertionError("unreachable")
 
     async def _send_poll(self, max_records: int, timeout: float) -> None:
-        wait_ms = max_wait_ms(timeout)
         acks = await self._acks_for_poll()
         try:
             await self._join_settled()
-            member_id, generation = self.member_id, self.generation
-            reply = await self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=member_id,
-                                                               generation=generation, max_records=max_records,
-                                                               max_wait_ms=wait_ms, acks=acks,
-                                                               ahead=self.core.ahead_wanted(max_records)))
+            poll = m.Poll(group=self.group, member_id=self.member_id, generation=self.generation,
+                          max_records=max_records, max_wait_ms=max_wait_ms(timeout), acks=acks,
+                          ahead=self.core.ahead_wanted(max_records))
+            reply = await self.conn.send(self.conn.url, poll)
         except BaseException:
             self._hold_again(acks)  # not known to be sent: they go again (a repeated ack is harmless)
             raise
-        give_up_at = asyncio.get_running_loop().time() + wait_ms / 1000.0 + self.conn.request_timeout
-        self._poll_in_flight = PollInFlight(reply, acks, member_id, generation, give_up_at)
+        self._poll_in_flight = self.core.poll_sent(reply, poll, asyncio.get_running_loop().time(),
+                                                   self.conn.request_timeout)
 
     async def _acks_for_poll(self) -> list:
         """The held acks, for the Poll to carry: as many as one request holds; the rest go first, on their own."""
@@ -805,7 +770,7 @@ class AsyncConsumer:
             self._hold_again(sent.acks)
 
     async def _fetch(self) -> None:
-        """Fetch the records of `_to_fetch` into `_leased`, keeping both true at every await:
+        """Fetch the records of `_to_fetch` into `core.held`, keeping both true at every await:
         cancelled, what was fetched is handed out and the rest fetched by the next poll().
         The plan is the core's (read-ahead first, a fetch sized from the lease, the rest if
         max_bytes cut it short); a partition that cannot be fetched costs only its deliveries."""
@@ -828,7 +793,8 @@ class AsyncConsumer:
                 err = failed
             got, rest, _given_up = self.core.lease_fetch_replied(delivery, offset, env, err, loop.time())
             if self._to_fetch and self._to_fetch[0] is delivery:  # not dropped by a re-join meanwhile
-                self._leased.extend(got)
+                if got:
+                    self.core.held.append(got)
                 delivery[3] = end if rest is None else rest
                 if delivery[3] >= end:
                     self._to_fetch.pop(0)
@@ -836,14 +802,15 @@ class AsyncConsumer:
     # -- read-ahead and lease-ahead: the core decides, this sends and waits ----------------------
 
     async def _serve_from_read_ahead(self, delivery: list) -> None:
-        """Hand what the read-ahead holds of ``delivery`` to `_leased`, waiting a little for the
+        """Hand what the read-ahead holds of ``delivery`` to `core.held`, waiting a little for the
         fetch out that may bring it (the lease proves the records exist)."""
         loop = asyncio.get_running_loop()
         deadline, key = loop.time() + READ_AHEAD_WAIT_S, (delivery[0], delivery[1])
         while True:
             out: list[ConsumedRecord] = []
             pos, awaited, _given_up = self.core.serve_lease_from_read_ahead(delivery, delivery[3], out, loop.time())
-            self._leased.extend(out)
+            if out:
+                self.core.held.append(out)
             delivery[3] = pos
             if awaited is None:
                 break
@@ -893,16 +860,14 @@ class AsyncConsumer:
                 self._ahead_fetches[key] = [fut, *fut.later]
 
     async def _records_ahead(self, max_records: int, deadline: float) -> None:
-        """Put what the parked fetches brought under the ahead leases in `_leased`, waiting until
+        """Put what the parked fetches brought under the ahead leases in `core.held`, waiting until
         ``deadline`` for some; returns early when the Poll in flight is answered (the caller takes it)."""
         loop = asyncio.get_running_loop()
         while True:
             self._collect_read_ahead()
-            parts, damaged = self.core.serve_ahead(max_records)
-            for key, err in damaged:
-                self.core.damaged_read_ahead(key, err, loop.time())
+            parts, _given_up = self.core.ahead_records(max_records, loop.time())  # dropped: `_prune_ahead_fetches`
             if parts:
-                self._leased.extend(r for part in parts for r in part)
+                self.core.held.extend(parts)
                 return
             if not self.core.ahead_leases or (self._poll_in_flight is not None and self._poll_in_flight.reply.done()):
                 return  # all used up, or the coordinator answered
@@ -987,11 +952,11 @@ class AsyncConsumer:
                     await self._group_call(lambda chunk=chunk: m.Ack(group=self.group, member_id=self.member_id,
                                                                      generation=self.generation, ranges=chunk))
                 except ZBrokerError as err:
-                    if err.code is ErrorCode.STALE_LEASE:
-                        continue  # those leases are gone: sending them again cannot help
-                    # Not applied, or not known to be: they go again (a repeat is harmless). Refused: only
-                    # the unsent.
-                    self._hold_again(itertools.chain.from_iterable(chunks[i if err.retriable else i + 1:]))
+                    # The core's rule, the sync Consumer's too: stale ones are noted, retriable ones
+                    # held again (a re-join was `_group_call`'s already). Then the unsent go again.
+                    if self.core.ack_refused(err, chunk, asyncio.get_running_loop().time()) == ACK_STALE:
+                        continue
+                    self._hold_again(itertools.chain.from_iterable(chunks[i + 1:]))
                     outcome = err
                     raise
                 except BaseException:  # cancelled mid-call: sent or not, sending again is harmless

@@ -46,7 +46,7 @@ from typing import Any
 
 import structlog
 
-from zbroker.client.core import AckAccumulator, ConsumedRecord, MetadataCache, ReadAhead
+from zbroker.client.core import AckAccumulator, ConsumedRecord, MetadataCache, ReadAhead, in_request_sized_chunks
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched, stored_range
 from zbroker.protocol.errors import ErrorCode, ZBrokerError
@@ -108,6 +108,7 @@ class FetchSizer:
 
 
 RAISE, REJOIN, FOLLOW = "raise", "rejoin", "follow"
+ACK_STALE, ACK_REJOIN, ACK_FAILED = "stale", "rejoin", "failed"  # what `ConsumerCore.ack_refused` found
 
 
 def membership_lost(err: ZBrokerError) -> tuple[bool, bool]:
@@ -195,6 +196,73 @@ def fetch_many_request(wanted: list[tuple[str, int, int, int]],
     part sized as `fetch_bytes` sizes a single fetch."""
     parts = [[topic, partition, start, fetch_bytes(start, end, per_record)] for topic, partition, start, end in wanted]
     return m.FetchMany(parts=parts, max_bytes=sum(part[3] for part in parts))
+
+
+class PollSent:
+    """A Poll sent and not answered yet: the sync driver's poll sent ahead, the asyncio
+    driver's Poll in flight (``reply`` is what the driver waits on: a correlation id, a future).
+
+    The coordinator may lease records to it at any time until it answers, so its
+    reply is kept even when the poll() that sent it returns (or is cancelled) first:
+    thrown away, those records would stay leased to this member, out of every poll's
+    reach, until their ack timeout (each such strand costs them a delivery attempt).
+    """
+
+    __slots__ = ("reply", "acks", "member_id", "generation", "give_up_at")
+
+    def __init__(self, reply: Any, acks: list, member_id: str, generation: int, give_up_at: float) -> None:
+        self.reply = reply
+        self.acks = acks  # riding on it: held again if it is refused on arrival or given up
+        self.member_id = member_id
+        self.generation = generation
+        self.give_up_at = give_up_at  # its max wait and the request timeout after it was sent
+
+    def take_acks(self) -> list:
+        acks, self.acks = self.acks, []
+        return acks
+
+
+class AckRequests:
+    """Ack requests sent and not answered yet (the sync driver's; the asyncio one awaits each
+    call), with what each stands for: its ranges and, for the last request of a flush, the
+    acks that rode on the poll sent before it (`before`: applied if it was, since the
+    coordinator serves one connection's requests in order). A request without a reply within
+    the request timeout (lost with a coordinator that died, say) is given up on, and all it
+    stood for goes again (a repeated ack is harmless, a lost one is not)."""
+
+    __slots__ = ("_sent",)
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[list, list, float]] = {}  # corr -> (ranges, before, sent at)
+
+    def __bool__(self) -> bool:
+        return bool(self._sent)
+
+    @staticmethod
+    def requests(ranges: list, before: list) -> list[tuple[list, list]]:
+        """(ranges, before) per request: RANGES_PER_REQUEST ranges each (a larger header is
+        answered TOO_LARGE with no id), the last one also standing for ``before``."""
+        chunks = in_request_sized_chunks(ranges)
+        return [(chunk, before if i == len(chunks) - 1 else []) for i, chunk in enumerate(chunks)]
+
+    def sent(self, corr: int, ranges: list, before: list, now: float) -> None:
+        self._sent[corr] = (ranges, before, now)
+
+    def waiting(self) -> list[int]:
+        return list(self._sent)
+
+    def overdue(self, corr: int, now: float, request_timeout: float) -> bool:
+        return now - self._sent[corr][2] > request_timeout
+
+    def answered(self, corr: int) -> tuple[list, list]:
+        """The request's (ranges, before), no longer waited for."""
+        ranges, before, _at = self._sent.pop(corr)
+        return ranges, before
+
+    def lost(self, corr: int) -> list:
+        """Given up on: every range it stood for, to hold again."""
+        ranges, before = self.answered(corr)
+        return [*before, *ranges]
 
 
 def core_field(name: str) -> property:
@@ -301,6 +369,35 @@ class ConsumerCore:
         return (bool(previous_member) and previous_member == self.member_id and not self.member_lost
                 and [record.topic, record.partition] in [list(p) for p in self.assignment])
 
+    def rejoin_after(self, err: ZBrokerError, member_id: str, generation: int) -> bool:
+        """``err`` (FENCED or UNKNOWN_MEMBER) refused a request sent as ``member_id`` in
+        ``generation``: True if this member must re-join now (it has not since that request
+        was sent), with its leases counted gone if the coordinator lost it (`membership_lost`)."""
+        if (self.member_id, self.generation) != (member_id, generation):
+            return False  # re-joined already: the caller just sends again
+        lost, forget_id = membership_lost(err)
+        if lost:
+            self.lost(forget_id=forget_id)
+        return True
+
+    @staticmethod
+    def poll_sent(reply: Any, poll: m.Poll, now: float, request_timeout: float) -> PollSent:
+        """The record of ``poll``, sent at ``now``; ``reply`` is what the driver waits on."""
+        return PollSent(reply, poll.acks, poll.member_id, poll.generation,
+                        now + poll.max_wait_ms / 1000.0 + request_timeout)
+
+    def poll_replied(self, sent: PollSent, env: Envelope, now: float) -> m.PollReply | None:
+        """The answer to ``sent``: its reply (the acks it carried counted as applied, stale
+        ones noted), or None when the member must re-join before polling again (FENCED,
+        UNKNOWN_MEMBER; the acks are held again unless the error says they were applied).
+        Any other error is raised."""
+        err = env.error
+        if err is None:
+            return self.poll_answered(env.msg)
+        if self.poll_refused(err, sent.acks, now):
+            return None
+        raise err
+
     def standing_deliveries(self, deliveries: list, previous_member: str, lost: bool) -> list:
         """Of a poll answered before a re-join, the deliveries whose leases still stand.
         Ahead leases end with the generation (PROTOCOL.md, poll): not one of them does."""
@@ -388,6 +485,13 @@ class ConsumerCore:
         if added and self.acks_since is None and now is not None:
             self.acks_since = now
 
+    def poll_answered(self, reply: m.PollReply) -> m.PollReply:
+        """A poll was answered: the acks it carried count as applied, the stale ones are noted."""
+        self.applied(reply.acked, reply.stale)
+        if reply.stale:
+            log.warning("ack.stale", group=self.group, ranges=len(reply.stale))
+        return reply
+
     def poll_refused(self, err: ZBrokerError, acks: list, now: float | None = None) -> bool:
         """A poll carrying ``acks`` was answered with ``err``. Answered after it waited (the error
         carries ``acked``), its acks were applied; refused on arrival, none were, and they go again.
@@ -397,6 +501,26 @@ class ConsumerCore:
         else:
             self.hold_again(acks, now)
         return err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER)
+
+    def ack_refused(self, err: ZBrokerError, ranges: list, now: float) -> str:
+        """An ack request carrying ``ranges`` was answered with ``err``. `ACK_STALE`: its valid
+        ranges were applied, the stale ones are noted (sending them again cannot help).
+        Otherwise a retriable error means not applied, or not known to be: they are held again
+        (a repeated ack is harmless, a lost one is not). `ACK_REJOIN` (FENCED, UNKNOWN_MEMBER,
+        the latter joining as a new member): re-join, then send the held acks; `ACK_FAILED`:
+        the caller raises ``err``."""
+        if err.code is ErrorCode.STALE_LEASE:
+            stale = err.data.get("stale", [])
+            self.applied(int(err.data.get("applied", 0)), stale)
+            log.warning("ack.stale", group=self.group, ranges=len(stale))
+            return ACK_STALE
+        if err.retriable:
+            self.hold_again(ranges, now)
+        if err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
+            if err.code is ErrorCode.UNKNOWN_MEMBER:
+                self.member_id = ""
+            return ACK_REJOIN
+        return ACK_FAILED
 
     def applied(self, count: int, stale: list) -> None:
         """An ack (or a poll carrying acks) was answered: ``count`` applied, ``stale`` refused."""
@@ -511,6 +635,15 @@ class ConsumerCore:
             if not held and key in self.ahead_leases:
                 del self.ahead_leases[key]
         return parts, damaged
+
+    def ahead_records(self, max_records: int, now: float) -> tuple[list[list[ConsumedRecord]], list[tuple[int, int]]]:
+        """`serve_ahead`, with a partition whose held frames proved damaged dropped
+        (`damaged_read_ahead`): (parts, the id ranges given up on)."""
+        parts, damaged = self.serve_ahead(max_records)
+        given_up: list[tuple[int, int]] = []
+        for key, err in damaged:
+            given_up += self.damaged_read_ahead(key, err, now)
+        return parts, given_up
 
     def read_ahead_failed(self, key: tuple[str, int], now: float) -> None:
         """The read-ahead gave up on ``key`` (its actor restarted, the partition moved).

@@ -31,13 +31,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from zbroker.client.core import BatchAccumulator, PendingBatch
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import ErrorCode, ProtocolError, RequestTimeout, ZBrokerError
 
+log = structlog.get_logger("zbroker.client")
 RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.NOT_LEADER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
                      ErrorCode.SHUTTING_DOWN}
 RETRY_STEP_S, RETRY_MAX_S = 0.05, 1.0
+PUMP_WAIT_S = 0.05  # the sync driver's longest wait for a reply: linger and retries are checked between waits
 # One produce_many carries at most this many bytes of payload: well within the actors'
 # 64 MiB frame limit, and a request the actor handles in a few milliseconds.
 MAX_MANY_BYTES = 8 << 20
@@ -143,6 +147,43 @@ class ProducerCore:
     def sent(self, corr: int, batch: PendingBatch | SentTogether, now: float) -> None:
         self.in_flight[corr] = (batch, now)
 
+    def produce_request(self, batch: PendingBatch) -> m.Produce | None:
+        """One attempt more of ``batch`` alone: its request, or None when it fails now (larger
+        than a frame may be: not retriable)."""
+        batch.attempts += 1
+        refused = batch.over_frame_limit()
+        if refused is not None:
+            self._failed_for_good(batch, refused)
+            return None
+        return m.Produce(topic=batch.topic, partition=batch.partition, producer_id=batch.producer_id,
+                         sequence=batch.sequence)
+
+    def requests(self, routed: list[tuple[str, PendingBatch]]) -> list[tuple[str, m.Message, tuple, Any]]:
+        """The requests that send (or resend) the ``routed`` batches, admitted to the window:
+        (endpoint, request, frames, what `sent` files it as). Batches of one actor go
+        together as a `produce_many` (`group_by_actor`), one attempt more each."""
+        out = []
+        for endpoint, group in self.group_by_actor(routed):
+            if len(group) == 1:
+                msg = self.produce_request(group[0])
+                if msg is not None:
+                    out.append((endpoint, msg, (group[0].payload,), group[0]))
+                continue
+            for batch in group:
+                batch.attempts += 1
+            msg, frame = produce_many_request(group)
+            out.append((endpoint, msg, (frame,), SentTogether(endpoint, group)))
+        return out
+
+    def unroutable(self, batch: PendingBatch, err: ZBrokerError, now: float) -> None:
+        """No owner is known for the batch's partition (or the question failed): an attempt that failed."""
+        batch.attempts += 1
+        self.failed(batch, err, now)
+
+    def send_failed(self, sent: PendingBatch | SentTogether, err: ZBrokerError, now: float) -> None:
+        for batch in (sent.batches if type(sent) is SentTogether else (sent,)):
+            self.failed(batch, err, now)
+
     def group_by_actor(self, routed: list[tuple[str, PendingBatch]]) -> list[tuple[str, list[PendingBatch]]]:
         """(endpoint, batch) pairs as the requests to send: per endpoint in the order first
         seen, a batch alone where its actor takes only `produce`, else as many as one
@@ -169,10 +210,15 @@ class ProducerCore:
             self.stats["retries"] += 1
             self.retrying.append((now + retry_delay(batch.attempts), batch))
             return True
+        self._failed_for_good(batch, err)
+        return False
+
+    def _failed_for_good(self, batch: PendingBatch, err: ZBrokerError) -> None:
+        log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
+                  reason=err.message, attempts=batch.attempts)
         self._release(batch)
         self.errors.append(err)
         batch.failed(err)
-        return False
 
     def replied(self, corr: Any, error: ZBrokerError | None, reply: Any, now: float) -> PendingBatch | None:
         """A produce reply came (ignored if its attempt was given up on already); returns
@@ -258,6 +304,21 @@ class ProducerCore:
 
     def next_retry_at(self) -> float | None:
         return min(at for at, _b in self.retrying) if self.retrying else None
+
+    def pump_wait(self, timeout_s: float, now: float) -> float:
+        """How long the sync driver waits for a reply: ``timeout_s``, at most `PUMP_WAIT_S`,
+        and not past the next retry."""
+        wait = min(timeout_s, PUMP_WAIT_S)
+        retry_at = self.next_retry_at()
+        return wait if retry_at is None else max(0.0, min(wait, retry_at - now))
+
+    def resends(self, now: float) -> tuple[list[PendingBatch], list[tuple[str, int, str]], list[str]]:
+        """The batches due for a retry, the leader hints to write into the metadata first,
+        and the topics to ask the coordinator about again (where do they live now? once each)."""
+        due = self.due(now)
+        if not due:
+            return [], [], []
+        return due, self.take_hints(), list(dict.fromkeys(b.topic for b in due))
 
     def take_hints(self) -> list[tuple[str, int, str]]:
         hints, self.hints = self.hints, []

@@ -1,8 +1,8 @@
 """The synchronous Python client: `Admin`, `Producer` and `Consumer`.
 
-A thin driver: the decisions live in `producer_core`, `consumer_core` and
-`transport` (shared with the asyncio driver); this module reads the clock,
-sends and receives. One `Connection` holds a DEALER socket per actor endpoint
+A driver: the decisions live in `producer_core`, `consumer_core`,
+`fetch_round` and `transport` (the asyncio driver calls the same ones); this
+module reads the clock, sends, receives and waits. One `Connection` holds a DEALER socket per actor endpoint
 (the coordinator and each partition actor) and matches replies to requests by
 correlation id, so many requests can be in flight at once (pipelining).
 Sockets use ``ZMQ_IMMEDIATE``: nothing is queued towards a peer that is not
@@ -32,11 +32,11 @@ from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedReco
                                  group_by_lease, checked_partition, checked_record, checked_timestamp,
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client import consumer_core
-from zbroker.client.consumer_core import (AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore,
-                                          GroupCallRetry, connection_field, core_field, failure_reason, max_wait_ms,
-                                          membership_lost, plan_fetches)
-from zbroker.client.producer_core import (RETRIABLE_PRODUCE, ProduceError, ProducerCore, SentTogether,
-                                          produce_many_request)
+from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN,
+                                          AckRequests, ConsumerCore, GroupCallRetry, PollSent, connection_field,
+                                          core_field, failure_reason, max_wait_ms, membership_lost)
+from zbroker.client.fetch_round import FetchRound
+from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
 from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
 
@@ -151,10 +151,10 @@ class Connection:
             try:
                 reply = self.call(self.url, msg, timeout=timeout).msg
             except ZBrokerError as err:
-                if attempt == coordinators.attempts() - 1 or not coordinators.redirected(err):
+                wait = coordinators.retry_in(err, attempt)
+                if wait is None:
                     raise
-                log.info("coordinator.redirected", code=err.code.value, to=self.url)
-                time.sleep(coordinators.backoff())
+                time.sleep(wait)
                 continue
             coordinators.answered()
             return reply
@@ -356,28 +356,20 @@ class Producer:
         self._send_all(admitted)
 
     def _send_all(self, batches: list[PendingBatch]) -> None:
-        """Send (or resend) batches admitted to the window: a `produce_many` per actor."""
-        routed = []
+        """Send (or resend) batches admitted to the window, as `ProducerCore.requests` says."""
+        core, routed = self.core, []
         for batch in batches:
             try:
                 routed.append((self.conn.endpoint(batch.topic, batch.partition), batch))
             except ZBrokerError as err:
-                batch.attempts += 1
-                self._failed(batch, err)
-        for endpoint, group in self.core.group_by_actor(routed):
-            if len(group) == 1:
-                self._send(group[0])
-                continue
-            for batch in group:
-                batch.attempts += 1
-            msg, frame = produce_many_request(group)
+                core.unroutable(batch, err, time.monotonic())
+        for endpoint, msg, frames, sent in core.requests(routed):
             try:
-                corr = self.conn.send(endpoint, msg, (frame,))
+                corr = self.conn.send(endpoint, msg, frames)
             except ZBrokerError as err:
-                for batch in group:
-                    self._failed(batch, err)
+                core.send_failed(sent, err, time.monotonic())
                 continue
-            self.core.sent(corr, SentTogether(endpoint, group), time.monotonic())
+            core.sent(corr, sent, time.monotonic())
 
     def send_many(self, topic: str, values: list[bytes], partition: int | None = None) -> None:
         """Fast path for key-less, header-less values: whole batches at once."""
@@ -424,62 +416,43 @@ class Producer:
 
     def _send(self, batch: PendingBatch) -> None:
         """Send (or resend) a batch admitted to the window."""
-        batch.attempts += 1
-        refused = batch.over_frame_limit()
-        if refused is not None:
-            self._failed(batch, refused)  # not retriable: it fails now
-            return
+        msg = self.core.produce_request(batch)
+        if msg is None:
+            return  # failed for good, now
         try:
-            endpoint = self.conn.endpoint(batch.topic, batch.partition)
-            corr = self.conn.send(endpoint, m.Produce(topic=batch.topic, partition=batch.partition,
-                                                      producer_id=batch.producer_id, sequence=batch.sequence),
-                                  (batch.payload,))
+            corr = self.conn.send(self.conn.endpoint(batch.topic, batch.partition), msg, (batch.payload,))
         except ZBrokerError as err:
-            self._failed(batch, err)
+            self.core.failed(batch, err, time.monotonic())
             return
         self.core.sent(corr, batch, time.monotonic())
 
-    def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
-        if not self.core.failed(batch, err, time.monotonic()):
-            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
-                      reason=err.message, attempts=batch.attempts)
-
     def _resend_due(self, now: float) -> None:
-        due = self.core.due(now)
-        if not due:
-            return
-        for topic, partition, endpoint in self.core.take_hints():  # the new leader, as the error named it
+        due, hints, topics = self.core.resends(now)
+        for topic, partition, endpoint in hints:  # the new leader, as the error named it
             self.conn.metadata.redirect(topic, partition, endpoint)
-        for topic in {b.topic for b in due}:  # where do they live now? once per topic
+        for topic in topics:
             try:
                 self.conn.refresh([topic])
             except ZBrokerError:
                 pass
-        self._send_all(due)
+        if due:
+            self._send_all(due)
 
     def _pump(self, timeout_s: float) -> None:
-        wait = min(timeout_s, 0.05)
-        retry_at = self.core.next_retry_at()
-        if retry_at is not None:
-            wait = max(0.0, min(wait, retry_at - time.monotonic()))
         stashed = self.conn.take_stashed()  # produce replies that came during a metadata refresh
         for env in stashed:
             self._on_reply(env)
-        env = self.conn.recv(0.0 if stashed else wait)
+        env = self.conn.recv(0.0 if stashed else self.core.pump_wait(timeout_s, time.monotonic()))
         if env is not None:
             self._on_reply(env)
         for env in self.conn.recv_nowait_all():
             self._on_reply(env)
         now = time.monotonic()
-        for batch in self.core.timed_out(now):
-            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code="TIMEOUT",
-                      attempts=batch.attempts)
+        self.core.timed_out(now)  # retried, or failed for good (logged)
         self._resend_due(now)
 
     def _on_reply(self, env: codec.Envelope) -> None:
-        for batch, err in self.core.settle(env.corr_id, env.error, env.msg, time.monotonic()):
-            log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
-                      reason=err.message, attempts=batch.attempts)
+        self.core.settle(env.corr_id, env.error, env.msg, time.monotonic())
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered and wait until all of it is acknowledged."""
@@ -598,13 +571,11 @@ class Consumer:
                                  metadata=self.conn.metadata)
         self._core_ack = self.core.ack  # bound once: ack() runs per record
         self.poll_ahead = poll_ahead or lease_ahead
-        self._poll_ahead: tuple[int, int, float] | None = None  # (corr id, generation, give up at)
+        self._poll_ahead: PollSent | None = None  # its reply is a correlation id
         self.session_timeout_ms = session_timeout_ms
         self.on_assign = on_assign
         self.on_revoke = on_revoke
-        # corr -> (ranges, ranges of polls before it, when it was sent)
-        self._ack_requests: dict[int, tuple[list, list, float]] = {}
-        self._poll_acks: dict[int, list] = {}  # poll sent ahead (corr) -> the acks riding on it
+        self._ack_requests = AckRequests()  # sent, not answered yet
         self._needs_rejoin = threading.Event()
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -650,13 +621,13 @@ class Consumer:
             self.member_id = ""
             reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
         revoked, assigned, given_up = self.core.joined(reply, previous_member)
-        if self._poll_ahead is not None and self._poll_ahead[1] != self.generation:
+        if self._poll_ahead is not None and self._poll_ahead.generation != self.generation:
             # Sent in the old generation: its leases (an ahead lease among them) ended with it.
             self._orphan_poll_ahead()
-        # Acks riding on polls sent in the old generation: those polls may have been fenced
-        # on arrival, so the acks go again (a repeat is harmless; a loss costs a redelivery).
-        for corr in list(self._poll_acks):
-            self._hold_again(self._poll_acks.pop(corr))
+        if self._poll_ahead is not None:
+            # Acks riding on a poll sent before the join: it may have been fenced on arrival,
+            # so the acks go again (a repeat is harmless; a loss costs a redelivery).
+            self._hold_again(self._poll_ahead.take_acks())
         self.conn.correlation.orphan_ranges(given_up)
         self._needs_rejoin.clear()
         self._connect_to_assigned()
@@ -737,10 +708,8 @@ class Consumer:
             except ZBrokerError as err:
                 decision = retry.after(err)
                 if decision == REJOIN:
-                    lost, forget_id = membership_lost(err)
-                    if lost:
-                        self.core.lost(forget_id=forget_id)  # expired: its leases are gone
-                    self._rejoin()
+                    if self.core.rejoin_after(err, self.member_id, self.generation):  # always: sent just now
+                        self._rejoin()
                 elif decision == FOLLOW:
                     log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
                     time.sleep(self.conn.coordinators.backoff())
@@ -806,8 +775,7 @@ class Consumer:
         it would be fenced). A rebalance keeps a member's leases on the partitions it keeps:
         dropped, they would come back only at their ack timeout, one attempt more."""
         self._stash_arrived()
-        corr = self._poll_ahead[0]
-        answered = self.conn._early.get(corr)
+        answered = self.conn._early.get(self._poll_ahead.reply)
         if answered is None or answered.error is not None:
             self._orphan_poll_ahead()
             return None
@@ -829,8 +797,7 @@ class Consumer:
         except BaseException:
             self._hold_again(acks)  # not known to be applied: they go again (a repeated ack is harmless)
             raise
-        self._on_poll_acks(reply)
-        return reply
+        return self.core.poll_answered(reply)
 
     # -- acks riding on polls -------------------------------------------------------------------
 
@@ -846,17 +813,11 @@ class Consumer:
         """Acks a poll carried that may not have been applied (fenced, lost): send them again."""
         self.core.hold_again(ranges, time.monotonic())
 
-    def _on_poll_acks(self, reply: m.PollReply) -> None:
-        self.core.applied(reply.acked, reply.stale)
-        if reply.stale:
-            log.warning("ack.stale", group=self.group, ranges=len(reply.stale))
-
     def _orphan_poll_ahead(self) -> None:
         """Stop waiting for the poll sent ahead; the acks it carried are held again."""
-        corr = self._poll_ahead[0]
-        self._poll_ahead = None
-        self.conn.correlation.orphan(corr)
-        self._hold_again(self._poll_acks.pop(corr, []))
+        sent, self._poll_ahead = self._poll_ahead, None
+        self.conn.correlation.orphan(sent.reply)
+        self._hold_again(sent.acks)
 
     # -- ahead leases -------------------------------------------------------------------------
 
@@ -871,7 +832,8 @@ class Consumer:
         ``deadline`` for some; returns early (empty) when the poll sent ahead is answered."""
         while True:
             self._collect_read_ahead()
-            parts = self._serve_ahead(max_records)
+            parts, given_up = self.core.ahead_records(max_records, time.monotonic())
+            self._give_up(given_up)
             if parts:
                 self._held = parts
                 records = self._hand_out(max_records)
@@ -879,7 +841,7 @@ class Consumer:
                     self._send_poll_ahead(max_records, max_wait_ms(deadline - time.monotonic()))
                 self._send_read_ahead(max(0.0, deadline - time.monotonic()), collected=True)
                 return records
-            if not self._ahead_leases or (self._poll_ahead is not None and self._poll_ahead[0] in self.conn._early):
+            if not self._ahead_leases or (self._poll_ahead is not None and self._poll_ahead.reply in self.conn._early):
                 return []  # all used up, or the coordinator answered: the caller takes it from here
             now = time.monotonic()
             if self._poll_ahead is None:
@@ -897,13 +859,6 @@ class Consumer:
             if env is not None and isinstance(env.corr_id, int):
                 self.conn._early[env.corr_id] = env
 
-    def _serve_ahead(self, max_records: int) -> list[list[ConsumedRecord]]:
-        """Records under the ahead leases that the read-ahead already holds, one part per lease."""
-        parts, damaged = self.core.serve_ahead(max_records)
-        for key, err in damaged:
-            self._give_up(self.core.damaged_read_ahead(key, err, time.monotonic()))
-        return parts
-
     def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
         return self.core.hand_out(max_records)
 
@@ -911,44 +866,32 @@ class Consumer:
         """Ask for the next lease now, so the coordinator works while the caller handles this batch."""
         if self._needs_rejoin.is_set():
             return  # the next poll re-joins first
-        acks = self._acks_for_poll()
+        poll = m.Poll(group=self.group, member_id=self.member_id, generation=self.generation,
+                      max_records=max_records, max_wait_ms=max_wait_ms, ahead=self._ahead_wanted(max_records),
+                      acks=self._acks_for_poll())
         try:
-            corr = self.conn.send(self.conn.url, m.Poll(group=self.group, member_id=self.member_id,
-                                                        generation=self.generation, max_records=max_records,
-                                                        max_wait_ms=max_wait_ms,
-                                                        ahead=self._ahead_wanted(max_records), acks=acks))
+            corr = self.conn.send(self.conn.url, poll)
         except ZBrokerError:
-            self._hold_again(acks)
+            self._hold_again(poll.acks)
             return  # the next poll asks the usual way
-        if acks:
-            self._poll_acks[corr] = acks
-        self._poll_ahead = (corr, self.generation,
-                            time.monotonic() + max_wait_ms / 1000.0 + self.conn.request_timeout)
+        self._poll_ahead = self.core.poll_sent(corr, poll, time.monotonic(), self.conn.request_timeout)
 
     def _take_poll_ahead(self, timeout: float) -> Any:
         """The poll sent ahead: its reply, _NOT_YET when it needs longer than ``timeout``,
         or None when it failed in a way a fresh poll recovers from (fenced, lost)."""
-        corr, generation, give_up_at = self._poll_ahead
-        wait = min(timeout, give_up_at - time.monotonic())
+        sent = self._poll_ahead
         try:
-            env = self._wait_sending_acks(corr, max(0.0, wait))
+            env = self._wait_sending_acks(sent.reply, max(0.0, min(timeout, sent.give_up_at - time.monotonic())))
         except RequestTimeout:
-            if time.monotonic() < give_up_at:
+            if time.monotonic() < sent.give_up_at:
                 return _NOT_YET  # still parked at the coordinator: keep it for the next poll
             self._orphan_poll_ahead()
             return None
         self._poll_ahead = None
-        acks = self._poll_acks.pop(corr, [])
-        if env.error is None:
-            self._on_poll_acks(env.msg)
-            return env.msg
-        if self.core.poll_refused(env.error, acks, time.monotonic()):
-            if generation == self.generation:  # not re-joined since it was sent: do it now
-                if env.error.code == ErrorCode.UNKNOWN_MEMBER:
-                    self.member_id = ""
-                self._rejoin()
-            return None
-        raise env.error
+        reply = self.core.poll_replied(sent, env, time.monotonic())
+        if reply is None and self.core.rejoin_after(env.error, sent.member_id, sent.generation):
+            self._rejoin()
+        return reply
 
     def _wait_sending_acks(self, corr: int, wait: float) -> codec.Envelope:
         """`Connection.wait_for`, sending the held acks when their interval is up meanwhile.
@@ -996,76 +939,44 @@ class Consumer:
         self._give_up(self.core.collect_read_ahead(self.conn._early, time.monotonic()))
 
     def _fetch_deliveries(self, deliveries: list) -> list[list[ConsumedRecord]]:
-        """The records of each of ``deliveries``, in offset order (dense: a delivery's records
-        are consecutive offsets, which lets acks given in order fold into one range, see `ack`):
-        from what the read-ahead holds, then fetched, as the core plans."""
+        """The records of each of ``deliveries``, in offset order: from what the read-ahead
+        holds, then fetched, as `fetch_round.FetchRound` plans and folds them."""
         core, conn = self.core, self.conn
         ahead_deadline = time.monotonic() + READ_AHEAD_WAIT_S
-        pending: dict[int, tuple[int, list, int]] = {}  # corr -> (delivery index, delivery, offset fetched from)
-        parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
         if conn.correlation.has_orphans():
             conn.correlation.drop_orphans()
-
-        def fetch(i: int, d: list, start: int) -> None:
-            try:
-                pending[conn.send(conn.endpoint(d[0], d[1]), core.lease_fetch(d, start))] = (i, d, start)
-            except ZBrokerError as err:
-                self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
-
-        routed = []
+        fetches = FetchRound(core, deliveries)
         for i, d in enumerate(deliveries):
-            start = self._serve_from_read_ahead(d, parts[i], ahead_deadline) if core.reading_ahead else d[3]
-            if start >= d[4]:
-                continue
-            try:
-                routed.append((conn.endpoint(d[0], d[1]), (i, d, start)))
-            except ZBrokerError as err:
-                self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
-        # The deliveries of one actor go in one fetch_many (issue #29: at 1,024 partitions a
-        # poll's thousand records came one or two per partition, a fetch each).
-        together: dict[int, tuple[str, list]] = {}
-        for endpoint, group in plan_fetches(routed, core.single_fetch_only):
-            if len(group) == 1:
-                fetch(*group[0])
-                continue
-            try:
-                together[conn.send(endpoint, core.lease_fetch_many(group))] = (endpoint, group)
-            except ZBrokerError as err:
-                for _i, d, _start in group:
-                    self._give_up(core.fetch_failed((d[0], d[1]), err, time.monotonic()))
-        for corr, (endpoint, group) in together.items():
-            env, err = None, None
-            try:
-                env = conn.wait_for(corr)
-            except RequestTimeout as timeout:
-                conn.correlation.orphan(corr)
-                err = timeout
-            for i, d, start, frame, part_err in core.lease_fetch_many_replied(endpoint, group, env, err):
-                if part_err is not None:
-                    self._give_up(core.fetch_failed((d[0], d[1]), part_err, time.monotonic()))
-                elif frame is None:  # an actor without fetch_many: the usual fetch
-                    fetch(i, d, start)
-                else:
-                    got, rest, given_up = core.lease_part_fetched(d, start, frame, time.monotonic(), in_many=True)
-                    self._give_up(given_up)
-                    parts[i].extend(got)
-                    if rest is not None:
-                        fetch(i, d, rest)
-        while pending:
-            corr, (i, d, start) = next(iter(pending.items()))
-            del pending[corr]
+            start = self._serve_from_read_ahead(d, fetches.parts[i], ahead_deadline) if core.reading_ahead else d[3]
+            if start < d[4]:
+                self._route(fetches, (i, d, start))
+        self._send_fetches(fetches)
+        while (corr := fetches.next_awaited()) is not None:
             env, err = None, None
             try:
                 env = conn.wait_for(corr)
             except RequestTimeout as timeout:
                 conn.correlation.orphan(corr)  # a reply that comes after all is dropped
                 err = timeout
-            got, rest, given_up = core.lease_fetch_replied(d, start, env, err, time.monotonic())
-            self._give_up(given_up)
-            parts[i].extend(got)
-            if rest is not None:
-                fetch(i, d, rest)  # max_bytes cut the range short: fetch the rest
-        return parts
+            for item in fetches.replied(corr, env, err, time.monotonic()):
+                self._route(fetches, item, alone=True)
+            self._send_fetches(fetches)
+        return fetches.parts
+
+    def _route(self, fetches: FetchRound, item: tuple, alone: bool = False) -> None:
+        d = item[1]
+        try:
+            fetches.route(item, self.conn.endpoint(d[0], d[1]), alone=alone)
+        except ZBrokerError as err:
+            fetches.unroutable(item, err, time.monotonic())
+
+    def _send_fetches(self, fetches: FetchRound) -> None:
+        for request in fetches.requests():
+            try:
+                fetches.sent(self.conn.send(request[0], request[1]), request)
+            except ZBrokerError as err:
+                fetches.send_failed(request, err, time.monotonic())
+        self._give_up(fetches.take_given_up())
 
     def _serve_from_read_ahead(self, d: list, out: list, deadline: float) -> int:
         """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
@@ -1166,57 +1077,53 @@ class Consumer:
         ``wait`` sends one, empty if need be.
         """
         self.core.fold_in_order_acks()
-        if self.acks or (wait and self._poll_acks):
+        riding = self._poll_ahead.acks if self._poll_ahead is not None else []
+        if self.acks or (wait and riding):
             ranges = self.core.take_acks()
-            # Answered => every poll sent before it in this generation applied its acks
+            # Answered => the poll sent before it in this generation applied its acks
             # (or was fenced, and then so is this request: see _on_ack_reply).
-            ranges_before = [r for acks in self._poll_acks.values() for r in acks] if wait else []
+            ranges_before = self._poll_ahead.take_acks() if wait and riding else []
             self._send_acks(ranges, ranges_before)
-            if wait:
-                self._poll_acks = {}
         self.core.acks_since = None
         self._collect_ack_replies(block=wait)
 
     def _send_acks(self, ranges: list, ranges_before: list) -> None:
-        """Ack requests (one per RANGES_PER_REQUEST ranges, the last one also standing for
-        `ranges_before`); ranges that could not be sent are held again (and the error raised)."""
-        chunks = in_request_sized_chunks(ranges)
-        for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
+        """The ack requests for ``ranges`` (`AckRequests.requests`, the last one also standing
+        for ``ranges_before``); what could not be sent is held again (and the error raised)."""
+        requests = AckRequests.requests(ranges, ranges_before)
+        for i, (chunk, before) in enumerate(requests):
             try:
                 corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
                                                            generation=self.generation, ranges=chunk))
             except ZBrokerError:
-                self._hold_again([r for rest in chunks[i:] for r in rest])
+                self._hold_again([r for rest, rode in requests[i:] for r in (*rode, *rest)])
                 raise
-            self._ack_requests[corr] = (chunk, ranges_before if last else [], time.monotonic())
+            self._ack_requests.sent(corr, chunk, before, time.monotonic())
 
     def _collect_ack_replies(self, block: bool) -> None:
         """Take the replies of the ack requests out, each as it comes (one that never
         comes must not hide the others: a FENCED one among them means re-join now).
         With ``block``, wait for all of them. A request without a reply within the
-        request timeout (lost with a coordinator that died, say) has its ranges held
-        again, to go with the next request (a repeated ack is harmless, a lost one is
-        not); with ``block`` its timeout is raised once the others are taken."""
+        request timeout has its ranges held again, to go with the next request
+        (`AckRequests`); with ``block`` its timeout is raised once the others are taken."""
         lost: RequestTimeout | None = None
-        while self._ack_requests:
+        requests = self._ack_requests
+        while requests:
             if not block:
-                    self._stash_arrived()
-            for corr in list(self._ack_requests):
-                ranges, ranges_before, sent_at = self._ack_requests[corr]
+                self._stash_arrived()
+            for corr in requests.waiting():
                 env = None
                 if block or corr in self.conn._early:
                     try:
                         env = self.conn.wait_for(corr)
                     except RequestTimeout as err:
                         lost = err
-                elif time.monotonic() - sent_at <= self.conn.request_timeout:
+                elif not requests.overdue(corr, time.monotonic(), self.conn.request_timeout):
                     continue  # still on its way
-                del self._ack_requests[corr]
                 if env is None:
-                    self._hold_again(list(ranges_before) + list(ranges))
+                    self._hold_again(requests.lost(corr))
                     continue
-                self._on_ack_reply(env, ranges, ranges_before)
+                self._on_ack_reply(env, *requests.answered(corr))
             if not block:
                 break  # (a re-sent request, after a FENCED reply, is taken next time)
         if lost is not None:
@@ -1228,26 +1135,12 @@ class Consumer:
         if env.error is None:
             self.core.applied(env.msg.applied, [])
             return
-        err = env.error
-        if err.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
-            if err.code == ErrorCode.UNKNOWN_MEMBER:
-                self.member_id = ""
-            try:
-                self._rejoin()
-            except BaseException:
-                self._hold_again(list(ranges_before) + list(ranges))  # they go after a later join
-                raise
-            # A repeated ack is harmless, a lost one is not.
-            self._send_acks(list(ranges_before) + list(ranges), [])
-            return
-        if err.code == ErrorCode.STALE_LEASE:
-            stale = err.data.get("stale", [])
-            self.core.applied(int(err.data.get("applied", 0)), stale)
-            log.warning("ack.stale", group=self.group, ranges=len(stale))
-            return
-        if err.retriable:  # the coordinator is stopping or unreachable: the acks go again later
-            self._hold_again(list(ranges_before) + list(ranges))
-        raise err
+        outcome = self.core.ack_refused(env.error, [*ranges_before, *ranges], time.monotonic())
+        if outcome == ACK_REJOIN:
+            self._rejoin()  # raising, the acks stay held: they go after a later join
+            self._send_acks(self.core.take_acks(), [])
+        elif outcome == ACK_FAILED:
+            raise env.error
 
     def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
         """Records applied, over as many requests as the ranges need."""

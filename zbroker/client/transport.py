@@ -21,8 +21,11 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+import structlog
+
 from zbroker.protocol.errors import ErrorCode
 
+log = structlog.get_logger("zbroker.client")
 DEFAULT_URL = "tcp://127.0.0.1:7400"
 MAX_ORPHANS = 4096
 # Id ranges of read-ahead fetches given up on (a followed fetch reserved up to 65
@@ -169,6 +172,14 @@ class Coordinators:
             # Round the list past the one that stopped answering (the second 5 s of a failover
             # was the rotation coming back to the killed node); an answer puts it back.
             self.current = self.urls[(self.urls.index(self.current) + 1) % len(self.urls)]
+
+    def retry_in(self, error: Any, attempt: int) -> float | None:
+        """After ``error`` answered the ``attempt``-th try (from 0) of a coordinator request:
+        seconds to wait before sending it again to `current`, or None: the caller raises."""
+        if attempt >= self.attempts() - 1 or not self.redirected(error):
+            return None
+        log.info("coordinator.redirected", code=error.code.value, to=self.current)
+        return self.backoff()
 
     def backoff(self) -> float:
         """Seconds to wait before the next attempt: doubling with each failure in a row, capped."""
