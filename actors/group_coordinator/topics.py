@@ -393,6 +393,15 @@ class TopicRegistry:
         if rs is None:
             raise UnknownTopic(f"{topic}/{partition} is not a replicated partition", topic=topic,
                                partition=partition)
+        if part.proposed is not None and not set(isr) <= set(part.proposed.replicas):
+            # The leader proposes from the replica set it was assigned; a move decided since
+            # (not durable yet, so not sent to it) may drop one of those replicas. Its proposal
+            # is not malformed (PROTOCOL_ERROR), only early: the leader proposes again after
+            # ISR_RETRY_MS, by then from the new assignment. Found by the controller's
+            # Hypothesis test: reassign to a,b,d, confirmed, back to a,b,c, then an ISR of a,b,d.
+            raise Unavailable(f"the replica set of {topic}/{partition} is changing; propose again once it is "
+                              f"recorded", topic=topic, partition=partition, replicas=list(part.proposed.replicas),
+                              got=list(isr))
         new = ctl.finish_reassign(ctl.alter_isr(rs, actor_id, leader_epoch, isr, topic=topic,
                                                 partition=partition), self._live())
         reply = _Reply(token, isr_reply(topic, partition, new))
