@@ -314,15 +314,19 @@ def _turns(core: PartitionActorCore, router: zmq.Socket, dealer: zmq.Socket, end
         now, wall = runtime.now_ms(), wall_ms()
         if router in ready:
             for _ in range(TURN_BUDGET):
-                frames = recv_frames(router, copy=False)
+                # Copied: a zmq.Frame costs 17,400 instructions more per three-frame request
+                # than copying its frames does (callgrind), more than copying a 500-record
+                # batch. With an ACL the header's Frame is kept for its User-Id.
+                frames = recv_frames(router, copy=acl is None)
                 if frames is None:
                     break
                 if len(frames) < 2:
                     continue
-                # Payload frames stay zero-copy views; the log writes them as they are.
-                user = security.user_id(frames[1]) if acl is not None else None
+                if acl is None:
+                    _handle(core, (router, frames[0]), frames[1:], now, router, dealer, log, wall=wall)
+                    continue
                 _handle(core, (router, frames[0].bytes), [f.buffer for f in frames[1:]], now, router, dealer, log,
-                        acl, user, wall=wall)
+                        acl, security.user_id(frames[1]), wall=wall)
         if dealer in ready:
             for _ in range(TURN_BUDGET):
                 frames = recv_frames(dealer)
