@@ -17,7 +17,7 @@ can be compared side by side by running this script from each, interleaved.
 With ``--callgrind`` (or ``--cprofile``) an extra actor runs under that tool and
 the topic's partition is put on it: its instructions per request are counted
 between `callgrind_control -z` and `-d` around zbload (bench/PROFILE.md,
-nineteenth pass).
+twentieth pass).
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ def uniform_layout(payload: bytes | memoryview) -> UniformLayout | None:
     if count == 1:
         # The one record is its own pattern: only its two nils are left to check. The
         # strided comparisons below cost 13,000 of the 29,000 instructions of checking
-        # a one-record batch (callgrind; bench/PROFILE.md, nineteenth pass), which is
+        # a one-record batch (callgrind; bench/PROFILE.md, twentieth pass), which is
         # what a producer that does not batch sends with every request.
         if body[key_at] != 0xC0 or body[stride - 1] != 0xC0:
             return None

@@ -159,7 +159,7 @@ def _compile_builder(cls: type) -> Any:
     at the first field that is missing or of the wrong type, and `build` then goes the
     generic way, which raises the error it always raised. The generic loop cost 15,600
     instructions for a produce header (callgrind), about 40 % of decoding a
-    one-record produce request; bench/PROFILE.md, nineteenth pass."""
+    one-record produce request; bench/PROFILE.md, twentieth pass."""
     names = {"cls": cls, "_ABSENT": _ABSENT, "_bool": bool}
     lines = ["def _build_valid(fields):"]
     args = []
@@ -186,7 +186,7 @@ def _compile_builder(cls: type) -> Any:
 def _compile_to_fields(cls: type) -> Any:
     """`Message.to_fields` for `cls` as one dict display: the generic comprehension over
     `_fields` cost 5,700 instructions for a produce reply (callgrind), and every reply
-    an actor sends is made through it; bench/PROFILE.md, nineteenth pass."""
+    an actor sends is made through it; bench/PROFILE.md, twentieth pass."""
     body = ", ".join(f"{name!r}: self.{name}" for name, _t, _r, _d in cls._fields)
     names: dict[str, Any] = {}
     exec(f"def to_fields(self):\n    return {{{body}}}", names)  # noqa: S102 - field names only

@@ -148,7 +148,7 @@ class Limits:
 # correlation id + nth, so that a client can tell them apart without looking inside.
 # Not frozen, though nothing changes them: a frozen dataclass sets each field through
 # object.__setattr__, and making a Reply cost 7,300 instructions instead of 2,200 (one
-# per produce request; callgrind, bench/PROFILE.md, nineteenth pass).
+# per produce request; callgrind, bench/PROFILE.md, twentieth pass).
 @dataclasses.dataclass(slots=True)
 class Reply:
     token: Any

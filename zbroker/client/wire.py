@@ -30,7 +30,7 @@ _FRAME_TYPES = (bytes, bytearray, memoryview, zmq.Frame)
 # pyzmq's `zmq.Socket.send` is a Python method that handles routing_id and group (the
 # draft SERVER and RADIO sockets) and then calls the compiled send of `zmq.backend.Socket`,
 # its base class. Called directly, `send_frames` of a two-frame reply costs 10,200
-# instructions instead of 15,800 (callgrind; bench/PROFILE.md, nineteenth pass). Only
+# instructions instead of 15,800 (callgrind; bench/PROFILE.md, twentieth pass). Only
 # for sockets whose class does not override `send` (zmq.asyncio's does: it keeps its own).
 _SUGAR_SEND = zmq.Socket.send
 _COMPILED_SEND = zmq.backend.Socket.send
