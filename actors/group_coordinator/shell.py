@@ -1206,6 +1206,16 @@ class CoordinatorShell:
         self.held_deletes.clear()
 
 
+def _serve_internal(shell: CoordinatorShell, internal: zmq.Socket, now: int) -> None:
+    """What the broker's own actors sent, up to a turn's budget."""
+    for _ in range(TURN_BUDGET):
+        frames = recv_frames(internal)
+        if frames is None:
+            break
+        if len(frames) >= 2:
+            shell.on_internal_message(frames[0], frames[1:], now)
+
+
 def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0.1:0", log_level: str = "info",
         curve_dir: str | None = None, bound_file: str | None = None, advertise_host: str | None = None,
         unclean_leader_election: bool = False, cluster: bool = False, lease_ms: int = 5000,
@@ -1268,12 +1278,7 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
                 raise
             now = runtime.now_ms()
             if internal in ready:
-                for _ in range(TURN_BUDGET):
-                    frames = recv_frames(internal)
-                    if frames is None:
-                        break
-                    if len(frames) >= 2:
-                        shell.on_internal_message(frames[0], frames[1:], now)
+                _serve_internal(shell, internal, now)
             if router in ready:
                 for _ in range(TURN_BUDGET):
                     frames = recv_frames(router, copy=keys is None)
@@ -1299,12 +1304,7 @@ def run(endpoint: str, data_dir: str, *, internal_endpoint: str = "tcp://127.0.0
         deadline = runtime.now_ms() + SHUTDOWN_DRAIN_MS
         while shell.unconfirmed and (now := runtime.now_ms()) < deadline:
             if internal.poll(max(1, min(50, deadline - now))):
-                for _ in range(TURN_BUDGET):
-                    frames = recv_frames(internal)
-                    if frames is None:
-                        break
-                    if len(frames) >= 2:
-                        shell.on_internal_message(frames[0], frames[1:], runtime.now_ms())
+                _serve_internal(shell, internal, runtime.now_ms())
         log.info("actor.stopped", signal=stop.signal, unconfirmed_advances=len(shell.unconfirmed))
     finally:
         router.close(linger=0)

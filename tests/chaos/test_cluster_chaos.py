@@ -23,7 +23,7 @@ import pytest
 
 from tests.chaos.checker import Report
 from tests.chaos.cluster import FAULTS, LEASE_MS, ClusterChaosConfig, ClusterChaosRun, open_cluster
-from tests.chaos.test_chaos import chaos_seed, run_and_check
+from tests.chaos.test_chaos import assert_every_run_holds, chaos_seed, run_and_check
 from tests.chaos.test_replicated_chaos import _crashes, this_run
 from tests.chaos.workload import Reaper
 from tests.support.pg import pg_dsn, pg_schema_factory  # noqa: F401
@@ -64,12 +64,8 @@ def test_no_acknowledged_record_is_lost_and_no_stale_epoch_write_lands_in_a_clus
     history, report, replay, drain = run_and_check(ClusterChaosRun, config, chaos_cluster, pg_dsn, tmp_path,
                                                    capsys, "cluster", render_cluster_section)
     s = report.summary()
-    assert s["lost"] == 0, f"{s['lost']} acknowledged records lost {replay}{drain}"
-    assert s["regressions"] == 0, f"{s['regressions']} committed-offset regressions {replay}"
+    assert_every_run_holds(s, history, replay, drain)
     assert s["stale_writes"] == 0, f"{s['stale_writes']} writes of a coordinator epoch that was not current {replay}"
-    assert s["committed_past_unfinished"] == 0, f"commits past an unfinished record {replay}"
-    assert s["committed_beyond_log_end"] == 0, f"commits beyond the log end {replay}"
-    assert history.meta["drained"], f"nothing lost, but the drain did not finish {replay}{drain}"
     # The run did what it claims: records flowed, the nemesis acted, and the audit saw the writes land.
     assert s["acked"] > 0 and history.meta["nemesis_actions"] > 0
     assert s["epochs_taken"] >= 1 and s["audited_writes"] > 0
