@@ -623,6 +623,21 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
     ``http`` is `--http`: "off" by default here (most tests need no console), None
     for `zbroker up`'s default (port + 80), or "HOST:PORT". ``extra_args`` go to
     ``zbroker up`` as they are (``--actor-dirs``, ``--rack NAME``, ...)."""
+    if port == 0 and wait:
+        # A block found free can be taken by another listener before the broker binds it
+        # (a parallel test's broker or console): it then exits at once with CONFIG. Three
+        # blocks before giving up (a full make test met this once, and waited 30 s for it).
+        for attempt in range(3):
+            try:
+                return start_broker(data_dir, port=free_port_block(partition_actors + 2, host="0.0.0.0"
+                                                                   if host == "*" else host),
+                                    partition_actors=partition_actors, fsync=fsync, offsets_url=offsets_url,
+                                    log_level=log_level, wait=wait, log_file=log_file, timeout=timeout,
+                                    curve_dir=curve_dir, host=host, advertise_host=advertise_host, http=http,
+                                    http_token=http_token, extra_args=extra_args)
+            except BrokerExited:
+                if attempt == 2:
+                    raise
     if port == 0:
         port = free_port_block(partition_actors + 2, host="0.0.0.0" if host == "*" else host)
     config = BrokerConfig(data_dir=str(data_dir), host=host, advertise_host=advertise_host, port=port,
@@ -651,15 +666,20 @@ def start_broker(data_dir: str | Path, *, port: int = 0, partition_actors: int =
     handle = BrokerHandle(process, config)
     if wait:
         try:
-            wait_ready(handle.url, partition_actors=partition_actors, timeout=timeout, curve_dir=curve_dir)
+            wait_ready(handle.url, partition_actors=partition_actors, timeout=timeout, curve_dir=curve_dir,
+                       process=process)
         except BaseException:
             handle.stop()
             raise
     return handle
 
 
+class BrokerExited(RuntimeError):
+    """The broker process ended while it was awaited (its log says why)."""
+
+
 def wait_ready(url: str, *, partition_actors: int = 1, timeout: float = 30.0,
-               curve_dir: str | Path | None = None) -> dict:
+               curve_dir: str | Path | None = None, process: subprocess.Popen | None = None) -> dict:
     """Block until the coordinator answers status with every actor healthy and offsets loaded."""
     from zbroker.actors.security import KeyRing
     from zbroker.protocol.errors import ZBrokerError
@@ -670,6 +690,8 @@ def wait_ready(url: str, *, partition_actors: int = 1, timeout: float = 30.0,
     curve = KeyRing(curve_dir).internal_client() if curve_dir else None
     with Admin(url, request_timeout=1.0, curve=curve) as admin:
         while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise BrokerExited(f"broker at {url} exited with {process.returncode} before it was ready")
             try:
                 status = admin.status()
                 last = status

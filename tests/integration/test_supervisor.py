@@ -223,3 +223,29 @@ def test_the_default_sqlite_offsets_pass_the_offsets_checks(tmp_path):
     (tmp_path / "data").mkdir()  # as run() makes it before these checks
     supervisor = Supervisor(BrokerConfig(data_dir=str(tmp_path / "data")))
     assert supervisor._offsets_file_error() is None and supervisor._offsets_database_error() is None
+
+
+def test_a_picked_port_block_taken_before_the_bind_is_given_up_for_another(tmp_path, monkeypatch):
+    # A block found free can be taken by another listener before the broker binds it: the
+    # broker exits with CONFIG, and start_broker picks another block instead of waiting out
+    # its 30 s for a broker that is gone.
+    import socket as _socket
+
+    from zbroker import supervisor
+
+    taken = _socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    real = supervisor.free_port_block
+    picks = iter([busy])
+    monkeypatch.setattr(supervisor, "free_port_block", lambda count, host="127.0.0.1": next(picks, None) or real(count, host))
+    try:
+        handle = supervisor.start_broker(tmp_path / "data", log_file=tmp_path / "broker.log")
+        try:
+            assert handle.config.port != busy
+        finally:
+            handle.stop()
+    finally:
+        taken.close()
+    assert "Address already in use" in (tmp_path / "broker.log").read_text()
