@@ -165,7 +165,7 @@ class KeyOrder:
                 e = min(e, s + limit)
                 lease_id = lease_id or new_lease_id()
                 state.ready.remove(s, e)
-                lease = Lease(lease_id, member_id, ready.attempts + 1, ready.reason, deadline, now_ms)
+                lease = Lease(lease_id, member_id, ready.attempts + 1, ready.reason, deadline, now_ms, ready.failures)
                 state.leased.set(s, e, lease)
                 grants.append((s, e, lease))
                 if ready.attempts:
@@ -295,7 +295,7 @@ class KeyOrder:
 
     def park(self, state: PartitionState, offset: int, ready: Ready,
              now_ms: int) -> bool:
-        """Quarantine the key of head record `offset` (which failed `ready.attempts` times
+        """Quarantine the key of head record `offset` (which failed `ready.failures` times
         in a row). False for a keyless record, which has no key to park."""
         h = self.column.get(offset)
         if h is None or h == NO_KEY_HASH or h not in self.pending:
@@ -305,9 +305,9 @@ class KeyOrder:
             return False
         self.held.set(offset, offset + 1, ready)
         if h not in self.parked:
-            self.parked[h] = ParkedKey(now_ms, ready.reason, ready.attempts)
+            self.parked[h] = ParkedKey(now_ms, ready.reason, ready.failures)
             self.events.append(("key_quarantined", {"key_hash": h, "offset": offset,
-                                                    "failures": ready.attempts, "reason": ready.reason}))
+                                                    "failures": ready.failures, "reason": ready.reason}))
         return True
 
     def release(self, state: PartitionState, h: int, to_dlq: bool, now_ms: int) -> list[tuple[int, int, Ready]] | None:

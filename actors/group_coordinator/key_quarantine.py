@@ -42,6 +42,7 @@ is, one hash lookup per record leased.
 from __future__ import annotations
 
 from bisect import insort
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from zbroker.actors.group_coordinator.key_order import (MAX_HELD, MAX_PARKED_KEYS, RELEASED, KeyColumn, ParkedKey,
@@ -164,9 +165,9 @@ class ExclusiveQuarantine:
                 self.events.append(("quarantine_full", {"key_hash": h, "offset": offset,
                                                         "limit": MAX_PARKED_KEYS}))
                 return False
-            self.parked[h] = ParkedKey(now_ms, ready.reason, ready.attempts)
+            self.parked[h] = ParkedKey(now_ms, ready.reason, ready.failures)
             self.events.append(("key_quarantined", {"key_hash": h, "offset": offset,
-                                                    "failures": ready.attempts, "reason": ready.reason}))
+                                                    "failures": ready.failures, "reason": ready.reason}))
             self._gather(state, h)
         self._hold(offset, ready, h)
         return True
@@ -187,6 +188,13 @@ class ExclusiveQuarantine:
         (`to_dlq`) are returned for the caller to dead-letter. None if `h` is not parked."""
         if self.parked.pop(h, None) is None:
             return None
+        # Records of the key leased before the park are still out: their failures start
+        # afresh too, or the next timeout of one parks the key again at once.
+        for start, end, lease in list(state.leased.pieces(self.column.base, self.column.end)):
+            if lease.failures:
+                for offset in range(start, end):
+                    if self.column.get(offset) == h:
+                        state.leased.set(offset, offset + 1, replace(lease, failures=0))
         doomed = []
         for offset in self.pending.pop(h, []):
             ready = self.held.get(offset)

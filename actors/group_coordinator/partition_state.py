@@ -46,22 +46,27 @@ def reason_kind(reason: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """Records handed to `member_id`; `attempt` counts deliveries including this one."""
+    """Records handed to `member_id`; `attempt` counts deliveries including this one,
+    `failures` the nacks and timeouts in a row before it (what key quarantine counts: a
+    revocation is a delivery but not a failure)."""
     lease_id: int
     member_id: str
     attempt: int
     reason: str
     deadline_ms: int
     since_ms: int
+    failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """Records delivered `attempts` times that may be delivered again at `ready_at_ms`."""
+    """Records delivered `attempts` times, `failures` of them in a row ending in a nack or a
+    timeout, that may be delivered again at `ready_at_ms`."""
     attempts: int
     reason: str
     ready_at_ms: int
     since_ms: int
+    failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +240,7 @@ class PartitionState:
                     deadline_ms: int, now_ms: int) -> Piece:
         """Lease ready records [start, end) again (a redelivery)."""
         self.ready.remove(start, end)
-        lease = Lease(lease_id, member_id, ready.attempts + 1, ready.reason, deadline_ms, now_ms)
+        lease = Lease(lease_id, member_id, ready.attempts + 1, ready.reason, deadline_ms, now_ms, ready.failures)
         self.leased.set(start, end, lease)
         self.redeliveries += end - start
         kind = reason_kind(ready.reason)
@@ -317,34 +322,36 @@ class PartitionState:
         key_quarantine.ExclusiveQuarantine.park), and one of a parked key is held.
         """
         doomed = []
-        if quarantine_after and max_deliveries is not None and self.keys is not None:
+        failed = max_deliveries is not None  # a revocation is not the consumer's failure
+        if quarantine_after and failed and self.keys is not None:
             pieces = self._park_failed(pieces, reason, ready_at_ms, now_ms, quarantine_after)
         for start, end, lease in pieces:
             self.leased.remove(start, end)
-            if max_deliveries is not None and lease.attempt >= max_deliveries:
+            if failed and lease.attempt >= max_deliveries:
                 doomed.append((start, end, DeadLettering(lease.attempt, reason, now_ms,
                                                          self._new_dead_lettering_id())))
                 self.dead_lettering.set(start, end, doomed[-1][2])
             else:
                 region = self.ready if ready_at_ms <= now_ms else self.delayed
-                region.set(start, end, Ready(lease.attempt, reason, ready_at_ms, now_ms))
+                region.set(start, end, Ready(lease.attempt, reason, ready_at_ms, now_ms, lease.failures + failed))
                 if region is self.delayed:
                     heapq.heappush(self._delayed_due, (ready_at_ms, start, end))
         return doomed
 
     def _park_failed(self, pieces: list[Piece], reason: str, ready_at_ms: int, now_ms: int,
                      quarantine_after: int) -> list[Piece]:
-        """Park the keys of the records in `pieces` that reached `quarantine_after` failures;
-        returns the pieces left to requeue."""
+        """Park the keys of the records in `pieces` that reached `quarantine_after` failures in
+        a row with this one; returns the pieces left to requeue."""
         rest = []
         parked, column = self.keys.parked, self.keys.column
         for start, end, lease in pieces:
-            if lease.attempt < quarantine_after and not parked:
+            failures = lease.failures + 1
+            if failures < quarantine_after and not parked:
                 rest.append((start, end, lease))
                 continue
             for offset in range(start, end):
-                ready = Ready(lease.attempt, reason, ready_at_ms, now_ms)
-                if lease.attempt < quarantine_after and column.get(offset) not in parked:
+                ready = Ready(lease.attempt, reason, ready_at_ms, now_ms, failures)
+                if failures < quarantine_after and column.get(offset) not in parked:
                     rest.append((offset, offset + 1, lease))
                 elif self.keys.park(self, offset, ready, now_ms):
                     self.leased.remove(offset, offset + 1)
