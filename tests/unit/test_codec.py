@@ -451,18 +451,21 @@ def payload_record_count_or_one(payload: bytes) -> int:
 
 @pytest.mark.parametrize("timestamp", [0, 5, -3, 200, 70_000, 2**40, -2**40, 2**64 - 1])
 @pytest.mark.parametrize("value_size", [0, 1, 300, 70_000])
-def test_a_uniform_batch_with_one_timestamp_is_read_off_its_bytes(timestamp, value_size, monkeypatch):
+@pytest.mark.parametrize("count, window", [(5, (1, 4)), (1, (0, 1))])  # one record: its own shortcut
+def test_a_uniform_batch_with_one_timestamp_is_read_off_its_bytes(timestamp, value_size, count, window,
+                                                                  monkeypatch):
     """The byte path really is taken (msgpack is never asked to decode the batch) and
     gives the stored values, with the batch's timestamp on every record."""
     import zbroker.protocol.batch as batch
 
-    values = [bytes([i]) * value_size for i in range(5)]
+    values = [bytes([i]) * value_size for i in range(count)]
     payload = encode_values(values, timestamp)
-    stored = build_batch_header(payload, base_offset=10, record_count=5, append_time_ms=1) + payload
+    stored = build_batch_header(payload, base_offset=10, record_count=count, append_time_ms=1) + payload
     monkeypatch.setattr(batch, "_unpacked_records", None)  # calling it would be a TypeError
-    records = decode_fetched(stored, "t", 0, from_offset=11, until_offset=14)
+    records = decode_fetched(stored, "t", 0, from_offset=10 + window[0], until_offset=10 + window[1])
     assert [(r.offset, r.timestamp_ms, r.key, r.value, r.headers) for r in records] == [
-        (10 + i, timestamp, None, values[i], None) for i in (1, 2, 3)]
+        (10 + i, timestamp, None, values[i], None) for i in range(*window)]
+    assert decode_fetched(stored, "t", 0, from_offset=10 + count) == []
 
 
 @pytest.mark.parametrize("msg", [
