@@ -2,7 +2,7 @@
 
 import pytest
 
-from zbroker.actors.group_coordinator.core import CLOCK_GRAIN_MS, DEAD_LETTER_RETRY_MS, GroupConfig
+from zbroker.actors.group_coordinator.core import CLOCK_GRAIN_MS, DEAD_LETTER_RETRY_MS, MIN_SHARE, GroupConfig
 from zbroker.actors.group_coordinator.effects import DeadLetter
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import StaleLease, TooLarge, Unauthorized, Unavailable
@@ -242,17 +242,37 @@ def test_in_flight_limit_per_partition_in_shared_mode_and_a_poll_woken_by_freed_
 def test_fairness_spreads_a_poll_over_partitions_round_robin():
     d = Driver({"t": 3}, logs={("t", p): (0, 100) for p in range(3)})
     a = d.join()
-    got = d.poll(a, max_records=30)
-    assert sorted((p, e - s) for _t, p, _l, s, e, _a, _r in got.deliveries) == [(0, 10), (1, 10), (2, 10)]
+    got = d.poll(a, max_records=3 * MIN_SHARE)
+    assert sorted((p, e - s) for _t, p, _l, s, e, _a, _r in got.deliveries) == [(p, MIN_SHARE) for p in range(3)]
     first = [p for _t, p, *_ in d.poll(a, max_records=2).deliveries]
     second = [p for _t, p, *_ in d.poll(a, max_records=2).deliveries]
     assert first != second  # the starting partition rotates
-    d.log_range("t", 0, 0, 200)
     # When the others run dry the rest comes from the partition that has more.
     d2 = Driver({"t": 2}, logs={("t", 0): (0, 100), ("t", 1): (0, 3)})
     b = d2.join()
-    assert sorted((p, e - s) for _t, p, _l, s, e, _a, _r in d2.poll(b, max_records=20).deliveries) == \
-        [(0, 17), (1, 3)]
+    assert sorted((p, e - s) for _t, p, _l, s, e, _a, _r in d2.poll(b, max_records=MIN_SHARE + 8).deliveries) == \
+        [(0, MIN_SHARE + 5), (1, 3)]
+
+
+def test_a_poll_over_many_partitions_takes_shares_of_at_least_min_share_and_the_next_poll_goes_on():
+    """Spread like water down to one record each, a poll of 1,000 over 1,024 partitions was
+    1,000 one-record leases. In shares of MIN_SHARE a poll serves fewer partitions, and the
+    next poll starts after the last one served, so every partition is served in turn."""
+    partitions = 64
+    d = Driver({"t": partitions}, logs={("t", p): (0, 100) for p in range(partitions)},
+               config=GroupConfig(max_in_flight=100_000))
+    a = d.join()
+    served: list[int] = []
+    for _ in range(8):
+        got = d.poll(a, max_records=4 * MIN_SHARE)
+        shares = [(p, e - s) for _t, p, _l, s, e, _a, _r in got.deliveries]
+        assert [n for _p, n in shares] == [MIN_SHARE] * 4
+        served += [p for p, _n in shares]
+    assert sorted(served[:partitions // 2]) == sorted(set(served[:partitions // 2]))  # none twice in a row
+    assert served == sorted(served) and served[0] == 0 and served[-1] == 31  # in turn, from the first
+    rest = d.poll(a, max_records=10_000)
+    assert {p for _t, p, *_ in rest.deliveries} == set(range(partitions))  # nobody starved
+    assert sum(e - s for _t, _p, _l, s, e, _a, _r in rest.deliveries) == partitions * 100 - 32 * MIN_SHARE
 
 
 def test_waiting_poll_answered_by_new_records_or_by_its_deadline():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from zbroker.actors.group_coordinator.core import GroupConfig
+from zbroker.actors.group_coordinator.core import MIN_SHARE, GroupConfig
 from zbroker.actors.group_coordinator.effects import PersistGroupConfig
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import StaleLease, Unavailable, UnknownGroup, UnknownTopic
@@ -106,7 +106,7 @@ def test_retention_passing_a_live_group_drops_what_is_gone():
 def test_reset_group_moves_committed_bumps_epoch_and_revokes_leases():
     d = Driver({"t": 2}, logs={("t", 0): (10, 100), ("t", 1): (0, 5)})
     a = d.join()
-    leases = {p: lease for _t, p, lease, *_ in d.poll(a, max_records=20).deliveries}
+    leases = {p: lease for _t, p, lease, *_ in d.poll(a, max_records=2 * MIN_SHARE).deliveries}
     d.settle("ack", a, [["t", 0, leases[0], 15, 16]])
     mark = d.mark()
     reply = d.ok("reset_group", m.ResetGroup(group="g", topic="t", to=50))
