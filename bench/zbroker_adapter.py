@@ -442,8 +442,9 @@ class ZBroker(Adapter):
             return out
 
         return {"records": count, "how": "bench/loadgen/zbload (C, libzmq + msgpack-c), window 1,000, "
-                                         f"{PRODUCE_BATCH} records per produce request, acks as ranges on the "
-                                         "next poll", **self._with_broker(run)}
+                                         f"{PRODUCE_BATCH} records per produce request; consume: at most 1,000 leased "
+                                         "and unacknowledged, two polls of 500 out, acks as ranges on the next "
+                                         "poll (or alone while both polls are out)", **self._with_broker(run)}
 
     def key_shared(self, count: int, make_phase: Callable[[str, int], Phase]) -> dict[str, Any]:
         """key_shared against shared, 8 consumer processes, 1,000 keys (bench.key_shared)."""

@@ -11,10 +11,12 @@
  *       spread round-robin over the topic's partitions FIRST, FIRST+STEP, ...,
  *       keeping at most WINDOW records sent and not yet acknowledged.
  *   zbload consume URL TOPIC GROUP COUNT WINDOW
- *       Joins GROUP, polls leases of at most WINDOW records, fetches each
- *       lease's records from its partition actor, counts every record of the
- *       lease, and acks the leases as ranges riding on the next poll, until
- *       COUNT records are acknowledged.
+ *       Configures GROUP for at most WINDOW leased, unacknowledged records a
+ *       member, joins it, keeps two polls of WINDOW / 2 records out, fetches
+ *       each lease's records from its partition actor, counts every record of
+ *       the lease, and acks the leases as ranges, riding on the next poll or,
+ *       when both polls are out, in an `ack` of their own, until COUNT records
+ *       are acknowledged.
  *
  * Output: one line of JSON on stdout:
  *   {"records": N, "seconds": S, "cpu_s": C, "requests": R}
@@ -178,8 +180,9 @@ static void send_request(conn_t *c, msgpack_sbuffer *header, const void *payload
     requests++;
 }
 
-/* Receives one reply on `c` (waiting up to the timeout); dies on an error reply. */
-static void recv_reply(conn_t *c, reply_t *r, uint64_t *id_out) {
+/* Receives one reply on `c` (waiting up to the timeout); dies on an error reply unless
+ * `errors_ok`, when it returns 0 for one (1 for a success). */
+static int recv_reply_or_error(conn_t *c, reply_t *r, uint64_t *id_out, int errors_ok) {
     zmq_pollitem_t item = {c->sock, 0, ZMQ_POLLIN, 0};
     if (zmq_poll(&item, 1, REPLY_TIMEOUT_MS) <= 0)
         die("no reply from %s within %d ms", c->endpoint, REPLY_TIMEOUT_MS);
@@ -205,8 +208,12 @@ static void recv_reply(conn_t *c, reply_t *r, uint64_t *id_out) {
                 break;
         }
     }
+    reading = &r->header.data;
+    *id_out = as_u64(map_get(&r->header.data, "id"));
     const msgpack_object *ok = map_get(&r->header.data, "ok");
     if (!ok || ok->type != MSGPACK_OBJECT_BOOLEAN || !ok->via.boolean) {
+        if (errors_ok)
+            return 0;
         const msgpack_object *err = map_get(&r->header.data, "error");
         const msgpack_object *code = err ? map_get(err, "code") : NULL;
         const msgpack_object *message = err ? map_get(err, "message") : NULL;
@@ -217,9 +224,10 @@ static void recv_reply(conn_t *c, reply_t *r, uint64_t *id_out) {
                      message && message->type == MSGPACK_OBJECT_STR ? message->via.str.ptr : "");
         die("error reply from %s: %s", c->endpoint, text);
     }
-    reading = &r->header.data;
-    *id_out = as_u64(map_get(&r->header.data, "id"));
+    return 1;
 }
+
+static void recv_reply(conn_t *c, reply_t *r, uint64_t *id_out) { recv_reply_or_error(c, r, id_out, 0); }
 
 static void reply_free(reply_t *r) {
     msgpack_unpacked_destroy(&r->header);
@@ -463,12 +471,59 @@ static void send_fetch(topic_map_t *tm, lease_t *l) {
     msgpack_sbuffer_destroy(&header);
 }
 
+static void pack_ranges(msgpack_packer *pk, lease_t *acks, int n_acks);
+
+/* Sends a poll carrying `n_acks` finished leases as ack ranges (each lease's records
+ * all counted, so each is one range); or, with max_records 0, an `ack` of them alone.
+ * Returns the request's id. */
+static uint64_t send_poll(conn_t *coord, msgpack_sbuffer *buf, const char *group, const char *member,
+                          int64_t generation, int max_records, int max_wait_ms, lease_t *acks, int n_acks) {
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, buf, msgpack_sbuffer_write);
+    msgpack_sbuffer_clear(buf);
+    uint64_t id = next_id++;
+    begin_request(&pk, max_records ? "poll" : "ack", id, max_records ? 6 : 4);
+    pack_kv_str(&pk, "group", group);
+    pack_kv_str(&pk, "member_id", member);
+    pack_kv_int(&pk, "generation", generation);
+    if (max_records) {
+        pack_kv_int(&pk, "max_records", max_records);
+        pack_kv_int(&pk, "max_wait_ms", max_wait_ms);
+    }
+    pack_str(&pk, max_records ? "acks" : "ranges");
+    pack_ranges(&pk, acks, n_acks);
+    send_request(coord, buf, NULL, 0);
+    return id;
+}
+
+static void pack_ranges(msgpack_packer *pk_, lease_t *acks, int n_acks) {
+    msgpack_packer *pk = pk_;
+    msgpack_pack_array(pk, n_acks);
+    for (int i = 0; i < n_acks; i++) {
+        msgpack_pack_array(pk, 5);
+        pack_str(pk, acks[i].topic);
+        msgpack_pack_int64(pk, acks[i].partition);
+        msgpack_pack_uint64(pk, acks[i].lease_id);
+        msgpack_pack_int64(pk, acks[i].start);
+        msgpack_pack_int64(pk, acks[i].end);
+    }
+}
+
+/* Polls kept in flight, each for WINDOW / POLLS_AHEAD records, the group holding at most
+ * WINDOW leased and unacknowledged: the next poll's leases are on their way while this
+ * one's records are fetched, as the Python client's poll-ahead does. Polled one at a time,
+ * the coordinator and the partition actor took turns, each idle while the other worked,
+ * and consume+ack ran at 0.60x the Python client (bench/RESULTS.md of 2026-12-04 19:25). */
+#define POLLS_AHEAD 2
+
 static int run_consume(int argc, char **argv) {
     if (argc < 7)
         die("usage: zbload consume URL TOPIC GROUP COUNT WINDOW");
     const char *url = argv[2], *topic = argv[3], *group = argv[4];
     long count = atol(argv[5]);
     int window = atoi(argv[6]);
+    if (count <= 0 || window < POLLS_AHEAD)
+        die("consume: bad numbers");
     conn_t coord;
     conn_open(&coord, url);
     hello(&coord);
@@ -479,103 +534,135 @@ static int run_consume(int argc, char **argv) {
     msgpack_sbuffer_init(&buf);
     msgpack_packer pk;
     msgpack_packer_init(&pk, &buf, msgpack_sbuffer_write);
+    reply_t r;
+    /* The window is the group's limit of leased, unacknowledged records per member. */
+    begin_request(&pk, "configure_group", next_id++, 2);
+    pack_kv_str(&pk, "group", group);
+    pack_kv_int(&pk, "max_in_flight", window);
+    call(&coord, &buf, &r);
+    reply_free(&r);
+
+    msgpack_sbuffer_clear(&buf);
     begin_request(&pk, "join", next_id++, 2);
     pack_kv_str(&pk, "group", group);
     pack_str(&pk, "topics");
     msgpack_pack_array(&pk, 1);
     pack_str(&pk, topic);
-    reply_t r;
     call(&coord, &buf, &r);
     char member[256];
     copy_str(map_get(&r.header.data, "member_id"), member, sizeof member);
     int64_t generation = as_int(map_get(&r.header.data, "generation"));
     reply_free(&r);
 
-    static lease_t leases[MAX_DELIVERIES];
-    int n_leases = 0; /* leases of the last poll: acked on the next one */
-    long done = 0;
+    static lease_t active[MAX_DELIVERIES]; /* leases whose records are being fetched */
+    static lease_t finished[MAX_DELIVERIES]; /* leases fetched whole, not yet acked */
+    int n_active = 0, n_finished = 0, polls_out = 0, acks_out = 0;
+    uint64_t poll_ids[POLLS_AHEAD];
+    long done = 0, leased = 0;
+    zmq_pollitem_t items[MAX_ENDPOINTS + 1];
+    items[0] = (zmq_pollitem_t){coord.sock, 0, ZMQ_POLLIN, 0};
+    for (int e = 0; e < tm.endpoints; e++)
+        items[e + 1] = (zmq_pollitem_t){tm.conns[e].sock, 0, ZMQ_POLLIN, 0};
     double t0 = now_s(), c0 = cpu_s();
     while (done < count) {
-        msgpack_sbuffer_clear(&buf);
-        begin_request(&pk, "poll", next_id++, 6);
-        pack_kv_str(&pk, "group", group);
-        pack_kv_str(&pk, "member_id", member);
-        pack_kv_int(&pk, "generation", generation);
-        pack_kv_int(&pk, "max_records", window);
-        pack_kv_int(&pk, "max_wait_ms", 1000);
-        pack_str(&pk, "acks");
-        msgpack_pack_array(&pk, n_leases);
-        for (int i = 0; i < n_leases; i++) { /* each record acked; the lease's records fold into one range */
-            msgpack_pack_array(&pk, 5);
-            pack_str(&pk, leases[i].topic);
-            msgpack_pack_int64(&pk, leases[i].partition);
-            msgpack_pack_uint64(&pk, leases[i].lease_id);
-            msgpack_pack_int64(&pk, leases[i].start);
-            msgpack_pack_int64(&pk, leases[i].end);
+        /* Acks ride on the next poll; when every poll is out (waiting, maybe for the very
+         * capacity these acks free) or none is to come, they go alone in an `ack`. */
+        while (polls_out < POLLS_AHEAD && leased < count) {
+            poll_ids[polls_out++] = send_poll(&coord, &buf, group, member, generation, window / POLLS_AHEAD, 1000,
+                                              finished, n_finished);
+            n_finished = 0;
         }
-        call(&coord, &buf, &r);
-        done += n_leases ? (long)as_int(map_get(&r.header.data, "acked")) : 0;
-        const msgpack_object *deliveries = map_get(&r.header.data, "deliveries");
-        n_leases = 0;
-        if (!deliveries || deliveries->type != MSGPACK_OBJECT_ARRAY)
-            die("poll: no deliveries array");
-        for (uint32_t i = 0; i < deliveries->via.array.size && n_leases < MAX_DELIVERIES; i++) {
-            const msgpack_object *d = deliveries->via.array.ptr[i].via.array.ptr;
-            lease_t *l = &leases[n_leases++];
-            copy_str(&d[0], l->topic, sizeof l->topic);
-            l->partition = (int)as_int(&d[1]);
-            l->lease_id = as_u64(&d[2]);
-            l->start = as_int(&d[3]);
-            l->end = as_int(&d[4]);
-            l->fetched_to = l->start;
+        if (n_finished > 0) {
+            send_poll(&coord, &buf, group, member, generation, 0, 0, finished, n_finished);
+            n_finished = 0;
+            acks_out++;
         }
-        reply_free(&r);
-        if (done >= count)
-            break;
-        /* Fetch every lease's records, all in flight at once, until each is whole. */
-        int pending = 0;
-        for (int i = 0; i < n_leases; i++, pending++)
-            send_fetch(&tm, &leases[i]);
-        while (pending > 0) {
-            for (int e = 0; e < tm.endpoints; e++) {
-                zmq_pollitem_t item = {tm.conns[e].sock, 0, ZMQ_POLLIN, 0};
-                while (zmq_poll(&item, 1, 0) > 0) {
-                    uint64_t id;
-                    recv_reply(&tm.conns[e], &r, &id);
-                    for (int i = 0; i < n_leases; i++) {
-                        lease_t *l = &leases[i];
-                        if (l->fetch_id != id)
-                            continue;
-                        long counted = 0;
-                        if (r.has_payload)
-                            l->fetched_to = count_records(zmq_msg_data(&r.payload), zmq_msg_size(&r.payload),
-                                                          l->fetched_to, l->end, &counted);
-                        if (l->fetched_to >= l->end)
-                            pending--;
-                        else
-                            send_fetch(&tm, l);
-                    }
-                    reply_free(&r);
+        if (zmq_poll(items, tm.endpoints + 1, REPLY_TIMEOUT_MS) <= 0)
+            die("consume: no reply within %d ms", REPLY_TIMEOUT_MS);
+        while (zmq_poll(&items[0], 1, 0) > 0) {
+            uint64_t id;
+            recv_reply(&coord, &r, &id);
+            int is_poll = 0;
+            for (int i = 0; i < polls_out; i++)
+                if (poll_ids[i] == id) {
+                    poll_ids[i] = poll_ids[--polls_out];
+                    is_poll = 1;
+                    break;
                 }
+            if (!is_poll) { /* an ack's reply: one per request, in no particular order */
+                if (acks_out-- == 0)
+                    die("a reply to no request of ours (id %llu)", (unsigned long long)id);
+                done += (long)as_int(map_get(&r.header.data, "applied"));
+                reply_free(&r);
+                continue;
             }
-            if (pending > 0) {
-                zmq_pollitem_t items[MAX_ENDPOINTS];
-                for (int e = 0; e < tm.endpoints; e++)
-                    items[e] = (zmq_pollitem_t){tm.conns[e].sock, 0, ZMQ_POLLIN, 0};
-                if (zmq_poll(items, tm.endpoints, REPLY_TIMEOUT_MS) <= 0)
-                    die("fetch: no reply within %d ms", REPLY_TIMEOUT_MS);
+            const msgpack_object *acked = map_get(&r.header.data, "acked");
+            if (acked)
+                done += (long)as_int(acked);
+            const msgpack_object *deliveries = map_get(&r.header.data, "deliveries");
+            if (!deliveries || deliveries->type != MSGPACK_OBJECT_ARRAY)
+                die("poll: no deliveries array");
+            for (uint32_t i = 0; i < deliveries->via.array.size; i++) {
+                if (n_active == MAX_DELIVERIES)
+                    die("poll: more than %d leases out", MAX_DELIVERIES);
+                const msgpack_object *d = deliveries->via.array.ptr[i].via.array.ptr;
+                lease_t *l = &active[n_active++];
+                copy_str(&d[0], l->topic, sizeof l->topic);
+                l->partition = (int)as_int(&d[1]);
+                l->lease_id = as_u64(&d[2]);
+                l->start = as_int(&d[3]);
+                l->end = as_int(&d[4]);
+                l->fetched_to = l->start;
+                leased += l->end - l->start;
+                send_fetch(&tm, l);
+            }
+            reply_free(&r);
+        }
+        for (int e = 0; e < tm.endpoints; e++) {
+            while (zmq_poll(&items[e + 1], 1, 0) > 0) {
+                uint64_t id;
+                recv_reply(&tm.conns[e], &r, &id);
+                for (int i = 0; i < n_active; i++) {
+                    lease_t *l = &active[i];
+                    if (l->fetch_id != id)
+                        continue;
+                    long counted = 0;
+                    if (r.has_payload)
+                        l->fetched_to = count_records(zmq_msg_data(&r.payload), zmq_msg_size(&r.payload),
+                                                      l->fetched_to, l->end, &counted);
+                    if (l->fetched_to < l->end) {
+                        send_fetch(&tm, l);
+                    } else {
+                        if (n_finished == MAX_DELIVERIES)
+                            die("consume: more than %d leases to ack", MAX_DELIVERIES);
+                        finished[n_finished++] = *l;
+                        active[i] = active[--n_active];
+                    }
+                    break;
+                }
+                reply_free(&r);
             }
         }
     }
     double seconds = now_s() - t0, cpu = cpu_s() - c0;
-    /* Leave, so the group's next use starts clean. */
+    /* Leave, so the group's next use starts clean. A poll still parked is answered FENCED
+     * when the member leaves: expected here, and not an error of the run. */
     msgpack_sbuffer_clear(&buf);
     begin_request(&pk, "leave", next_id++, 3);
     pack_kv_str(&pk, "group", group);
     pack_kv_str(&pk, "member_id", member);
     pack_kv_int(&pk, "generation", generation);
-    call(&coord, &buf, &r);
-    reply_free(&r);
+    send_request(&coord, &buf, NULL, 0);
+    uint64_t leave_id = next_id - 1, id = 0;
+    for (;;) { /* replies to the polls still out may come first */
+        int ok = recv_reply_or_error(&coord, &r, &id, 1);
+        reply_free(&r);
+        if (id == leave_id) {
+            if (!ok)
+                die("leave: refused");
+            break;
+        }
+    }
     printf("{\"records\": %ld, \"seconds\": %.6f, \"cpu_s\": %.6f, \"requests\": %lu}\n", done, seconds, cpu,
            (unsigned long)requests);
     return 0;
