@@ -17,7 +17,7 @@ from zbroker.protocol.batch import build_batch_header, encode_values
 from zbroker.protocol.codec import Envelope
 from zbroker.client.core import MAX_FRAME_BYTES, RANGES_PER_REQUEST, ConsumedRecord, MetadataCache
 from zbroker.client.fetch_round import FetchRound
-from zbroker.client.producer_core import ProduceError, ProducerCore, leader_hint, retry_delay
+from zbroker.client.producer_core import ProduceError, ProducerCore, failure_fields, leader_hint, retry_delay
 from zbroker.client.transport import Coordinators, Correlation, bootstrap_urls
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import (ProtocolError as BadRequest, NotCoordinator, NotLeader, NotOwner, RequestTimeout,
@@ -569,6 +569,67 @@ def test_a_batch_out_of_retries_or_refused_fails_once_in_the_report():
     assert isinstance(report, ProduceError) and report.code is ErrorCode.BAD_REQUEST and report.data["failed"] == 1
     assert batch.outcome.error is not None and core.in_flight_records == 0
     assert core.take_failure() is None
+
+
+def test_batches_are_admitted_in_the_order_they_were_closed_and_an_empty_window_takes_any():
+    import collections
+
+    core = ProducerCore(max_in_flight_records=4)
+    big, small, last = closed_batch(core, 4, partition=0), closed_batch(core, 1, partition=1), closed_batch(core, 1)
+    first = closed_batch(core, 3, partition=2)
+    queue = collections.deque([first, big, small, last])
+    assert core.admit_in_order(queue) == [first]
+    assert list(queue) == [big, small, last]  # `small` would fit, but `big` came first
+    assert core.admit_in_order(queue) == [] and core.in_flight_records == 3  # admitted, not sent yet: it counts
+    core.requests([("ep", first)])
+    core.sent(1, first, now=0.0)
+    core.settle(1, None, m.ProduceReply(base_offset=0, count=3, duplicate=False), now=0.1)
+    assert core.admit_in_order(queue) == [big]
+    oversized = closed_batch(core, 9, partition=3)
+    assert not core.has_room(oversized)
+    empty = ProducerCore(max_in_flight_records=4)
+    assert empty.has_room(oversized)  # larger than the window: it would never go otherwise
+
+
+def test_the_asyncio_drivers_wake_up_is_the_next_retry_or_request_timeout_and_a_stop_fails_the_rest():
+    core = ProducerCore(request_timeout=5.0, retries=5)
+    assert core.next_deadline() is None  # nothing to wait for but a reply or a batch
+    sent, retried, unsent = closed_batch(core, partition=0), closed_batch(core, partition=1), closed_batch(core)
+    for corr, batch in ((7, sent), (8, retried)):
+        core.admit(batch)
+        core.requests([("ep-%d" % corr, batch)])
+        core.sent(corr, batch, now=1.0)
+    assert core.next_deadline() == 6.0  # the oldest request's timeout
+    core.settle(8, NotOwner("moved"), None, now=2.0)
+    assert core.next_deadline() == 2.0 + retry_delay(1)
+    closing = ProduceError("closing", code=ErrorCode.SHUTTING_DOWN)
+    assert core.give_up(closing, [unsent]) == [7]  # the request no longer waited for
+    assert [b for b, _e in core.take_failed()] == [sent, retried, unsent]
+    assert (core.in_flight, core.retrying, core.in_flight_records, core.in_flight_bytes) == ({}, [], 0, 0)
+    assert all(b.outcome.error is closing for b in (sent, retried, unsent))
+    assert core.next_deadline() is None
+
+
+def test_a_batch_that_fails_for_good_is_returned_for_the_driver_to_log_not_logged_by_the_core():
+    imported = {node.module for node in ast.walk(ast.parse((CLIENT / "producer_core.py").read_text()))
+                if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(ast.parse((CLIENT / "producer_core.py").read_text()))
+                 if isinstance(node, ast.Import) for alias in node.names}
+    assert not imported & {"structlog", "logging"}
+    core = ProducerCore(retries=0, request_timeout=5.0)
+    refused, late = closed_batch(core, partition=0), closed_batch(core, partition=1)
+    for corr, batch in ((1, refused), (2, late)):
+        core.admit(batch)
+        batch.attempts = 1
+        core.sent(corr, batch, now=0.0)
+    core.settle(1, BadRequest("no", field="x"), None, now=1.0)
+    assert [(b, e.code) for b, e in core.take_failed()] == [(refused, ErrorCode.BAD_REQUEST)]
+    assert core.take_failed() == []  # each failure is handed over once
+    core.timed_out(now=5.1)  # no retries left: the timeout fails it for good
+    [(batch, err)] = core.take_failed()
+    assert batch is late and failure_fields(batch, err) == {
+        "topic": "t", "partition": 1, "code": "TIMEOUT", "reason": "produce timed out", "attempts": 1}
+    assert core.take_failure().data["failed"] == 2  # the flush's report is apart from the log's
 
 
 # -- transport: correlation and the bootstrap list ----------------------------------------------

@@ -23,7 +23,7 @@ import zmq.asyncio
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
-from zbroker.client.core import (RANGES_PER_REQUEST, BatchAccumulator, ChunkedSettle, ConsumedRecord,
+from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedRecord,
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
                                  checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
@@ -32,7 +32,7 @@ from zbroker.client.keys import ClientKeys
 from zbroker.client.consumer_core import (ACK_STALE, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
                                           PollSent, RetryBackoff, connection_field, core_field, failure_reason,
                                           max_wait_ms)
-from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry, window_has_room
+from zbroker.client.producer_core import ProduceError, ProducerCore, failure_fields
 from zbroker.client.sockets import client_dealer, curve_from_env
 from zbroker.client.transport import DEFAULT_URL, Coordinators
 
@@ -208,61 +208,17 @@ class AsyncAdmin:
         await self.close()
 
 
-class RecordWindow:
-    """At most ``capacity`` records in flight; a batch takes all of its permits at once.
-
-    Taking them one by one (an `asyncio.Semaphore` acquired per record) deadlocks
-    when several coroutines dispatch at once: each ends up holding part of what it
-    needs while nothing in flight is left to free the rest. Waiters are served in
-    arrival order, so batches of one partition leave in the order they were closed.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.available = capacity
-        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
-
-    async def acquire(self, count: int) -> int:
-        """Take ``count`` permits (at most the capacity); returns how many were taken."""
-        count = min(count, self.capacity)
-        if not self._waiters and self.available >= count:
-            self.available -= count
-            return count
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append((count, fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release(count)  # granted just as it was cancelled: give them back
-            else:
-                with contextlib.suppress(ValueError):  # `_wake` may have dropped it already
-                    self._waiters.remove((count, fut))
-                self._wake()
-            raise
-        return count
-
-    def release(self, count: int) -> None:
-        self.available += count
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self._waiters[0][0] <= self.available:
-            count, fut = self._waiters.popleft()
-            if not fut.done():
-                self.available -= count
-                fut.set_result(None)
-
-
 class AsyncProducer:
     """Batching, pipelined, idempotent producer for asyncio.
 
-    Closed batches wait in one FIFO queue that the producer owns, and one
-    dispatcher task takes them in order, waits for their window permits and
-    starts a delivery task for each. `send` and `flush` only put batches in the
+    The window, the requests (`produce_many` per actor), retries and the failure
+    report are `producer_core.ProducerCore`'s, as for the sync `Producer`. Closed
+    batches wait in one FIFO queue that the producer owns; one sender task admits
+    them to the window in order and sends them, with the retries due, and files
+    each reply as its future resolves. `send` and `flush` only put batches in the
     queue and then wait for progress, so cancelling them (`asyncio.wait_for`)
-    never drops a batch or a delivery: whatever was handed over is sent, its
-    handles resolve, and a failure is raised by the next `flush` or `close`.
+    never drops a batch: whatever was handed over is sent, its handles resolve,
+    and a failure is raised by the next `flush` or `close`.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
@@ -270,28 +226,32 @@ class AsyncProducer:
                  max_in_flight_bytes: int = 32 << 20, request_timeout: float = 5.0,
                  retries: int = 20, curve: ClientKeys | None = None) -> None:
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
+        self.core = ProducerCore(batch_size=batch_size, batch_bytes=batch_bytes,
+                                 max_in_flight_records=max_in_flight_records,
+                                 max_in_flight_bytes=max_in_flight_bytes, retries=retries,
+                                 request_timeout=request_timeout)
         self.linger_s = linger_ms / 1000.0
-        self.retries = retries
-        self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes)
-        self.window = RecordWindow(max_in_flight_records)
-        self.max_in_flight_records = max_in_flight_records
-        # The window in bytes too, as the sync Producer's (`producer_core.window_has_room`): large
-        # records would otherwise put max_in_flight_records x their size in memory here and in the actor.
-        self.max_in_flight_bytes = max_in_flight_bytes
-        self.in_flight_bytes = 0
+        self.acc = self.core.acc
         self.waiting_for_window: collections.deque[PendingBatch] = collections.deque()
-        self.tasks: set[asyncio.Task] = set()  # deliveries in flight
-        self.errors: list[ZBrokerError] = []
+        self._replies: dict[int, asyncio.Future] = {}  # corr -> the future of a request in flight
         # Every batch failure so far, and the last one: a flush() raises if any failed while
-        # it waited, even when a concurrent flush() took them from `errors` first.
+        # it waited, even when a concurrent flush() took the report first.
         self._failures = 0
         self._last_failure: ZBrokerError | None = None
-        # Set when a batch leaves the queue or a delivery ends; whoever waits re-checks what it waits for.
+        # Set when a batch leaves the queue or a reply is filed; whoever waits re-checks what it waits for.
         self._progress = asyncio.Event()
+        self._wake = asyncio.Event()  # the sender's own: a batch queued, a reply filed
         self._linger_task: asyncio.Task | None = None
-        self._dispatcher: asyncio.Task | None = None
+        self._sender: asyncio.Task | None = None
         self._closed = False  # set when close() starts: nothing sent after it could be delivered
         self._close_ended: asyncio.Future | None = None  # resolved when the close() that began it ends
+
+    retries = core_field("retries")
+    max_in_flight_records = core_field("max_in_flight_records")
+    max_in_flight_bytes = core_field("max_in_flight_bytes")
+    in_flight_records = core_field("in_flight_records")
+    in_flight_bytes = core_field("in_flight_bytes")
+    errors = core_field("errors")
 
     async def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
                    partition: int | None = None) -> DeliveryHandle:
@@ -320,7 +280,7 @@ class AsyncProducer:
         if self.waiting_for_window:
             # Backpressure: a caller that closes batches (or lets the linger timer close them)
             # faster than the window frees waits here. Cancelled, it loses nothing: the record
-            # is in a batch already, and a closed batch is the dispatcher's.
+            # is in a batch already, and a closed batch is the sender's.
             await self._wait_until(lambda: not self.waiting_for_window)
         return handle
 
@@ -328,18 +288,18 @@ class AsyncProducer:
         loop = asyncio.get_running_loop()
         if self._linger_task is None:
             self._linger_task = loop.create_task(self._linger())
-        if self._dispatcher is None:
-            self._dispatcher = loop.create_task(self._dispatch_in_order())
-            self._dispatcher.add_done_callback(lambda _task: self._progress.set())  # waiters must not hang
+        if self._sender is None:
+            self._sender = loop.create_task(self._send_in_order())
+            self._sender.add_done_callback(lambda _task: self._progress.set())  # waiters must not hang
 
     def _enqueue(self, batches: list[PendingBatch]) -> None:
         if batches:
             self.waiting_for_window.extend(batches)
-            self._progress.set()
+            self._wake.set()
 
     async def _wait_until(self, condition: Callable[[], bool]) -> None:
         while not condition():
-            if self._dispatcher is not None and self._dispatcher.done():
+            if self._sender is not None and self._sender.done():
                 raise ProduceError("the producer is closed", code=ErrorCode.SHUTTING_DOWN)
             self._progress.clear()
             await self._progress.wait()
@@ -349,75 +309,105 @@ class AsyncProducer:
             await asyncio.sleep(max(self.linger_s, 0.001))
             self._enqueue(self.acc.due(time.monotonic(), self.linger_s))
 
-    async def _dispatch_in_order(self) -> None:
-        """The only taker of window permits: batches of one partition leave in the order they were closed."""
+    async def _send_in_order(self) -> None:
+        """The only sender: admits the queued batches to the window in the order they were
+        closed and sends them with the retries due, then sleeps until a batch is queued, a
+        reply is filed or the core's next deadline (a retry, a request overdue)."""
+        core, loop = self.core, asyncio.get_running_loop()
         while True:
-            await self._wait_until(lambda: bool(self.waiting_for_window))
-            permits = await self.window.acquire(self.waiting_for_window[0].count)
-            size = len(self.waiting_for_window[0].payload)
-            # The records' permits are the RecordWindow's; the bytes' rule is `window_has_room`'s.
-            await self._wait_until(lambda: window_has_room(0, size, 0, self.in_flight_bytes, 0,
-                                                           self.max_in_flight_bytes))
-            batch = self.waiting_for_window.popleft()
-            self.in_flight_bytes += size
-            task = asyncio.get_running_loop().create_task(self._deliver(batch, permits))
-            self.tasks.add(task)
-            task.add_done_callback(self._delivery_ended)
-            self._progress.set()
+            self._wake.clear()
+            now = loop.time()
+            if core.in_flight:
+                waiting = len(core.in_flight)
+                core.timed_out(now)  # retried, or failed for good
+                if len(core.in_flight) < waiting:
+                    for corr in [c for c in self._replies if c not in core.in_flight]:
+                        self.conn.abandon(self._replies.pop(corr))  # a reply that comes after all is dropped
+            due, hints, topics = core.resends(now)
+            for topic, partition, endpoint in hints:  # the new leader, as the error named it
+                self.conn.metadata.redirect(topic, partition, endpoint)
+            try:
+                for topic in topics:
+                    with contextlib.suppress(ZBrokerError):
+                        await self.conn.refresh([topic])
+            except BaseException:
+                self._not_sent(due)
+                raise
+            admitted = core.admit_in_order(self.waiting_for_window)
+            if due or admitted:
+                await self._send_all(due + admitted)
+            self._filed()
+            if self._wake.is_set():
+                continue
+            deadline = core.next_deadline()
+            woken = loop.create_task(self._wake.wait())
+            try:  # asyncio.wait, not wait_for: under 3.11 wait_for swallowed close()'s cancellation here
+                await asyncio.wait([woken], timeout=None if deadline is None else max(0.0, deadline - loop.time()))
+            finally:
+                woken.cancel()
 
-    def _delivery_ended(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
+    async def _send_all(self, batches: list[PendingBatch]) -> None:
+        """Send (or resend) batches admitted to the window, as `ProducerCore.requests` says."""
+        core, loop, routed = self.core, asyncio.get_running_loop(), []
+        for i, batch in enumerate(batches):
+            try:
+                routed.append((await self.conn.endpoint(batch.topic, batch.partition), batch))
+            except ZBrokerError as err:
+                core.unroutable(batch, err, loop.time())
+            except BaseException:  # cancelled (close gave up), or a bug: none of the rest was sent
+                self._not_sent([b for _e, b in routed] + batches[i:])
+                raise
+        requests = core.requests(routed)
+        for i, (endpoint, msg, frames, sent) in enumerate(requests):
+            try:
+                fut = await self.conn.send(endpoint, msg, frames)
+            except ZBrokerError as err:
+                core.send_failed(sent, err, loop.time())
+                continue
+            except asyncio.CancelledError:
+                for _e, _m, _f, unsent in requests[i:]:
+                    core.send_failed(unsent, _closing("sent"), loop.time())
+                raise
+            except Exception as exc:  # a bug or a broken socket: flush() must report it, not succeed
+                core.send_failed(sent, ProduceError(f"delivery failed: {exc!r}"), loop.time())
+                continue
+            core.sent(fut.corr_id, sent, loop.time())
+            self._replies[fut.corr_id] = fut
+            fut.add_done_callback(self._replied)
+
+    def _not_sent(self, batches: list[PendingBatch]) -> None:
+        for batch in batches:
+            self.core.unroutable(batch, _closing("sent"), asyncio.get_running_loop().time())
+
+    def _replied(self, fut: asyncio.Future) -> None:
+        """A produce reply came (or the connection closed under it): the core files it."""
+        corr = fut.corr_id  # type: ignore[attr-defined]
+        self._replies.pop(corr, None)
+        if fut.cancelled():
+            return  # given up on (timed out, or close): the core knows already
+        error, reply = fut.exception(), None
+        if error is None:
+            env = fut.result()
+            error, reply = env.error, env.msg
+        elif not isinstance(error, ZBrokerError):
+            error = ProduceError(f"delivery failed: {error!r}")
+        self.core.settle(corr, error, reply, asyncio.get_running_loop().time())
+        self._filed()
+        self._wake.set()
+
+    def _filed(self) -> None:
+        """Log the batches that failed for good (the core's record) and wake whoever waits."""
+        for batch, err in self.core.take_failed():
+            log.error("produce.failed", **failure_fields(batch, err))
+            self._failures += 1
+            self._last_failure = err
         self._progress.set()
-
-    async def _deliver(self, batch: PendingBatch, permits: int) -> None:
-        try:
-            refused = batch.over_frame_limit()
-            if refused is not None:
-                self._failed(batch, refused)
-                return
-            while True:
-                batch.attempts += 1
-                try:
-                    env = await self.conn.call(await self.conn.endpoint(batch.topic, batch.partition),
-                                               m.Produce(topic=batch.topic, partition=batch.partition,
-                                                         producer_id=batch.producer_id, sequence=batch.sequence),
-                                               (batch.payload,))
-                except ZBrokerError as err:
-                    if should_retry(err, batch.attempts, self.retries):
-                        hint = leader_hint(err)
-                        if hint is not None:  # the new leader, as the error named it
-                            self.conn.metadata.redirect(batch.topic, batch.partition, hint)
-                        await asyncio.sleep(retry_delay(batch.attempts))
-                        try:
-                            await self.conn.refresh([batch.topic])
-                        except ZBrokerError:
-                            pass
-                        continue
-                    self._failed(batch, err)
-                    return
-                batch.acknowledged(env.msg.base_offset)
-                return
-        except asyncio.CancelledError:  # close() gave up on it
-            self._failed(batch, ProduceError("the producer closed before the batch was acknowledged",
-                                             code=ErrorCode.SHUTTING_DOWN))
-            raise
-        except Exception as exc:  # a bug or a broken socket: flush() must report it, not succeed
-            self._failed(batch, ProduceError(f"delivery failed: {exc!r}"))
-        finally:
-            self.in_flight_bytes -= len(batch.payload)
-            self.window.release(permits)
-
-    def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
-        self.errors.append(err)
-        self._failures += 1
-        self._last_failure = err
-        batch.failed(err)
 
     async def flush(self) -> None:
         """Wait until every batch, buffered or in flight, is acknowledged; raise what failed.
 
-        Cancelled, it leaves the batches it drained in the queue and the deliveries
-        running: the next flush() waits for them and reports their failures."""
+        Cancelled, it leaves the batches it drained in the queue and the requests in
+        flight: the next flush() waits for them and reports their failures."""
         if self._closed:
             raise ProduceError("the producer is closed", code=ErrorCode.SHUTTING_DOWN)
         await self._flush()
@@ -426,13 +416,14 @@ class AsyncProducer:
         failures_before = self._failures
         self._start_background_tasks()
         self._enqueue(self.acc.drain())
-        await self._wait_until(lambda: not self.waiting_for_window and not self.tasks)
-        if self.errors:
-            errors, self.errors = self.errors, []
-            raise ProduceError(f"{len(errors)} batch(es) failed; first: {errors[0].message}", code=errors[0].code)
+        await self._wait_until(lambda: not self.waiting_for_window and not self.core.in_flight_records)
+        self._filed()
+        failure = self.core.take_failure()
+        if failure is not None:
+            raise failure
         if self._failures > failures_before and self._last_failure is not None:
             # Tasks flushing at once all wait for the same batches; the first to wake took the
-            # errors. The others must not return as if everything they sent was acknowledged.
+            # report. The others must not return as if everything they sent was acknowledged.
             raise ProduceError(f"{self._failures - failures_before} batch(es) failed while this flush waited "
                                f"(raised by a concurrent flush too); last: {self._last_failure.message}",
                                code=self._last_failure.code)
@@ -454,20 +445,20 @@ class AsyncProducer:
         try:
             await self._flush()
         finally:
-            background = [t for t in (self._linger_task, self._dispatcher) if t is not None]
+            background = [t for t in (self._linger_task, self._sender) if t is not None]
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            # Left only if flush() failed or was cancelled: each resolves its handles with an error.
-            for task in self.tasks:
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-            # A send() that was waiting for metadata when close() began adds its record
-            # after the flush drained: its batch fails here rather than wait forever.
-            for batch in [*self.waiting_for_window, *self.acc.drain()]:
-                self._failed(batch, ProduceError("the producer closed before the batch was sent",
-                                                 code=ErrorCode.SHUTTING_DOWN))
+            # Left only if flush() failed or was cancelled, or a send() that was waiting for
+            # metadata when close() began added its record after the flush drained: each
+            # batch resolves its handles with an error rather than wait forever.
+            unsent = [*self.waiting_for_window, *self.acc.drain()]
             self.waiting_for_window.clear()
+            for corr in self.core.give_up(_closing("acknowledged"), unsent):
+                fut = self._replies.pop(corr, None)
+                if fut is not None:
+                    self.conn.abandon(fut)
+            self._filed()
             await self.conn.close()
 
     async def __aenter__(self) -> "AsyncProducer":
@@ -475,6 +466,10 @@ class AsyncProducer:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+def _closing(what: str) -> ProduceError:
+    return ProduceError(f"the producer closed before the batch was {what}", code=ErrorCode.SHUTTING_DOWN)
 
 
 class AsyncConsumer:

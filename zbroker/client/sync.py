@@ -36,7 +36,7 @@ from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, AHEAD_RETRY_S,
                                           AckRequests, ConsumerCore, GroupCallRetry, PollSent, connection_field,
                                           core_field, failure_reason, max_wait_ms, membership_lost)
 from zbroker.client.fetch_round import FetchRound
-from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
+from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore, failure_fields
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
 from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
 
@@ -237,14 +237,14 @@ class Producer:
         self.stop_waiting: Callable[[], bool] = lambda: False
 
     producer_id = property(lambda self: self.acc.producer_id)
-    in_flight = property(lambda self: self.core.in_flight)
-    retrying = property(lambda self: self.core.retrying)
-    in_flight_records = property(lambda self: self.core.in_flight_records)
-    in_flight_bytes = property(lambda self: self.core.in_flight_bytes)
-    max_in_flight_records = property(lambda self: self.core.max_in_flight_records)
-    max_in_flight_bytes = property(lambda self: self.core.max_in_flight_bytes)
-    errors = property(lambda self: self.core.errors)
-    results = property(lambda self: self.core.results)
+    in_flight = core_field("in_flight")
+    retrying = core_field("retrying")
+    in_flight_records = core_field("in_flight_records")
+    in_flight_bytes = core_field("in_flight_bytes")
+    max_in_flight_records = core_field("max_in_flight_records")
+    max_in_flight_bytes = core_field("max_in_flight_bytes")
+    errors = core_field("errors")
+    results = core_field("results")
 
     @property
     def keep_results(self) -> bool:
@@ -448,8 +448,13 @@ class Producer:
         for env in self.conn.recv_nowait_all():
             self._on_reply(env)
         now = time.monotonic()
-        self.core.timed_out(now)  # retried, or failed for good (logged)
+        self.core.timed_out(now)  # retried, or failed for good
         self._resend_due(now)
+        self._log_failed()
+
+    def _log_failed(self) -> None:
+        for batch, err in self.core.take_failed():
+            log.error("produce.failed", **failure_fields(batch, err))
 
     def _on_reply(self, env: codec.Envelope) -> None:
         self.core.settle(env.corr_id, env.error, env.msg, time.monotonic())
@@ -464,6 +469,7 @@ class Producer:
                 raise RequestTimeout("flush timed out",
                                      in_flight_batches=len(self.core.in_flight) + len(self.core.retrying))
             self._pump(0.05)
+        self._log_failed()
         failure = self.core.take_failure()
         if failure is not None:
             raise failure
