@@ -399,6 +399,28 @@ def test_an_actor_without_fetch_many_gets_single_fetches_from_then_on():
     assert [msg.op for _e, msg, _items in fetches.requests()] == ["fetch", "fetch"]
 
 
+def test_a_fetch_round_cut_short_leaves_each_delivery_from_where_it_lacks_records_and_nothing_twice():
+    # The asyncio poll() cancelled mid-round: what was filed is handed out, the rest is the next round's.
+    core = joined_core()
+    deliveries = [["t", 0, 7, 0, 5, 1, "new"], ["t", 1, 8, 0, 3, 1, "new"], ["t", 2, 9, 0, 2, 1, "new"],
+                  ["t", 3, 6, 4, 6, 1, "new"], ["t", 4, 5, 0, 2, 1, "new"]]
+    fetches = FetchRound(core, deliveries)
+    assert fetches.lacking == [0, 0, 0, 4, 0]
+    fetches.served(3, 6)  # the read-ahead held all of partition 3's lease
+    fetches.served(4, 1)  # and the first record of partition 4's
+    for i in range(3):
+        fetches.route((i, deliveries[i], 0), "ep-%d" % i)
+    requests = fetches.requests()
+    for corr, request in enumerate(requests, start=20):
+        fetches.sent(corr, request)
+    assert fetches.replied(20, fetch_reply(0, 2), None, now=1.0) == [(0, deliveries[0], 2)]  # cut at 2
+    assert fetches.replied(21, fetch_reply(0, 3), None, now=1.0) == []  # partition 1: all of it
+    assert fetches.replied(22, None, RequestTimeout("no reply"), now=1.0) == []  # partition 2: given up
+    # Cut short here: partition 0 lacks 2.., partition 4 (never routed) lacks 1..; none of the others.
+    assert [(d[1], d[3]) for d in fetches.unfinished()] == [(0, 2), (4, 1)]
+    assert [[r.offset for r in part] for part in fetches.parts] == [[0, 1], [0, 1, 2], [], [], []]
+
+
 def test_a_lease_fetch_refused_as_not_owner_forgets_the_owner_and_costs_only_its_delivery():
     core = joined_core()
     core.metadata.update([{"name": "t", "partitions": [{"endpoint": "a0"}, {"endpoint": "a1"}]}])

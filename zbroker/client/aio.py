@@ -32,6 +32,7 @@ from zbroker.client.keys import ClientKeys
 from zbroker.client.consumer_core import (ACK_STALE, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
                                           PollSent, RetryBackoff, connection_field, core_field, failure_reason,
                                           max_wait_ms)
+from zbroker.client.fetch_round import FetchRound
 from zbroker.client.producer_core import ProduceError, ProducerCore, failure_fields
 from zbroker.client.sockets import client_dealer, curve_from_env
 from zbroker.client.transport import DEFAULT_URL, Coordinators
@@ -765,55 +766,75 @@ class AsyncConsumer:
             self._hold_again(sent.acks)
 
     async def _fetch(self) -> None:
-        """Fetch the records of `_to_fetch` into `core.held`, keeping both true at every await:
-        cancelled, what was fetched is handed out and the rest fetched by the next poll().
-        The plan is the core's (read-ahead first, a fetch sized from the lease, the rest if
-        max_bytes cut it short); a partition that cannot be fetched costs only its deliveries."""
+        """Fetch the records of `_to_fetch` into `core.held`, as `fetch_round.FetchRound` plans
+        and folds them (the sync Consumer's way: read-ahead first, a `fetch_many` per actor,
+        the rest of a lease max_bytes cut short). Cancelled, what was filed is handed out and
+        the rest fetched by the next poll(); a delivery a re-join dropped meanwhile (no longer
+        in `_to_fetch`) is handed out by neither."""
         loop = asyncio.get_running_loop()
-        while self._to_fetch:
-            delivery = self._to_fetch[0]
-            if self.core.reading_ahead:
-                await self._serve_from_read_ahead(delivery)
-            if not self._to_fetch or self._to_fetch[0] is not delivery:
-                continue  # dropped by a re-join meanwhile
-            topic, partition, _lease, offset, end = delivery[:5]
-            if offset >= end:  # all of it was read ahead
-                self._to_fetch.pop(0)
-                continue
-            env, err = None, None
+        fetches = FetchRound(self.core, list(self._to_fetch))
+        replies: dict[int, asyncio.Future] = {}
+        try:
+            ahead_deadline = loop.time() + READ_AHEAD_WAIT_S
+            for i, d in enumerate(fetches.deliveries):
+                if self.core.reading_ahead:
+                    await self._serve_from_read_ahead(fetches, i, ahead_deadline)
+                if fetches.lacking[i] is not None:
+                    await self._route(fetches, (i, d, fetches.lacking[i]))
+            await self._send_fetches(fetches, replies)
+            while (corr := fetches.next_awaited()) is not None:
+                env, err = None, None
+                try:
+                    env = await self.conn.wait(replies.pop(corr))
+                except ZBrokerError as failed:
+                    err = failed
+                for item in fetches.replied(corr, env, err, loop.time()):
+                    await self._route(fetches, item, alone=True)
+                await self._send_fetches(fetches, replies)
+        finally:
+            for fut in replies.values():
+                self.conn.abandon(fut)
+            standing = {id(d) for d in self._to_fetch}
+            self.core.held.extend(part for d, part in zip(fetches.deliveries, fetches.parts)
+                                  if part and id(d) in standing)
+            self._to_fetch = [d for d in fetches.unfinished() if id(d) in standing]
+
+    async def _route(self, fetches: FetchRound, item: tuple, alone: bool = False) -> None:
+        try:
+            fetches.route(item, await self.conn.endpoint(item[1][0], item[1][1]), alone=alone)
+        except ZBrokerError as err:
+            fetches.unroutable(item, err, asyncio.get_running_loop().time())
+
+    async def _send_fetches(self, fetches: FetchRound, replies: dict[int, asyncio.Future]) -> None:
+        for request in fetches.requests():
             try:
-                env = await self.conn.wait(await self.conn.send(await self.conn.endpoint(topic, partition),
-                                                                self.core.lease_fetch(delivery, offset)))
-            except ZBrokerError as failed:
-                err = failed
-            got, rest, _given_up = self.core.lease_fetch_replied(delivery, offset, env, err, loop.time())
-            if self._to_fetch and self._to_fetch[0] is delivery:  # not dropped by a re-join meanwhile
-                if got:
-                    self.core.held.append(got)
-                delivery[3] = end if rest is None else rest
-                if delivery[3] >= end:
-                    self._to_fetch.pop(0)
+                fut = await self.conn.send(request[0], request[1])
+            except ZBrokerError as err:
+                fetches.send_failed(request, err, asyncio.get_running_loop().time())
+                continue
+            fetches.sent(fut.corr_id, request)
+            replies[fut.corr_id] = fut
+        if fetches.take_given_up():
+            self._prune_ahead_fetches()  # read-ahead fetches the core gave up on
 
     # -- read-ahead and lease-ahead: the core decides, this sends and waits ----------------------
 
-    async def _serve_from_read_ahead(self, delivery: list) -> None:
-        """Hand what the read-ahead holds of ``delivery`` to `core.held`, waiting a little for the
-        fetch out that may bring it (the lease proves the records exist)."""
+    async def _serve_from_read_ahead(self, fetches: FetchRound, i: int, deadline: float) -> None:
+        """Hand what the read-ahead holds of delivery ``i`` to its part of ``fetches``, waiting
+        until ``deadline`` (one for the poll) for the fetch out that may bring it (the lease
+        proves the records exist: a live actor answers at once)."""
         loop = asyncio.get_running_loop()
-        deadline, key = loop.time() + READ_AHEAD_WAIT_S, (delivery[0], delivery[1])
+        delivery = fetches.deliveries[i]
+        key = (delivery[0], delivery[1])
         while True:
-            out: list[ConsumedRecord] = []
-            pos, awaited, _given_up = self.core.serve_lease_from_read_ahead(delivery, delivery[3], out, loop.time())
-            if out:
-                self.core.held.append(out)
-            delivery[3] = pos
+            pos, awaited, _given_up = self.core.serve_lease_from_read_ahead(delivery, fetches.lacking[i],
+                                                                            fetches.parts[i], loop.time())
+            fetches.served(i, pos)
             if awaited is None:
                 break
             fut = next((f for f in self._ahead_fetches.get(key, ()) if f.corr_id == awaited), None)
             if fut is not None:
                 await asyncio.wait([fut], timeout=max(0.005, deadline - loop.time()))
-            if not self._to_fetch or self._to_fetch[0] is not delivery:
-                return  # dropped by a re-join meanwhile
             if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.core.read_ahead_replied(key, awaited, fut.result(), loop.time())
             else:  # its actor died with the fetch parked, or hangs: fetch the rest the usual way
