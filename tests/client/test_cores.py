@@ -117,6 +117,34 @@ def joined_core() -> ConsumerCore:
     return core
 
 
+def test_a_poll_carries_what_one_request_holds_of_the_acks_and_asks_as_this_member_now():
+    core = joined_core()
+    for lease in range(RANGES_PER_REQUEST + 2):
+        core.acks.add_range(["t", 0, lease, 2 * lease, 2 * lease + 1])  # a gap each: no two fold
+    riding, rest = core.acks_for_poll()
+    assert (len(riding), len(rest)) == (RANGES_PER_REQUEST, 2) and not core.acks  # taken, all of them
+    poll = core.poll_request(max_records=50, wait_ms=200, acks=riding)
+    assert (poll.group, poll.member_id, poll.generation, poll.max_records, poll.max_wait_ms, poll.ahead) == (
+        "g", "m", 1, 50, 200, 0)
+    assert poll.acks is riding
+    core.joined(join_reply("m", 2, [["t", 0]]), previous_member="m")
+    nack = core.member_request(m.Nack, ranges=rest, delay_ms=5, reason="")
+    assert (nack.member_id, nack.generation, nack.ranges) == ("m", 2, rest)  # the generation of now
+    assert core.acks_for_poll() == ([], [])
+
+
+def test_the_next_poll_goes_ahead_only_with_nothing_leased_left_and_none_on_its_way():
+    core = joined_core()
+    assert not core.poll_ahead_now(poll_in_flight=False)  # poll_ahead off
+    core = ConsumerCore(group="g", topics=["t"], poll_ahead=True)
+    core.joined(join_reply("m", 1, [["t", 0]]), previous_member="")
+    assert core.poll_ahead_now(poll_in_flight=False)
+    assert not core.poll_ahead_now(poll_in_flight=True)
+    core.held = [[rec(0, 0)]]  # more leased than the last poll() asked for: the next one takes them
+    assert not core.poll_ahead_now(poll_in_flight=False)
+    assert ConsumerCore(group="g", topics=["t"], lease_ahead=True).poll_ahead  # lease-ahead implies it
+
+
 def test_a_rejoin_keeps_held_records_whose_lease_still_stands_and_drops_the_rest():
     core = joined_core()
     core.held = [[rec(0, 0), rec(0, 1)], [rec(1, 5)]]

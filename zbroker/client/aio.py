@@ -23,7 +23,7 @@ import zmq.asyncio
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
-from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedRecord,
+from zbroker.client.core import (ChunkedSettle, ConsumedRecord,
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
                                  checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
@@ -492,7 +492,6 @@ class AsyncConsumer:
         # where the next lease will start (exclusive groups); poll_ahead sends the next Poll as
         # poll() returns (it is the Poll in flight the next poll() takes); lease_ahead asks for
         # ahead leases, served as the parked read-ahead fetches bring their records.
-        self.poll_ahead = poll_ahead or lease_ahead
         # The read-ahead fetch out per partition: the futures of its replies (a followed fetch has many).
         self._ahead_fetches: dict[tuple[str, int], list[asyncio.Future]] = {}
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
@@ -500,7 +499,7 @@ class AsyncConsumer:
         self.core = ConsumerCore(group=group, topics=self.topics, ack_batch=ack_batch,
                                  ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
                                  read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead,
-                                 metadata=self.conn.metadata)
+                                 poll_ahead=poll_ahead, metadata=self.conn.metadata)
         self.on_assign = on_assign
         self.on_revoke = on_revoke
         self.group = group
@@ -529,6 +528,7 @@ class AsyncConsumer:
     generation = core_field("generation")
     assignment = core_field("assignment")
     mode = core_field("mode")
+    poll_ahead = core_field("poll_ahead")
     stats = core_field("stats")
     acks = core_field("acks")  # the core's accumulator: `poll_refused` and `hold_again` put acks back there
 
@@ -612,7 +612,7 @@ class AsyncConsumer:
         await self._join_settled()
         member_id, generation = self.member_id, self.generation
         try:
-            await self.conn.coordinator(m.Heartbeat(group=self.group, member_id=member_id, generation=generation))
+            await self.conn.coordinator(self.core.member_request(m.Heartbeat))
         except (Fenced, UnknownMember) as err:
             try:
                 await self._rejoin_unless_done(err, member_id, generation)
@@ -670,7 +670,7 @@ class AsyncConsumer:
             if not self.core.held and self.core.ahead_leases:
                 await self._records_ahead(max_records, deadline)
             records = self.core.hand_out(max_records)
-            if self.poll_ahead and not self.core.held and self._poll_in_flight is None:
+            if self.core.poll_ahead_now(self._poll_in_flight is not None):
                 with contextlib.suppress(ZBrokerError):  # not sent: the next poll() asks the usual way
                     await self._send_poll(max_records, timeout)
             if self.core.reading_ahead:
@@ -735,9 +735,7 @@ class AsyncConsumer:
         acks = await self._acks_for_poll()
         try:
             await self._join_settled()
-            poll = m.Poll(group=self.group, member_id=self.member_id, generation=self.generation,
-                          max_records=max_records, max_wait_ms=max_wait_ms(timeout), acks=acks,
-                          ahead=self.core.ahead_wanted(max_records))
+            poll = self.core.poll_request(max_records, max_wait_ms(timeout), acks)
             reply = await self.conn.send(self.conn.url, poll)
         except BaseException:
             self._hold_again(acks)  # not known to be sent: they go again (a repeated ack is harmless)
@@ -746,17 +744,16 @@ class AsyncConsumer:
                                                    self.conn.request_timeout)
 
     async def _acks_for_poll(self) -> list:
-        """The held acks, for the Poll to carry: as many as one request holds; the rest go first, on their own."""
-        ranges = self.acks.take() if self.acks else []
-        if len(ranges) > RANGES_PER_REQUEST:
-            ranges, rest = ranges[:RANGES_PER_REQUEST], ranges[RANGES_PER_REQUEST:]
+        """The held acks for the Poll to carry (`ConsumerCore.acks_for_poll`); the rest go first, on their own."""
+        riding, rest = self.core.acks_for_poll()
+        if rest:
             self._hold_again(rest)
             try:
                 await self._send_held_acks()
             except BaseException:
-                self._hold_again(ranges)
+                self._hold_again(riding)
                 raise
-        return ranges
+        return riding
 
     def _abandon_poll_in_flight(self) -> None:
         """Stop waiting for the Poll in flight; the acks riding on it are held again."""
@@ -942,8 +939,7 @@ class AsyncConsumer:
         if riding and not self.acks:
             # Acks riding on a poll still parked at the coordinator were applied when it
             # arrived: an Ack sent after it on the same socket, answered, proves it.
-            await self._group_call(lambda: m.Ack(group=self.group, member_id=self.member_id,
-                                                 generation=self.generation, ranges=[]))
+            await self._group_call(lambda: self.core.member_request(m.Ack, ranges=[]))
         await self._send_held_acks()
         if not others:
             return
@@ -965,8 +961,7 @@ class AsyncConsumer:
         try:
             for i, chunk in enumerate(chunks):
                 try:
-                    await self._group_call(lambda chunk=chunk: m.Ack(group=self.group, member_id=self.member_id,
-                                                                     generation=self.generation, ranges=chunk))
+                    await self._group_call(lambda chunk=chunk: self.core.member_request(m.Ack, ranges=chunk))
                 except ZBrokerError as err:
                     # The core's rule, the sync Consumer's too: stale ones are noted, retriable ones
                     # held again (a re-join was `_group_call`'s already). Then the unsent go again.
@@ -991,9 +986,8 @@ class AsyncConsumer:
         settled = ChunkedSettle()
         for chunk in in_request_sized_chunks(group_by_lease(records)):
             try:
-                env = await self._group_call(lambda chunk=chunk: op(group=self.group, member_id=self.member_id,
-                                                                    generation=self.generation, ranges=chunk,
-                                                                    **fields))
+                env = await self._group_call(lambda chunk=chunk: self.core.member_request(op, ranges=chunk,
+                                                                                            **fields))
             except StaleLease as err:  # its valid ranges were applied: the next chunks go all the same
                 settled.refused(err)
             else:
@@ -1058,8 +1052,7 @@ class AsyncConsumer:
             self._abandon_poll_in_flight()  # applied or not, its acks go again now (a repeat is harmless)
             await self.flush_acks()
             try:
-                await self.conn.call(self.conn.url, m.Leave(group=self.group, member_id=self.member_id,
-                                                            generation=self.generation), timeout=2.0)
+                await self.conn.call(self.conn.url, self.core.member_request(m.Leave), timeout=2.0)
             except ZBrokerError:
                 pass  # not leaving costs only a session timeout before a rebalance
         finally:
