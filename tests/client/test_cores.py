@@ -117,6 +117,15 @@ def joined_core() -> ConsumerCore:
     return core
 
 
+def test_a_member_the_coordinator_forgot_joins_as_a_new_one_and_keeps_nothing_leased():
+    core = joined_core()
+    core.held = [[rec(0, 0)]]
+    join = core.join_as_new(session_timeout_ms=3000)
+    assert (join.member_id, join.session_timeout_ms) == ("", 3000) and core.member_lost
+    core.joined(join_reply("m-new", 7, [["t", 0]]), previous_member="m")
+    assert core.held == [] and (core.member_id, core.generation, core.member_lost) == ("m-new", 7, False)
+
+
 def test_a_poll_carries_what_one_request_holds_of_the_acks_and_asks_as_this_member_now():
     core = joined_core()
     for lease in range(RANGES_PER_REQUEST + 2):

@@ -549,8 +549,7 @@ class AsyncConsumer:
         try:
             reply = await self.conn.coordinator(self.core.join_request(self.session_timeout_ms))
         except UnknownMember:
-            self.core.lost(forget_id=True)
-            reply = await self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
+            reply = await self.conn.coordinator(self.core.join_as_new(self.session_timeout_ms))
         # The core's rule, the sync Consumer's too: records leased (fetched, `core.held`, or not)
         # survive the join only where their lease still stands (same member, partition kept);
         # the others' leases went to another member. A Poll of the old generation already

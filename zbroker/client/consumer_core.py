@@ -363,6 +363,12 @@ class ConsumerCore:
         next poll() takes those), nor with a Poll already on its way."""
         return self.poll_ahead and not self.held and not poll_in_flight
 
+    def join_as_new(self, session_timeout_ms: int) -> m.Join:
+        """The Join answered UNKNOWN_MEMBER: the coordinator forgot this member, and its leases
+        with it. It joins again as a new member."""
+        self.lost(forget_id=True)
+        return self.join_request(session_timeout_ms, as_new=True)
+
     def lost(self, *, forget_id: bool) -> None:
         """The coordinator answered FENCED without knowing this member, or UNKNOWN_MEMBER
         (``forget_id``: join as a new member): its leases are gone."""

@@ -624,8 +624,7 @@ class Consumer:
         try:
             reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms))
         except UnknownMember:
-            self.member_id = ""
-            reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
+            reply = self.conn.coordinator(self.core.join_as_new(self.session_timeout_ms))
         revoked, assigned, given_up = self.core.joined(reply, previous_member)
         if self._poll_ahead is not None and self._poll_ahead.generation != self.generation:
             # Sent in the old generation: its leases (an ahead lease among them) ended with it.
