@@ -1,10 +1,10 @@
 """The asyncio twin of the client: `AsyncAdmin`, `AsyncProducer`, `AsyncConsumer`.
 
-Same decisions as the sync client (`consumer_core`, `producer_core`'s rules,
-`transport`, `core`: the same functions, called from here), with asyncio
-transport: one reader task per socket resolves the future of each
-request by correlation id, the producer lingers and dispatches in background tasks, and the
-consumer heartbeats in one.
+Same decisions as the sync client (`producer_core.ProducerCore`, `consumer_core`,
+`fetch_round.FetchRound`, `transport`, `core`: the same objects, called from
+here), with asyncio transport: one reader task per socket resolves the future of
+each request by correlation id, the producer lingers in one background task and
+sends from another, and the consumer heartbeats in one.
 """
 
 from __future__ import annotations
