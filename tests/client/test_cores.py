@@ -17,7 +17,7 @@ from zbroker.protocol.batch import build_batch_header, encode_values
 from zbroker.protocol.codec import Envelope
 from zbroker.client.core import MAX_FRAME_BYTES, RANGES_PER_REQUEST, ConsumedRecord, MetadataCache
 from zbroker.client.fetch_round import FetchRound
-from zbroker.client.producer_core import ProduceError, ProducerCore, leader_hint, retry_delay
+from zbroker.client.producer_core import ProduceError, ProducerCore, failure_fields, leader_hint, retry_delay
 from zbroker.client.transport import Coordinators, Correlation, bootstrap_urls
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import (ProtocolError as BadRequest, NotCoordinator, NotLeader, NotOwner, RequestTimeout,
@@ -115,6 +115,43 @@ def joined_core() -> ConsumerCore:
     revoked, assigned, _ = core.joined(join_reply("m", 1, [["t", 0], ["t", 1]]), previous_member="")
     assert (revoked, assigned) == ([], [("t", 0), ("t", 1)])
     return core
+
+
+def test_a_member_the_coordinator_forgot_joins_as_a_new_one_and_keeps_nothing_leased():
+    core = joined_core()
+    core.held = [[rec(0, 0)]]
+    join = core.join_as_new(session_timeout_ms=3000)
+    assert (join.member_id, join.session_timeout_ms) == ("", 3000) and core.member_lost
+    core.joined(join_reply("m-new", 7, [["t", 0]]), previous_member="m")
+    assert core.held == [] and (core.member_id, core.generation, core.member_lost) == ("m-new", 7, False)
+
+
+def test_a_poll_carries_what_one_request_holds_of_the_acks_and_asks_as_this_member_now():
+    core = joined_core()
+    for lease in range(RANGES_PER_REQUEST + 2):
+        core.acks.add_range(["t", 0, lease, 2 * lease, 2 * lease + 1])  # a gap each: no two fold
+    riding, rest = core.acks_for_poll()
+    assert (len(riding), len(rest)) == (RANGES_PER_REQUEST, 2) and not core.acks  # taken, all of them
+    poll = core.poll_request(max_records=50, wait_ms=200, acks=riding)
+    assert (poll.group, poll.member_id, poll.generation, poll.max_records, poll.max_wait_ms, poll.ahead) == (
+        "g", "m", 1, 50, 200, 0)
+    assert poll.acks is riding
+    core.joined(join_reply("m", 2, [["t", 0]]), previous_member="m")
+    nack = core.member_request(m.Nack, ranges=rest, delay_ms=5, reason="")
+    assert (nack.member_id, nack.generation, nack.ranges) == ("m", 2, rest)  # the generation of now
+    assert core.acks_for_poll() == ([], [])
+
+
+def test_the_next_poll_goes_ahead_only_with_nothing_leased_left_and_none_on_its_way():
+    core = joined_core()
+    assert not core.poll_ahead_now(poll_in_flight=False)  # poll_ahead off
+    core = ConsumerCore(group="g", topics=["t"], poll_ahead=True)
+    core.joined(join_reply("m", 1, [["t", 0]]), previous_member="")
+    assert core.poll_ahead_now(poll_in_flight=False)
+    assert not core.poll_ahead_now(poll_in_flight=True)
+    core.held = [[rec(0, 0)]]  # more leased than the last poll() asked for: the next one takes them
+    assert not core.poll_ahead_now(poll_in_flight=False)
+    assert ConsumerCore(group="g", topics=["t"], lease_ahead=True).poll_ahead  # lease-ahead implies it
 
 
 def test_a_rejoin_keeps_held_records_whose_lease_still_stands_and_drops_the_rest():
@@ -399,6 +436,28 @@ def test_an_actor_without_fetch_many_gets_single_fetches_from_then_on():
     assert [msg.op for _e, msg, _items in fetches.requests()] == ["fetch", "fetch"]
 
 
+def test_a_fetch_round_cut_short_leaves_each_delivery_from_where_it_lacks_records_and_nothing_twice():
+    # The asyncio poll() cancelled mid-round: what was filed is handed out, the rest is the next round's.
+    core = joined_core()
+    deliveries = [["t", 0, 7, 0, 5, 1, "new"], ["t", 1, 8, 0, 3, 1, "new"], ["t", 2, 9, 0, 2, 1, "new"],
+                  ["t", 3, 6, 4, 6, 1, "new"], ["t", 4, 5, 0, 2, 1, "new"]]
+    fetches = FetchRound(core, deliveries)
+    assert fetches.lacking == [0, 0, 0, 4, 0]
+    fetches.served(3, 6)  # the read-ahead held all of partition 3's lease
+    fetches.served(4, 1)  # and the first record of partition 4's
+    for i in range(3):
+        fetches.route((i, deliveries[i], 0), "ep-%d" % i)
+    requests = fetches.requests()
+    for corr, request in enumerate(requests, start=20):
+        fetches.sent(corr, request)
+    assert fetches.replied(20, fetch_reply(0, 2), None, now=1.0) == [(0, deliveries[0], 2)]  # cut at 2
+    assert fetches.replied(21, fetch_reply(0, 3), None, now=1.0) == []  # partition 1: all of it
+    assert fetches.replied(22, None, RequestTimeout("no reply"), now=1.0) == []  # partition 2: given up
+    # Cut short here: partition 0 lacks 2.., partition 4 (never routed) lacks 1..; none of the others.
+    assert [(d[1], d[3]) for d in fetches.unfinished()] == [(0, 2), (4, 1)]
+    assert [[r.offset for r in part] for part in fetches.parts] == [[0, 1], [0, 1, 2], [], [], []]
+
+
 def test_a_lease_fetch_refused_as_not_owner_forgets_the_owner_and_costs_only_its_delivery():
     core = joined_core()
     core.metadata.update([{"name": "t", "partitions": [{"endpoint": "a0"}, {"endpoint": "a1"}]}])
@@ -569,6 +628,67 @@ def test_a_batch_out_of_retries_or_refused_fails_once_in_the_report():
     assert isinstance(report, ProduceError) and report.code is ErrorCode.BAD_REQUEST and report.data["failed"] == 1
     assert batch.outcome.error is not None and core.in_flight_records == 0
     assert core.take_failure() is None
+
+
+def test_batches_are_admitted_in_the_order_they_were_closed_and_an_empty_window_takes_any():
+    import collections
+
+    core = ProducerCore(max_in_flight_records=4)
+    big, small, last = closed_batch(core, 4, partition=0), closed_batch(core, 1, partition=1), closed_batch(core, 1)
+    first = closed_batch(core, 3, partition=2)
+    queue = collections.deque([first, big, small, last])
+    assert core.admit_in_order(queue) == [first]
+    assert list(queue) == [big, small, last]  # `small` would fit, but `big` came first
+    assert core.admit_in_order(queue) == [] and core.in_flight_records == 3  # admitted, not sent yet: it counts
+    core.requests([("ep", first)])
+    core.sent(1, first, now=0.0)
+    core.settle(1, None, m.ProduceReply(base_offset=0, count=3, duplicate=False), now=0.1)
+    assert core.admit_in_order(queue) == [big]
+    oversized = closed_batch(core, 9, partition=3)
+    assert not core.has_room(oversized)
+    empty = ProducerCore(max_in_flight_records=4)
+    assert empty.has_room(oversized)  # larger than the window: it would never go otherwise
+
+
+def test_the_asyncio_drivers_wake_up_is_the_next_retry_or_request_timeout_and_a_stop_fails_the_rest():
+    core = ProducerCore(request_timeout=5.0, retries=5)
+    assert core.next_deadline() is None  # nothing to wait for but a reply or a batch
+    sent, retried, unsent = closed_batch(core, partition=0), closed_batch(core, partition=1), closed_batch(core)
+    for corr, batch in ((7, sent), (8, retried)):
+        core.admit(batch)
+        core.requests([("ep-%d" % corr, batch)])
+        core.sent(corr, batch, now=1.0)
+    assert core.next_deadline() == 6.0  # the oldest request's timeout
+    core.settle(8, NotOwner("moved"), None, now=2.0)
+    assert core.next_deadline() == 2.0 + retry_delay(1)
+    closing = ProduceError("closing", code=ErrorCode.SHUTTING_DOWN)
+    assert core.give_up(closing, [unsent]) == [7]  # the request no longer waited for
+    assert [b for b, _e in core.take_failed()] == [sent, retried, unsent]
+    assert (core.in_flight, core.retrying, core.in_flight_records, core.in_flight_bytes) == ({}, [], 0, 0)
+    assert all(b.outcome.error is closing for b in (sent, retried, unsent))
+    assert core.next_deadline() is None
+
+
+def test_a_batch_that_fails_for_good_is_returned_for_the_driver_to_log_not_logged_by_the_core():
+    imported = {node.module for node in ast.walk(ast.parse((CLIENT / "producer_core.py").read_text()))
+                if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(ast.parse((CLIENT / "producer_core.py").read_text()))
+                 if isinstance(node, ast.Import) for alias in node.names}
+    assert not imported & {"structlog", "logging"}
+    core = ProducerCore(retries=0, request_timeout=5.0)
+    refused, late = closed_batch(core, partition=0), closed_batch(core, partition=1)
+    for corr, batch in ((1, refused), (2, late)):
+        core.admit(batch)
+        batch.attempts = 1
+        core.sent(corr, batch, now=0.0)
+    core.settle(1, BadRequest("no", field="x"), None, now=1.0)
+    assert [(b, e.code) for b, e in core.take_failed()] == [(refused, ErrorCode.BAD_REQUEST)]
+    assert core.take_failed() == []  # each failure is handed over once
+    core.timed_out(now=5.1)  # no retries left: the timeout fails it for good
+    [(batch, err)] = core.take_failed()
+    assert batch is late and failure_fields(batch, err) == {
+        "topic": "t", "partition": 1, "code": "TIMEOUT", "reason": "produce timed out", "attempts": 1}
+    assert core.take_failure().data["failed"] == 2  # the flush's report is apart from the log's
 
 
 # -- transport: correlation and the bootstrap list ----------------------------------------------

@@ -14,9 +14,10 @@ from tests.support.aio_coordinator import ScriptedCoordinator, offline_consumer
 from tests.unit.test_aio_consumer import consumed
 from zbroker.client.aio import AsyncConsumer, AsyncProducer
 from zbroker.client.sync import ProduceError
+from tests.support.aio_call_stand_in import SendByCall
 
 
-class GatedConn:
+class GatedConn(SendByCall):
     """Answers each Produce once `gate` is set (a slow partition actor)."""
     request_timeout = 5.0
 

@@ -12,9 +12,10 @@ from zbroker.protocol import messages as m
 from zbroker.protocol.errors import ErrorCode, Unavailable
 from zbroker.client.aio import AsyncProducer
 from zbroker.client.sync import ProduceError
+from tests.support.aio_call_stand_in import SendByCall
 
 
-class ScriptedConn:
+class ScriptedConn(SendByCall):
     """Answers each Produce with the next outcome: an exception to raise, or a base offset."""
     request_timeout = 5.0
 

@@ -10,13 +10,15 @@ import zmq
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched
-from zbroker.client.aio import AsyncProducer, RecordWindow
+from zbroker.client.aio import AsyncProducer
 from zbroker.client.core import MetadataCache
 from zbroker.client.sync import Producer
+from tests.support.aio_call_stand_in import SendByCall
 
 
-class _AsyncBroker:
-    """Answers every produce after a short while, numbering records per partition."""
+class _AsyncBroker(SendByCall):
+    """Answers every produce after a short while, numbering records per partition (each
+    partition an actor of its own: a `produce` per batch)."""
 
     def __init__(self) -> None:
         self.metadata = MetadataCache()
@@ -25,7 +27,7 @@ class _AsyncBroker:
         self.stored: dict[int, list] = {}
 
     async def endpoint(self, topic, partition):
-        return "fake"
+        return f"fake-{partition}"
 
     async def refresh(self, topics=None):
         pass
@@ -72,37 +74,9 @@ def test_concurrent_senders_share_the_window_without_deadlock():
         await asyncio.wait_for(asyncio.gather(*(sender(p) for p in range(3))), 10)
         await asyncio.wait_for(producer.flush(), 10)
         producer._linger_task.cancel()
-        assert producer.window.available == 4
+        assert producer.in_flight_records == 0
         for p in range(3):
             assert broker.stored[p] == [b"%d-%d" % (p, i) for i in range(30)]  # all of them, in order
-
-    asyncio.run(main())
-
-
-def test_the_window_serves_waiters_in_arrival_order_and_survives_cancellation():
-    async def main():
-        window = RecordWindow(4)
-        assert await window.acquire(3) == 3
-        order = []
-
-        async def take(name, n):
-            await window.acquire(n)
-            order.append(name)
-
-        big = asyncio.ensure_future(take("big", 4))
-        gone = asyncio.ensure_future(take("cancelled", 1))
-        small = asyncio.ensure_future(take("small", 1))
-        await asyncio.sleep(0)
-        gone.cancel()
-        await asyncio.sleep(0)
-        assert order == []  # "small" would fit, but "big" came first
-        window.release(3)
-        await asyncio.wait_for(big, 1)
-        window.release(4)
-        await asyncio.wait_for(small, 1)
-        assert order == ["big", "small"] and window.available == 3
-        window.release(1)
-        assert await asyncio.wait_for(window.acquire(100), 1) == 4  # a batch larger than the window takes all of it
 
     asyncio.run(main())
 

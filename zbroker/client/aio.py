@@ -1,10 +1,10 @@
 """The asyncio twin of the client: `AsyncAdmin`, `AsyncProducer`, `AsyncConsumer`.
 
-Same decisions as the sync client (`consumer_core`, `producer_core`'s rules,
-`transport`, `core`: the same functions, called from here), with asyncio
-transport: one reader task per socket resolves the future of each
-request by correlation id, the producer lingers and dispatches in background tasks, and the
-consumer heartbeats in one.
+Same decisions as the sync client (`producer_core.ProducerCore`, `consumer_core`,
+`fetch_round.FetchRound`, `transport`, `core`: the same objects, called from
+here), with asyncio transport: one reader task per socket resolves the future of
+each request by correlation id, the producer lingers in one background task and
+sends from another, and the consumer heartbeats in one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import zmq.asyncio
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
-from zbroker.client.core import (RANGES_PER_REQUEST, BatchAccumulator, ChunkedSettle, ConsumedRecord,
+from zbroker.client.core import (ChunkedSettle, ConsumedRecord,
                                  DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
                                  checked_topics, group_by_lease,
                                  in_request_sized_chunks, record_size_estimate)
@@ -32,7 +32,8 @@ from zbroker.client.keys import ClientKeys
 from zbroker.client.consumer_core import (ACK_STALE, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
                                           PollSent, RetryBackoff, connection_field, core_field, failure_reason,
                                           max_wait_ms)
-from zbroker.client.producer_core import ProduceError, leader_hint, retry_delay, should_retry, window_has_room
+from zbroker.client.fetch_round import FetchRound
+from zbroker.client.producer_core import ProduceError, ProducerCore, failure_fields
 from zbroker.client.sockets import client_dealer, curve_from_env
 from zbroker.client.transport import DEFAULT_URL, Coordinators
 
@@ -208,61 +209,17 @@ class AsyncAdmin:
         await self.close()
 
 
-class RecordWindow:
-    """At most ``capacity`` records in flight; a batch takes all of its permits at once.
-
-    Taking them one by one (an `asyncio.Semaphore` acquired per record) deadlocks
-    when several coroutines dispatch at once: each ends up holding part of what it
-    needs while nothing in flight is left to free the rest. Waiters are served in
-    arrival order, so batches of one partition leave in the order they were closed.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.available = capacity
-        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
-
-    async def acquire(self, count: int) -> int:
-        """Take ``count`` permits (at most the capacity); returns how many were taken."""
-        count = min(count, self.capacity)
-        if not self._waiters and self.available >= count:
-            self.available -= count
-            return count
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append((count, fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release(count)  # granted just as it was cancelled: give them back
-            else:
-                with contextlib.suppress(ValueError):  # `_wake` may have dropped it already
-                    self._waiters.remove((count, fut))
-                self._wake()
-            raise
-        return count
-
-    def release(self, count: int) -> None:
-        self.available += count
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self._waiters[0][0] <= self.available:
-            count, fut = self._waiters.popleft()
-            if not fut.done():
-                self.available -= count
-                fut.set_result(None)
-
-
 class AsyncProducer:
     """Batching, pipelined, idempotent producer for asyncio.
 
-    Closed batches wait in one FIFO queue that the producer owns, and one
-    dispatcher task takes them in order, waits for their window permits and
-    starts a delivery task for each. `send` and `flush` only put batches in the
+    The window, the requests (`produce_many` per actor), retries and the failure
+    report are `producer_core.ProducerCore`'s, as for the sync `Producer`. Closed
+    batches wait in one FIFO queue that the producer owns; one sender task admits
+    them to the window in order and sends them, with the retries due, and files
+    each reply as its future resolves. `send` and `flush` only put batches in the
     queue and then wait for progress, so cancelling them (`asyncio.wait_for`)
-    never drops a batch or a delivery: whatever was handed over is sent, its
-    handles resolve, and a failure is raised by the next `flush` or `close`.
+    never drops a batch: whatever was handed over is sent, its handles resolve,
+    and a failure is raised by the next `flush` or `close`.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, linger_ms: float = 5.0, batch_size: int = 1000,
@@ -270,28 +227,32 @@ class AsyncProducer:
                  max_in_flight_bytes: int = 32 << 20, request_timeout: float = 5.0,
                  retries: int = 20, curve: ClientKeys | None = None) -> None:
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
+        self.core = ProducerCore(batch_size=batch_size, batch_bytes=batch_bytes,
+                                 max_in_flight_records=max_in_flight_records,
+                                 max_in_flight_bytes=max_in_flight_bytes, retries=retries,
+                                 request_timeout=request_timeout)
         self.linger_s = linger_ms / 1000.0
-        self.retries = retries
-        self.acc = BatchAccumulator(batch_size=batch_size, batch_bytes=batch_bytes)
-        self.window = RecordWindow(max_in_flight_records)
-        self.max_in_flight_records = max_in_flight_records
-        # The window in bytes too, as the sync Producer's (`producer_core.window_has_room`): large
-        # records would otherwise put max_in_flight_records x their size in memory here and in the actor.
-        self.max_in_flight_bytes = max_in_flight_bytes
-        self.in_flight_bytes = 0
+        self.acc = self.core.acc
         self.waiting_for_window: collections.deque[PendingBatch] = collections.deque()
-        self.tasks: set[asyncio.Task] = set()  # deliveries in flight
-        self.errors: list[ZBrokerError] = []
+        self._replies: dict[int, asyncio.Future] = {}  # corr -> the future of a request in flight
         # Every batch failure so far, and the last one: a flush() raises if any failed while
-        # it waited, even when a concurrent flush() took them from `errors` first.
+        # it waited, even when a concurrent flush() took the report first.
         self._failures = 0
         self._last_failure: ZBrokerError | None = None
-        # Set when a batch leaves the queue or a delivery ends; whoever waits re-checks what it waits for.
+        # Set when a batch leaves the queue or a reply is filed; whoever waits re-checks what it waits for.
         self._progress = asyncio.Event()
+        self._wake = asyncio.Event()  # the sender's own: a batch queued, a reply filed
         self._linger_task: asyncio.Task | None = None
-        self._dispatcher: asyncio.Task | None = None
+        self._sender: asyncio.Task | None = None
         self._closed = False  # set when close() starts: nothing sent after it could be delivered
         self._close_ended: asyncio.Future | None = None  # resolved when the close() that began it ends
+
+    retries = core_field("retries")
+    max_in_flight_records = core_field("max_in_flight_records")
+    max_in_flight_bytes = core_field("max_in_flight_bytes")
+    in_flight_records = core_field("in_flight_records")
+    in_flight_bytes = core_field("in_flight_bytes")
+    errors = core_field("errors")
 
     async def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
                    partition: int | None = None) -> DeliveryHandle:
@@ -320,7 +281,7 @@ class AsyncProducer:
         if self.waiting_for_window:
             # Backpressure: a caller that closes batches (or lets the linger timer close them)
             # faster than the window frees waits here. Cancelled, it loses nothing: the record
-            # is in a batch already, and a closed batch is the dispatcher's.
+            # is in a batch already, and a closed batch is the sender's.
             await self._wait_until(lambda: not self.waiting_for_window)
         return handle
 
@@ -328,18 +289,18 @@ class AsyncProducer:
         loop = asyncio.get_running_loop()
         if self._linger_task is None:
             self._linger_task = loop.create_task(self._linger())
-        if self._dispatcher is None:
-            self._dispatcher = loop.create_task(self._dispatch_in_order())
-            self._dispatcher.add_done_callback(lambda _task: self._progress.set())  # waiters must not hang
+        if self._sender is None:
+            self._sender = loop.create_task(self._send_in_order())
+            self._sender.add_done_callback(lambda _task: self._progress.set())  # waiters must not hang
 
     def _enqueue(self, batches: list[PendingBatch]) -> None:
         if batches:
             self.waiting_for_window.extend(batches)
-            self._progress.set()
+            self._wake.set()
 
     async def _wait_until(self, condition: Callable[[], bool]) -> None:
         while not condition():
-            if self._dispatcher is not None and self._dispatcher.done():
+            if self._sender is not None and self._sender.done():
                 raise ProduceError("the producer is closed", code=ErrorCode.SHUTTING_DOWN)
             self._progress.clear()
             await self._progress.wait()
@@ -349,75 +310,105 @@ class AsyncProducer:
             await asyncio.sleep(max(self.linger_s, 0.001))
             self._enqueue(self.acc.due(time.monotonic(), self.linger_s))
 
-    async def _dispatch_in_order(self) -> None:
-        """The only taker of window permits: batches of one partition leave in the order they were closed."""
+    async def _send_in_order(self) -> None:
+        """The only sender: admits the queued batches to the window in the order they were
+        closed and sends them with the retries due, then sleeps until a batch is queued, a
+        reply is filed or the core's next deadline (a retry, a request overdue)."""
+        core, loop = self.core, asyncio.get_running_loop()
         while True:
-            await self._wait_until(lambda: bool(self.waiting_for_window))
-            permits = await self.window.acquire(self.waiting_for_window[0].count)
-            size = len(self.waiting_for_window[0].payload)
-            # The records' permits are the RecordWindow's; the bytes' rule is `window_has_room`'s.
-            await self._wait_until(lambda: window_has_room(0, size, 0, self.in_flight_bytes, 0,
-                                                           self.max_in_flight_bytes))
-            batch = self.waiting_for_window.popleft()
-            self.in_flight_bytes += size
-            task = asyncio.get_running_loop().create_task(self._deliver(batch, permits))
-            self.tasks.add(task)
-            task.add_done_callback(self._delivery_ended)
-            self._progress.set()
+            self._wake.clear()
+            now = loop.time()
+            if core.in_flight:
+                waiting = len(core.in_flight)
+                core.timed_out(now)  # retried, or failed for good
+                if len(core.in_flight) < waiting:
+                    for corr in [c for c in self._replies if c not in core.in_flight]:
+                        self.conn.abandon(self._replies.pop(corr))  # a reply that comes after all is dropped
+            due, hints, topics = core.resends(now)
+            for topic, partition, endpoint in hints:  # the new leader, as the error named it
+                self.conn.metadata.redirect(topic, partition, endpoint)
+            try:
+                for topic in topics:
+                    with contextlib.suppress(ZBrokerError):
+                        await self.conn.refresh([topic])
+            except BaseException:
+                self._not_sent(due)
+                raise
+            admitted = core.admit_in_order(self.waiting_for_window)
+            if due or admitted:
+                await self._send_all(due + admitted)
+            self._filed()
+            if self._wake.is_set():
+                continue
+            deadline = core.next_deadline()
+            woken = loop.create_task(self._wake.wait())
+            try:  # asyncio.wait, not wait_for: under 3.11 wait_for swallowed close()'s cancellation here
+                await asyncio.wait([woken], timeout=None if deadline is None else max(0.0, deadline - loop.time()))
+            finally:
+                woken.cancel()
 
-    def _delivery_ended(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
+    async def _send_all(self, batches: list[PendingBatch]) -> None:
+        """Send (or resend) batches admitted to the window, as `ProducerCore.requests` says."""
+        core, loop, routed = self.core, asyncio.get_running_loop(), []
+        for i, batch in enumerate(batches):
+            try:
+                routed.append((await self.conn.endpoint(batch.topic, batch.partition), batch))
+            except ZBrokerError as err:
+                core.unroutable(batch, err, loop.time())
+            except BaseException:  # cancelled (close gave up), or a bug: none of the rest was sent
+                self._not_sent([b for _e, b in routed] + batches[i:])
+                raise
+        requests = core.requests(routed)
+        for i, (endpoint, msg, frames, sent) in enumerate(requests):
+            try:
+                fut = await self.conn.send(endpoint, msg, frames)
+            except ZBrokerError as err:
+                core.send_failed(sent, err, loop.time())
+                continue
+            except asyncio.CancelledError:
+                for _e, _m, _f, unsent in requests[i:]:
+                    core.send_failed(unsent, _closing("sent"), loop.time())
+                raise
+            except Exception as exc:  # a bug or a broken socket: flush() must report it, not succeed
+                core.send_failed(sent, ProduceError(f"delivery failed: {exc!r}"), loop.time())
+                continue
+            core.sent(fut.corr_id, sent, loop.time())
+            self._replies[fut.corr_id] = fut
+            fut.add_done_callback(self._replied)
+
+    def _not_sent(self, batches: list[PendingBatch]) -> None:
+        for batch in batches:
+            self.core.unroutable(batch, _closing("sent"), asyncio.get_running_loop().time())
+
+    def _replied(self, fut: asyncio.Future) -> None:
+        """A produce reply came (or the connection closed under it): the core files it."""
+        corr = fut.corr_id  # type: ignore[attr-defined]
+        self._replies.pop(corr, None)
+        if fut.cancelled():
+            return  # given up on (timed out, or close): the core knows already
+        error, reply = fut.exception(), None
+        if error is None:
+            env = fut.result()
+            error, reply = env.error, env.msg
+        elif not isinstance(error, ZBrokerError):
+            error = ProduceError(f"delivery failed: {error!r}")
+        self.core.settle(corr, error, reply, asyncio.get_running_loop().time())
+        self._filed()
+        self._wake.set()
+
+    def _filed(self) -> None:
+        """Log the batches that failed for good (the core's record) and wake whoever waits."""
+        for batch, err in self.core.take_failed():
+            log.error("produce.failed", **failure_fields(batch, err))
+            self._failures += 1
+            self._last_failure = err
         self._progress.set()
-
-    async def _deliver(self, batch: PendingBatch, permits: int) -> None:
-        try:
-            refused = batch.over_frame_limit()
-            if refused is not None:
-                self._failed(batch, refused)
-                return
-            while True:
-                batch.attempts += 1
-                try:
-                    env = await self.conn.call(await self.conn.endpoint(batch.topic, batch.partition),
-                                               m.Produce(topic=batch.topic, partition=batch.partition,
-                                                         producer_id=batch.producer_id, sequence=batch.sequence),
-                                               (batch.payload,))
-                except ZBrokerError as err:
-                    if should_retry(err, batch.attempts, self.retries):
-                        hint = leader_hint(err)
-                        if hint is not None:  # the new leader, as the error named it
-                            self.conn.metadata.redirect(batch.topic, batch.partition, hint)
-                        await asyncio.sleep(retry_delay(batch.attempts))
-                        try:
-                            await self.conn.refresh([batch.topic])
-                        except ZBrokerError:
-                            pass
-                        continue
-                    self._failed(batch, err)
-                    return
-                batch.acknowledged(env.msg.base_offset)
-                return
-        except asyncio.CancelledError:  # close() gave up on it
-            self._failed(batch, ProduceError("the producer closed before the batch was acknowledged",
-                                             code=ErrorCode.SHUTTING_DOWN))
-            raise
-        except Exception as exc:  # a bug or a broken socket: flush() must report it, not succeed
-            self._failed(batch, ProduceError(f"delivery failed: {exc!r}"))
-        finally:
-            self.in_flight_bytes -= len(batch.payload)
-            self.window.release(permits)
-
-    def _failed(self, batch: PendingBatch, err: ZBrokerError) -> None:
-        self.errors.append(err)
-        self._failures += 1
-        self._last_failure = err
-        batch.failed(err)
 
     async def flush(self) -> None:
         """Wait until every batch, buffered or in flight, is acknowledged; raise what failed.
 
-        Cancelled, it leaves the batches it drained in the queue and the deliveries
-        running: the next flush() waits for them and reports their failures."""
+        Cancelled, it leaves the batches it drained in the queue and the requests in
+        flight: the next flush() waits for them and reports their failures."""
         if self._closed:
             raise ProduceError("the producer is closed", code=ErrorCode.SHUTTING_DOWN)
         await self._flush()
@@ -426,13 +417,14 @@ class AsyncProducer:
         failures_before = self._failures
         self._start_background_tasks()
         self._enqueue(self.acc.drain())
-        await self._wait_until(lambda: not self.waiting_for_window and not self.tasks)
-        if self.errors:
-            errors, self.errors = self.errors, []
-            raise ProduceError(f"{len(errors)} batch(es) failed; first: {errors[0].message}", code=errors[0].code)
+        await self._wait_until(lambda: not self.waiting_for_window and not self.core.in_flight_records)
+        self._filed()
+        failure = self.core.take_failure()
+        if failure is not None:
+            raise failure
         if self._failures > failures_before and self._last_failure is not None:
             # Tasks flushing at once all wait for the same batches; the first to wake took the
-            # errors. The others must not return as if everything they sent was acknowledged.
+            # report. The others must not return as if everything they sent was acknowledged.
             raise ProduceError(f"{self._failures - failures_before} batch(es) failed while this flush waited "
                                f"(raised by a concurrent flush too); last: {self._last_failure.message}",
                                code=self._last_failure.code)
@@ -454,20 +446,20 @@ class AsyncProducer:
         try:
             await self._flush()
         finally:
-            background = [t for t in (self._linger_task, self._dispatcher) if t is not None]
+            background = [t for t in (self._linger_task, self._sender) if t is not None]
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            # Left only if flush() failed or was cancelled: each resolves its handles with an error.
-            for task in self.tasks:
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-            # A send() that was waiting for metadata when close() began adds its record
-            # after the flush drained: its batch fails here rather than wait forever.
-            for batch in [*self.waiting_for_window, *self.acc.drain()]:
-                self._failed(batch, ProduceError("the producer closed before the batch was sent",
-                                                 code=ErrorCode.SHUTTING_DOWN))
+            # Left only if flush() failed or was cancelled, or a send() that was waiting for
+            # metadata when close() began added its record after the flush drained: each
+            # batch resolves its handles with an error rather than wait forever.
+            unsent = [*self.waiting_for_window, *self.acc.drain()]
             self.waiting_for_window.clear()
+            for corr in self.core.give_up(_closing("acknowledged"), unsent):
+                fut = self._replies.pop(corr, None)
+                if fut is not None:
+                    self.conn.abandon(fut)
+            self._filed()
             await self.conn.close()
 
     async def __aenter__(self) -> "AsyncProducer":
@@ -475,6 +467,10 @@ class AsyncProducer:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+def _closing(what: str) -> ProduceError:
+    return ProduceError(f"the producer closed before the batch was {what}", code=ErrorCode.SHUTTING_DOWN)
 
 
 class AsyncConsumer:
@@ -496,7 +492,6 @@ class AsyncConsumer:
         # where the next lease will start (exclusive groups); poll_ahead sends the next Poll as
         # poll() returns (it is the Poll in flight the next poll() takes); lease_ahead asks for
         # ahead leases, served as the parked read-ahead fetches bring their records.
-        self.poll_ahead = poll_ahead or lease_ahead
         # The read-ahead fetch out per partition: the futures of its replies (a followed fetch has many).
         self._ahead_fetches: dict[tuple[str, int], list[asyncio.Future]] = {}
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
@@ -504,7 +499,7 @@ class AsyncConsumer:
         self.core = ConsumerCore(group=group, topics=self.topics, ack_batch=ack_batch,
                                  ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
                                  read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead,
-                                 metadata=self.conn.metadata)
+                                 poll_ahead=poll_ahead, metadata=self.conn.metadata)
         self.on_assign = on_assign
         self.on_revoke = on_revoke
         self.group = group
@@ -533,6 +528,7 @@ class AsyncConsumer:
     generation = core_field("generation")
     assignment = core_field("assignment")
     mode = core_field("mode")
+    poll_ahead = core_field("poll_ahead")
     stats = core_field("stats")
     acks = core_field("acks")  # the core's accumulator: `poll_refused` and `hold_again` put acks back there
 
@@ -553,8 +549,7 @@ class AsyncConsumer:
         try:
             reply = await self.conn.coordinator(self.core.join_request(self.session_timeout_ms))
         except UnknownMember:
-            self.core.lost(forget_id=True)
-            reply = await self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
+            reply = await self.conn.coordinator(self.core.join_as_new(self.session_timeout_ms))
         # The core's rule, the sync Consumer's too: records leased (fetched, `core.held`, or not)
         # survive the join only where their lease still stands (same member, partition kept);
         # the others' leases went to another member. A Poll of the old generation already
@@ -616,7 +611,7 @@ class AsyncConsumer:
         await self._join_settled()
         member_id, generation = self.member_id, self.generation
         try:
-            await self.conn.coordinator(m.Heartbeat(group=self.group, member_id=member_id, generation=generation))
+            await self.conn.coordinator(self.core.member_request(m.Heartbeat))
         except (Fenced, UnknownMember) as err:
             try:
                 await self._rejoin_unless_done(err, member_id, generation)
@@ -674,7 +669,7 @@ class AsyncConsumer:
             if not self.core.held and self.core.ahead_leases:
                 await self._records_ahead(max_records, deadline)
             records = self.core.hand_out(max_records)
-            if self.poll_ahead and not self.core.held and self._poll_in_flight is None:
+            if self.core.poll_ahead_now(self._poll_in_flight is not None):
                 with contextlib.suppress(ZBrokerError):  # not sent: the next poll() asks the usual way
                     await self._send_poll(max_records, timeout)
             if self.core.reading_ahead:
@@ -739,9 +734,7 @@ class AsyncConsumer:
         acks = await self._acks_for_poll()
         try:
             await self._join_settled()
-            poll = m.Poll(group=self.group, member_id=self.member_id, generation=self.generation,
-                          max_records=max_records, max_wait_ms=max_wait_ms(timeout), acks=acks,
-                          ahead=self.core.ahead_wanted(max_records))
+            poll = self.core.poll_request(max_records, max_wait_ms(timeout), acks)
             reply = await self.conn.send(self.conn.url, poll)
         except BaseException:
             self._hold_again(acks)  # not known to be sent: they go again (a repeated ack is harmless)
@@ -750,17 +743,16 @@ class AsyncConsumer:
                                                    self.conn.request_timeout)
 
     async def _acks_for_poll(self) -> list:
-        """The held acks, for the Poll to carry: as many as one request holds; the rest go first, on their own."""
-        ranges = self.acks.take() if self.acks else []
-        if len(ranges) > RANGES_PER_REQUEST:
-            ranges, rest = ranges[:RANGES_PER_REQUEST], ranges[RANGES_PER_REQUEST:]
+        """The held acks for the Poll to carry (`ConsumerCore.acks_for_poll`); the rest go first, on their own."""
+        riding, rest = self.core.acks_for_poll()
+        if rest:
             self._hold_again(rest)
             try:
                 await self._send_held_acks()
             except BaseException:
-                self._hold_again(ranges)
+                self._hold_again(riding)
                 raise
-        return ranges
+        return riding
 
     def _abandon_poll_in_flight(self) -> None:
         """Stop waiting for the Poll in flight; the acks riding on it are held again."""
@@ -770,55 +762,75 @@ class AsyncConsumer:
             self._hold_again(sent.acks)
 
     async def _fetch(self) -> None:
-        """Fetch the records of `_to_fetch` into `core.held`, keeping both true at every await:
-        cancelled, what was fetched is handed out and the rest fetched by the next poll().
-        The plan is the core's (read-ahead first, a fetch sized from the lease, the rest if
-        max_bytes cut it short); a partition that cannot be fetched costs only its deliveries."""
+        """Fetch the records of `_to_fetch` into `core.held`, as `fetch_round.FetchRound` plans
+        and folds them (the sync Consumer's way: read-ahead first, a `fetch_many` per actor,
+        the rest of a lease max_bytes cut short). Cancelled, what was filed is handed out and
+        the rest fetched by the next poll(); a delivery a re-join dropped meanwhile (no longer
+        in `_to_fetch`) is handed out by neither."""
         loop = asyncio.get_running_loop()
-        while self._to_fetch:
-            delivery = self._to_fetch[0]
-            if self.core.reading_ahead:
-                await self._serve_from_read_ahead(delivery)
-            if not self._to_fetch or self._to_fetch[0] is not delivery:
-                continue  # dropped by a re-join meanwhile
-            topic, partition, _lease, offset, end = delivery[:5]
-            if offset >= end:  # all of it was read ahead
-                self._to_fetch.pop(0)
-                continue
-            env, err = None, None
+        fetches = FetchRound(self.core, list(self._to_fetch))
+        replies: dict[int, asyncio.Future] = {}
+        try:
+            ahead_deadline = loop.time() + READ_AHEAD_WAIT_S
+            for i, d in enumerate(fetches.deliveries):
+                if self.core.reading_ahead:
+                    await self._serve_from_read_ahead(fetches, i, ahead_deadline)
+                if fetches.lacking[i] is not None:
+                    await self._route(fetches, (i, d, fetches.lacking[i]))
+            await self._send_fetches(fetches, replies)
+            while (corr := fetches.next_awaited()) is not None:
+                env, err = None, None
+                try:
+                    env = await self.conn.wait(replies.pop(corr))
+                except ZBrokerError as failed:
+                    err = failed
+                for item in fetches.replied(corr, env, err, loop.time()):
+                    await self._route(fetches, item, alone=True)
+                await self._send_fetches(fetches, replies)
+        finally:
+            for fut in replies.values():
+                self.conn.abandon(fut)
+            standing = {id(d) for d in self._to_fetch}
+            self.core.held.extend(part for d, part in zip(fetches.deliveries, fetches.parts)
+                                  if part and id(d) in standing)
+            self._to_fetch = [d for d in fetches.unfinished() if id(d) in standing]
+
+    async def _route(self, fetches: FetchRound, item: tuple, alone: bool = False) -> None:
+        try:
+            fetches.route(item, await self.conn.endpoint(item[1][0], item[1][1]), alone=alone)
+        except ZBrokerError as err:
+            fetches.unroutable(item, err, asyncio.get_running_loop().time())
+
+    async def _send_fetches(self, fetches: FetchRound, replies: dict[int, asyncio.Future]) -> None:
+        for request in fetches.requests():
             try:
-                env = await self.conn.wait(await self.conn.send(await self.conn.endpoint(topic, partition),
-                                                                self.core.lease_fetch(delivery, offset)))
-            except ZBrokerError as failed:
-                err = failed
-            got, rest, _given_up = self.core.lease_fetch_replied(delivery, offset, env, err, loop.time())
-            if self._to_fetch and self._to_fetch[0] is delivery:  # not dropped by a re-join meanwhile
-                if got:
-                    self.core.held.append(got)
-                delivery[3] = end if rest is None else rest
-                if delivery[3] >= end:
-                    self._to_fetch.pop(0)
+                fut = await self.conn.send(request[0], request[1])
+            except ZBrokerError as err:
+                fetches.send_failed(request, err, asyncio.get_running_loop().time())
+                continue
+            fetches.sent(fut.corr_id, request)
+            replies[fut.corr_id] = fut
+        if fetches.take_given_up():
+            self._prune_ahead_fetches()  # read-ahead fetches the core gave up on
 
     # -- read-ahead and lease-ahead: the core decides, this sends and waits ----------------------
 
-    async def _serve_from_read_ahead(self, delivery: list) -> None:
-        """Hand what the read-ahead holds of ``delivery`` to `core.held`, waiting a little for the
-        fetch out that may bring it (the lease proves the records exist)."""
+    async def _serve_from_read_ahead(self, fetches: FetchRound, i: int, deadline: float) -> None:
+        """Hand what the read-ahead holds of delivery ``i`` to its part of ``fetches``, waiting
+        until ``deadline`` (one for the poll) for the fetch out that may bring it (the lease
+        proves the records exist: a live actor answers at once)."""
         loop = asyncio.get_running_loop()
-        deadline, key = loop.time() + READ_AHEAD_WAIT_S, (delivery[0], delivery[1])
+        delivery = fetches.deliveries[i]
+        key = (delivery[0], delivery[1])
         while True:
-            out: list[ConsumedRecord] = []
-            pos, awaited, _given_up = self.core.serve_lease_from_read_ahead(delivery, delivery[3], out, loop.time())
-            if out:
-                self.core.held.append(out)
-            delivery[3] = pos
+            pos, awaited, _given_up = self.core.serve_lease_from_read_ahead(delivery, fetches.lacking[i],
+                                                                            fetches.parts[i], loop.time())
+            fetches.served(i, pos)
             if awaited is None:
                 break
             fut = next((f for f in self._ahead_fetches.get(key, ()) if f.corr_id == awaited), None)
             if fut is not None:
                 await asyncio.wait([fut], timeout=max(0.005, deadline - loop.time()))
-            if not self._to_fetch or self._to_fetch[0] is not delivery:
-                return  # dropped by a re-join meanwhile
             if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.core.read_ahead_replied(key, awaited, fut.result(), loop.time())
             else:  # its actor died with the fetch parked, or hangs: fetch the rest the usual way
@@ -926,8 +938,7 @@ class AsyncConsumer:
         if riding and not self.acks:
             # Acks riding on a poll still parked at the coordinator were applied when it
             # arrived: an Ack sent after it on the same socket, answered, proves it.
-            await self._group_call(lambda: m.Ack(group=self.group, member_id=self.member_id,
-                                                 generation=self.generation, ranges=[]))
+            await self._group_call(lambda: self.core.member_request(m.Ack, ranges=[]))
         await self._send_held_acks()
         if not others:
             return
@@ -949,8 +960,7 @@ class AsyncConsumer:
         try:
             for i, chunk in enumerate(chunks):
                 try:
-                    await self._group_call(lambda chunk=chunk: m.Ack(group=self.group, member_id=self.member_id,
-                                                                     generation=self.generation, ranges=chunk))
+                    await self._group_call(lambda chunk=chunk: self.core.member_request(m.Ack, ranges=chunk))
                 except ZBrokerError as err:
                     # The core's rule, the sync Consumer's too: stale ones are noted, retriable ones
                     # held again (a re-join was `_group_call`'s already). Then the unsent go again.
@@ -975,9 +985,8 @@ class AsyncConsumer:
         settled = ChunkedSettle()
         for chunk in in_request_sized_chunks(group_by_lease(records)):
             try:
-                env = await self._group_call(lambda chunk=chunk: op(group=self.group, member_id=self.member_id,
-                                                                    generation=self.generation, ranges=chunk,
-                                                                    **fields))
+                env = await self._group_call(lambda chunk=chunk: self.core.member_request(op, ranges=chunk,
+                                                                                            **fields))
             except StaleLease as err:  # its valid ranges were applied: the next chunks go all the same
                 settled.refused(err)
             else:
@@ -1042,8 +1051,7 @@ class AsyncConsumer:
             self._abandon_poll_in_flight()  # applied or not, its acks go again now (a repeat is harmless)
             await self.flush_acks()
             try:
-                await self.conn.call(self.conn.url, m.Leave(group=self.group, member_id=self.member_id,
-                                                            generation=self.generation), timeout=2.0)
+                await self.conn.call(self.conn.url, self.core.member_request(m.Leave), timeout=2.0)
             except ZBrokerError:
                 pass  # not leaving costs only a session timeout before a rebalance
         finally:

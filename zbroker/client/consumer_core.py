@@ -33,6 +33,11 @@ and decides, with ``now`` passed in where time matters.
   deliveries of one poll that live on one partition actor go in one
   `fetch_many` (`plan_fetches`), unless that actor predates it
   (`single_fetch_only`, learnt from its UNKNOWN_OP).
+* Requests: every group request names this member and generation
+  (`member_request`); a Poll carries the held acks one header holds, the rest
+  going first on their own (`acks_for_poll`, `poll_request`), and the next Poll
+  goes ahead of the caller only with nothing leased left to hand out and none
+  on its way (`poll_ahead_now`).
 * Group calls (`GroupCallRetry`): FENCED or UNKNOWN_MEMBER re-joins and sends
   again (twice at most), NOT_COORDINATOR (or a timeout, with several URLs)
   follows the coordinator and re-joins there, anything else is the caller's.
@@ -46,7 +51,8 @@ from typing import Any
 
 import structlog
 
-from zbroker.client.core import AckAccumulator, ConsumedRecord, MetadataCache, ReadAhead, in_request_sized_chunks
+from zbroker.client.core import (RANGES_PER_REQUEST, AckAccumulator, ConsumedRecord, MetadataCache, ReadAhead,
+                                 in_request_sized_chunks)
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched, stored_range
 from zbroker.protocol.errors import ErrorCode, ZBrokerError
@@ -285,7 +291,8 @@ class ConsumerCore:
 
     def __init__(self, *, group: str, topics: list[str], member_id: str = "", ack_batch: int = 1000,
                  ack_interval_s: float = 0.005, read_ahead: bool = True, read_ahead_bytes: int = 32 << 20,
-                 lease_ahead: bool = False, metadata: MetadataCache | None = None) -> None:
+                 lease_ahead: bool = False, poll_ahead: bool = False,
+                 metadata: MetadataCache | None = None) -> None:
         self.group = group
         # The driver's connection's cache: a fetch refused as NOT_OWNER forgets the topic's owners.
         self.metadata = metadata if metadata is not None else MetadataCache()
@@ -300,6 +307,7 @@ class ConsumerCore:
         self.member_lost = False
         self.read_ahead = read_ahead
         self.lease_ahead = lease_ahead
+        self.poll_ahead = poll_ahead or lease_ahead  # lease-ahead's next lease comes from the poll sent ahead
         self.ahead = ReadAhead(max_bytes=read_ahead_bytes)
         self.fetch_sizer = FetchSizer()
         # Ahead leases held, oldest first: partition key -> [[lease id, next offset to hand out, end], ...].
@@ -337,6 +345,29 @@ class ConsumerCore:
     def join_request(self, session_timeout_ms: int, *, as_new: bool = False) -> m.Join:
         return m.Join(group=self.group, topics=self.topics, session_timeout_ms=session_timeout_ms,
                       **({} if as_new else {"member_id": self.member_id}))
+
+    def member_request(self, op: type, **fields: Any) -> m.Message:
+        """A group request (poll, ack, nack, extend, reject, heartbeat, leave) as this member,
+        in this generation."""
+        return op(group=self.group, member_id=self.member_id, generation=self.generation, **fields)
+
+    def poll_request(self, max_records: int, wait_ms: int, acks: list) -> m.Poll:
+        """The Poll to send now, carrying ``acks`` (`acks_for_poll`), asking for an ahead lease
+        where one can be served."""
+        return self.member_request(m.Poll, max_records=max_records, max_wait_ms=wait_ms, acks=acks,
+                                   ahead=self.ahead_wanted(max_records))
+
+    def poll_ahead_now(self, poll_in_flight: bool) -> bool:
+        """After a poll() handed records out: send the next Poll now (poll-ahead), so the coordinator
+        leases while the caller handles these? Not while leased records are left to hand out (the
+        next poll() takes those), nor with a Poll already on its way."""
+        return self.poll_ahead and not self.held and not poll_in_flight
+
+    def join_as_new(self, session_timeout_ms: int) -> m.Join:
+        """The Join answered UNKNOWN_MEMBER: the coordinator forgot this member, and its leases
+        with it. It joins again as a new member."""
+        self.lost(forget_id=True)
+        return self.join_request(session_timeout_ms, as_new=True)
 
     def lost(self, *, forget_id: bool) -> None:
         """The coordinator answered FENCED without knowing this member, or UNKNOWN_MEMBER
@@ -475,6 +506,12 @@ class ConsumerCore:
         self.fold_in_order_acks()
         self.acks_since = None
         return self.acks.take() if self.acks else []
+
+    def acks_for_poll(self) -> tuple[list[list], list[list]]:
+        """The held acks, taken, for a Poll about to be sent: (those it carries, at most what one
+        request's header holds; the rest, which the driver sends first on their own)."""
+        ranges = self.take_acks()
+        return ranges[:RANGES_PER_REQUEST], ranges[RANGES_PER_REQUEST:]
 
     def hold_again(self, ranges: Any, now: float | None = None) -> None:
         """Acks that may not have been applied (fenced, lost, not sent): they go again."""

@@ -22,6 +22,12 @@ refused. A partition that cannot be fetched costs only its own deliveries
 fetches given up on along the way collect in `given_up`, for the driver to
 drop their replies. The decisions per reply are `ConsumerCore`'s (fetch sizes,
 `single_fetch_only`, what a failure forgets); this module only orders them.
+
+Where each delivery still lacks records is kept (`lacking`: advanced by what the
+read-ahead served (`served`) and by each reply; None once it is all filed or its
+partition failed), so a round cut short (an asyncio poll() cancelled) hands out
+what it filed and leaves the rest to the next one (`unfinished`), and nothing
+twice.
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ class FetchRound:
 
     def __init__(self, core: ConsumerCore, deliveries: list) -> None:
         self.core = core
+        self.deliveries = deliveries
         self.parts: list[list[ConsumedRecord]] = [[] for _ in deliveries]
+        self.lacking: list[int | None] = [d[3] if d[3] < d[4] else None for d in deliveries]
         self.given_up: list[tuple[int, int]] = []
         self._together: list[tuple[str, Item]] = []  # routed, to plan into fetch_many requests
         self._alone: list[tuple[str, Item]] = []  # routed, each to go as a fetch of its own
@@ -50,9 +58,15 @@ class FetchRound:
     def route(self, item: Item, endpoint: str, *, alone: bool = False) -> None:
         (self._alone if alone else self._together).append((endpoint, item))
 
+    def served(self, i: int, pos: int) -> None:
+        """The read-ahead served delivery ``i`` (into ``parts[i]``) up to ``pos``."""
+        self.lacking[i] = pos if pos < self.deliveries[i][4] else None
+
     def unroutable(self, item: Item, err: ZBrokerError, now: float) -> None:
-        """No owner is known for the item's partition (or the question failed)."""
+        """No owner is known for the item's partition (or the question failed): its delivery
+        costs only itself (its lease expires and comes back)."""
         d = item[1]
+        self.lacking[item[0]] = None
         self.given_up += self.core.fetch_failed((d[0], d[1]), err, now)
 
     def requests(self) -> list[tuple[str, m.Message, list[Item]]]:
@@ -98,7 +112,7 @@ class FetchRound:
             endpoint, group = self._many.pop(corr)
             for i, d, start, frame, part_err in core.lease_fetch_many_replied(endpoint, group, env, err):
                 if part_err is not None:
-                    self.given_up += core.fetch_failed((d[0], d[1]), part_err, now)
+                    self.unroutable((i, d, start), part_err, now)
                 elif frame is None:  # an actor without fetch_many: the usual fetch
                     again.append((i, d, start))
                 else:
@@ -112,8 +126,19 @@ class FetchRound:
         got, rest, given_up = outcome
         self.given_up += given_up
         self.parts[i].extend(got)
+        self.lacking[i] = rest
         if rest is not None:  # max_bytes cut the range short: fetch the rest
             again.append((i, d, rest))
+
+    def unfinished(self) -> list[list]:
+        """The deliveries not all filed, each moved on (``d[3]``) to where it lacks records: for
+        the next round, when this one was cut short."""
+        left = []
+        for d, at in zip(self.deliveries, self.lacking):
+            if at is not None:
+                d[3] = at
+                left.append(d)
+        return left
 
     def take_given_up(self) -> list[tuple[int, int]]:
         given_up, self.given_up = self.given_up, []

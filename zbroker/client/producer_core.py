@@ -13,7 +13,9 @@ timeout is stored once. A NOT_LEADER or NOT_OWNER answer that names the new
 leader (``data.leader.endpoint``) is a hint the driver writes into its
 metadata (`leader_hint`) before the retry: a failover is a pause for the
 sender, not an error. A batch that fails for good is settled on its handles
-and goes into the failure report that the next flush raises (`take_failure`).
+and goes into the failure report that the next flush raises (`take_failure`);
+it is also kept, with why, for the driver to log (`take_failed`, `failure_fields`):
+a core does no I/O, logging included.
 
 Batches that go out together (those a linger expired at once, a flush, the
 retries due) are grouped per partition actor (`group_by_actor`): two or more
@@ -24,20 +26,20 @@ UNKNOWN_OP predates the op and gets single `produce` requests from then on,
 the batches resent at once without counting an attempt.
 
 Both drivers use this: the sync one pumps replies in `send`/`poll`/`flush`,
-the asyncio one in a task per batch. Time comes in as ``now``.
+the asyncio one files each reply as its future resolves and sends from one
+task, woken by a reply, a new batch or `next_deadline` (a retry due, a request
+overdue). A driver that stops gives up on what is left (`give_up`). Time comes
+in as ``now``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import structlog
-
 from zbroker.client.core import BatchAccumulator, PendingBatch
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import ErrorCode, ProtocolError, RequestTimeout, ZBrokerError
 
-log = structlog.get_logger("zbroker.client")
 RETRIABLE_PRODUCE = {ErrorCode.NOT_OWNER, ErrorCode.NOT_LEADER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
                      ErrorCode.SHUTTING_DOWN}
 RETRY_STEP_S, RETRY_MAX_S = 0.05, 1.0
@@ -94,6 +96,12 @@ def window_has_room(records: int, size: int, in_flight_records: int, in_flight_b
     return in_flight_records + records <= max_records and in_flight_bytes + size <= max_bytes
 
 
+def failure_fields(batch: PendingBatch, err: ZBrokerError) -> dict[str, Any]:
+    """The context a driver logs ``produce.failed`` with, for a batch that failed for good."""
+    return {"topic": batch.topic, "partition": batch.partition, "code": err.code.value, "reason": err.message,
+            "attempts": batch.attempts}
+
+
 def failure_report(errors: list[ZBrokerError], **extra: Any) -> ProduceError:
     first = errors[0]
     return ProduceError(f"{len(errors)} batch(es) failed; first: {first.message}", code=first.code,
@@ -115,7 +123,8 @@ class ProducerCore:
         self.retrying: list[tuple[float, PendingBatch]] = []  # (resend at, batch), after a retriable failure
         self.in_flight_records = 0  # admitted and not yet settled (sent, or waiting to be resent)
         self.in_flight_bytes = 0
-        self.errors: list[ZBrokerError] = []
+        self.errors: list[ZBrokerError] = []  # for the next failure report (`take_failure`)
+        self.failed_now: list[tuple[PendingBatch, ZBrokerError]] = []  # for the driver's log (`take_failed`)
         self.results: list[tuple[str, int, int, int]] = []  # (topic, partition, base_offset, count)
         self.keep_results = False
         self.stats = {"batches": 0, "records": 0, "retries": 0, "duplicates": 0}
@@ -128,15 +137,26 @@ class ProducerCore:
         return bool(self.in_flight or self.retrying)
 
     def has_room(self, batch: PendingBatch) -> bool:
-        """Whether ``batch`` fits in the window now (an empty window takes any batch)."""
-        if not (self.in_flight or self.retrying):
-            return True
+        """Whether ``batch`` fits in the window now (an empty window takes any batch). The
+        window holds what was admitted and is not settled: sent, waiting to be resent, or
+        admitted with others and not sent yet."""
         return window_has_room(batch.count, len(batch.payload), self.in_flight_records, self.in_flight_bytes,
                                self.max_in_flight_records, self.max_in_flight_bytes)
 
     def admit(self, batch: PendingBatch) -> None:
         self.in_flight_records += batch.count
         self.in_flight_bytes += len(batch.payload)
+
+    def admit_in_order(self, queue: Any) -> list[PendingBatch]:
+        """Take from the front of ``queue`` (a deque of closed batches) what the window has room
+        for, admitted, stopping at the first that does not fit: the batches of one partition
+        leave in the order they were closed, and a large one is not overtaken for ever."""
+        admitted = []
+        while queue and self.has_room(queue[0]):
+            batch = queue.popleft()
+            self.admit(batch)
+            admitted.append(batch)
+        return admitted
 
     def _release(self, batch: PendingBatch) -> None:
         self.in_flight_records -= batch.count
@@ -213,24 +233,45 @@ class ProducerCore:
         self._failed_for_good(batch, err)
         return False
 
-    def _failed_for_good(self, batch: PendingBatch, err: ZBrokerError) -> None:
-        log.error("produce.failed", topic=batch.topic, partition=batch.partition, code=err.code.value,
-                  reason=err.message, attempts=batch.attempts)
-        self._release(batch)
+    def _failed_for_good(self, batch: PendingBatch, err: ZBrokerError, admitted: bool = True) -> None:
+        if admitted:
+            self._release(batch)
         self.errors.append(err)
+        self.failed_now.append((batch, err))
         batch.failed(err)
+
+    def give_up(self, err: ZBrokerError, unsent: list[PendingBatch] = ()) -> list[int]:
+        """The driver stops (a close that gave up waiting): every batch in flight or waiting
+        for a retry fails for good with ``err``, and so do ``unsent`` ones (closed, never
+        admitted). Returns the ids of the requests no longer waited for."""
+        abandoned = list(self.in_flight)
+        sent = [entry[0] for entry in self.in_flight.values()]
+        self.in_flight.clear()
+        batches = [b for s in sent for b in (s.batches if type(s) is SentTogether else (s,))]
+        batches += [b for _at, b in self.retrying]
+        self.retrying = []
+        for batch in batches:
+            self._failed_for_good(batch, err)
+        for batch in unsent:
+            self._failed_for_good(batch, err, admitted=False)
+        return abandoned
+
+    def take_failed(self) -> list[tuple[PendingBatch, ZBrokerError]]:
+        """The batches that failed for good since the last call, with why: the driver logs each
+        (`failure_fields`). The flush's report is `take_failure`'s, apart from this."""
+        failed, self.failed_now = self.failed_now, []
+        return failed
 
     def replied(self, corr: Any, error: ZBrokerError | None, reply: Any, now: float) -> PendingBatch | None:
         """A produce reply came (ignored if its attempt was given up on already); returns
-        its batch if that failed for good now (for the driver to log)."""
+        its batch if that failed for good now."""
         failed = self.settle(corr, error, reply, now)
         return failed[0][0] if failed else None
 
     def settle(self, corr: Any, error: ZBrokerError | None, reply: Any,
                now: float) -> list[tuple[PendingBatch, ZBrokerError]]:
         """A produce or produce_many reply came (ignored if its attempt was given up on
-        already); returns the batches that failed for good now, with why (for the driver
-        to log)."""
+        already); returns the batches that failed for good now, with why."""
         entry = self.in_flight.pop(corr, None)
         if entry is None:
             return []
@@ -304,6 +345,15 @@ class ProducerCore:
 
     def next_retry_at(self) -> float | None:
         return min(at for at, _b in self.retrying) if self.retrying else None
+
+    def next_deadline(self) -> float | None:
+        """When the driver must call again even if no reply comes: the next retry, or the
+        oldest request's timeout (`timed_out`). None: only a reply or a new batch matters."""
+        times = [self.next_retry_at()]
+        if self.in_flight:
+            times.append(next(iter(self.in_flight.values()))[1] + self.request_timeout)
+        times = [t for t in times if t is not None]
+        return min(times) if times else None
 
     def pump_wait(self, timeout_s: float, now: float) -> float:
         """How long the sync driver waits for a reply: ``timeout_s``, at most `PUMP_WAIT_S`,

@@ -28,7 +28,7 @@ from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched
 from zbroker.protocol.errors import (ErrorCode, RequestTimeout, StaleLease, Unavailable,
                                      UnknownMember, ZBrokerError)
-from zbroker.client.core import (RANGES_PER_REQUEST, ChunkedSettle, ConsumedRecord, checked_topics, DeliveryHandle, MetadataCache, PendingBatch,
+from zbroker.client.core import (ChunkedSettle, ConsumedRecord, checked_topics, DeliveryHandle, MetadataCache, PendingBatch,
                                  group_by_lease, checked_partition, checked_record, checked_timestamp,
                                  in_request_sized_chunks, record_size_estimate)
 from zbroker.client import consumer_core
@@ -36,7 +36,7 @@ from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, AHEAD_RETRY_S,
                                           AckRequests, ConsumerCore, GroupCallRetry, PollSent, connection_field,
                                           core_field, failure_reason, max_wait_ms, membership_lost)
 from zbroker.client.fetch_round import FetchRound
-from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore
+from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore, failure_fields
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
 from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
 
@@ -237,14 +237,14 @@ class Producer:
         self.stop_waiting: Callable[[], bool] = lambda: False
 
     producer_id = property(lambda self: self.acc.producer_id)
-    in_flight = property(lambda self: self.core.in_flight)
-    retrying = property(lambda self: self.core.retrying)
-    in_flight_records = property(lambda self: self.core.in_flight_records)
-    in_flight_bytes = property(lambda self: self.core.in_flight_bytes)
-    max_in_flight_records = property(lambda self: self.core.max_in_flight_records)
-    max_in_flight_bytes = property(lambda self: self.core.max_in_flight_bytes)
-    errors = property(lambda self: self.core.errors)
-    results = property(lambda self: self.core.results)
+    in_flight = core_field("in_flight")
+    retrying = core_field("retrying")
+    in_flight_records = core_field("in_flight_records")
+    in_flight_bytes = core_field("in_flight_bytes")
+    max_in_flight_records = core_field("max_in_flight_records")
+    max_in_flight_bytes = core_field("max_in_flight_bytes")
+    errors = core_field("errors")
+    results = core_field("results")
 
     @property
     def keep_results(self) -> bool:
@@ -448,8 +448,13 @@ class Producer:
         for env in self.conn.recv_nowait_all():
             self._on_reply(env)
         now = time.monotonic()
-        self.core.timed_out(now)  # retried, or failed for good (logged)
+        self.core.timed_out(now)  # retried, or failed for good
         self._resend_due(now)
+        self._log_failed()
+
+    def _log_failed(self) -> None:
+        for batch, err in self.core.take_failed():
+            log.error("produce.failed", **failure_fields(batch, err))
 
     def _on_reply(self, env: codec.Envelope) -> None:
         self.core.settle(env.corr_id, env.error, env.msg, time.monotonic())
@@ -464,6 +469,7 @@ class Producer:
                 raise RequestTimeout("flush timed out",
                                      in_flight_batches=len(self.core.in_flight) + len(self.core.retrying))
             self._pump(0.05)
+        self._log_failed()
         failure = self.core.take_failure()
         if failure is not None:
             raise failure
@@ -568,9 +574,8 @@ class Consumer:
         self.core = ConsumerCore(group=group, topics=topics, member_id=member_id, ack_batch=ack_batch,
                                  ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
                                  read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead,
-                                 metadata=self.conn.metadata)
+                                 poll_ahead=poll_ahead, metadata=self.conn.metadata)
         self._core_ack = self.core.ack  # bound once: ack() runs per record
-        self.poll_ahead = poll_ahead or lease_ahead
         self._poll_ahead: PollSent | None = None  # its reply is a correlation id
         self.session_timeout_ms = session_timeout_ms
         self.on_assign = on_assign
@@ -602,6 +607,7 @@ class Consumer:
     topics = core_field("topics")
     read_ahead = core_field("read_ahead")
     lease_ahead = core_field("lease_ahead")
+    poll_ahead = core_field("poll_ahead")
     ack_batch = core_field("ack_batch")
     ack_interval_s = core_field("ack_interval_s")
     acks = core_field("acks")
@@ -618,8 +624,7 @@ class Consumer:
         try:
             reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms))
         except UnknownMember:
-            self.member_id = ""
-            reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms, as_new=True))
+            reply = self.conn.coordinator(self.core.join_as_new(self.session_timeout_ms))
         revoked, assigned, given_up = self.core.joined(reply, previous_member)
         if self._poll_ahead is not None and self._poll_ahead.generation != self.generation:
             # Sent in the old generation: its leases (an ahead lease among them) ended with it.
@@ -682,7 +687,7 @@ class Consumer:
                 corr = next(ids)
                 try:
                     sock.send_multipart(codec.encode_request(
-                        m.Heartbeat(group=self.group, member_id=self.member_id, generation=self.generation), corr),
+                        self.core.member_request(m.Heartbeat), corr),
                         zmq.NOBLOCK)
                 except zmq.Again:
                     continue
@@ -761,7 +766,7 @@ class Consumer:
         deliveries = self._take_ahead_leases(reply.deliveries)
         self._held = [part for part in self._fetch_deliveries(deliveries) if part]
         records = self._hand_out(max_records)
-        if self.poll_ahead and not self._held:
+        if self.core.poll_ahead_now(self._poll_ahead is not None):
             self._send_poll_ahead(max_records, wait_ms)
         if self.core.reading_ahead:
             self._send_read_ahead(timeout)
@@ -789,10 +794,7 @@ class Consumer:
         """A poll that waits for its reply, carrying the held acks (re-sent if it is fenced and retried)."""
         acks = self._acks_for_poll()
         try:
-            reply = self._group_call(lambda: m.Poll(group=self.group, member_id=self.member_id,
-                                                    generation=self.generation, max_records=max_records,
-                                                    max_wait_ms=max_wait_ms, ahead=self._ahead_wanted(max_records),
-                                                    acks=acks),
+            reply = self._group_call(lambda: self.core.poll_request(max_records, max_wait_ms, acks),
                                      timeout=self.conn.request_timeout + timeout).msg
         except BaseException:
             self._hold_again(acks)  # not known to be applied: they go again (a repeated ack is harmless)
@@ -802,12 +804,15 @@ class Consumer:
     # -- acks riding on polls -------------------------------------------------------------------
 
     def _acks_for_poll(self) -> list:
-        """Take the held acks for the poll about to be sent."""
-        ranges = self.core.take_acks()
-        if len(ranges) > RANGES_PER_REQUEST:  # more than a header holds: the rest go on their own
-            self._send_acks(ranges[RANGES_PER_REQUEST:], [])
-            ranges = ranges[:RANGES_PER_REQUEST]
-        return ranges
+        """Take the held acks for the poll about to be sent (`ConsumerCore.acks_for_poll`)."""
+        riding, rest = self.core.acks_for_poll()
+        if rest:
+            try:
+                self._send_acks(rest, [])
+            except BaseException:
+                self._hold_again(riding)
+                raise
+        return riding
 
     def _hold_again(self, ranges: list) -> None:
         """Acks a poll carried that may not have been applied (fenced, lost): send them again."""
@@ -820,9 +825,6 @@ class Consumer:
         self._hold_again(sent.acks)
 
     # -- ahead leases -------------------------------------------------------------------------
-
-    def _ahead_wanted(self, max_records: int) -> int:
-        return self.core.ahead_wanted(max_records)
 
     def _take_ahead_leases(self, deliveries: list) -> list:
         return self.core.take_ahead_leases(deliveries)
@@ -866,9 +868,7 @@ class Consumer:
         """Ask for the next lease now, so the coordinator works while the caller handles this batch."""
         if self._needs_rejoin.is_set():
             return  # the next poll re-joins first
-        poll = m.Poll(group=self.group, member_id=self.member_id, generation=self.generation,
-                      max_records=max_records, max_wait_ms=max_wait_ms, ahead=self._ahead_wanted(max_records),
-                      acks=self._acks_for_poll())
+        poll = self.core.poll_request(max_records, max_wait_ms, self._acks_for_poll())
         try:
             corr = self.conn.send(self.conn.url, poll)
         except ZBrokerError:
@@ -1093,8 +1093,7 @@ class Consumer:
         requests = AckRequests.requests(ranges, ranges_before)
         for i, (chunk, before) in enumerate(requests):
             try:
-                corr = self.conn.send(self.conn.url, m.Ack(group=self.group, member_id=self.member_id,
-                                                           generation=self.generation, ranges=chunk))
+                corr = self.conn.send(self.conn.url, self.core.member_request(m.Ack, ranges=chunk))
             except ZBrokerError:
                 self._hold_again([r for rest, rode in requests[i:] for r in (*rode, *rest)])
                 raise
@@ -1148,8 +1147,7 @@ class Consumer:
         settled = ChunkedSettle()
         for chunk in in_request_sized_chunks(group_by_lease(records)):
             try:
-                env = self._group_call(lambda chunk=chunk: op(group=self.group, member_id=self.member_id,
-                                                              generation=self.generation, ranges=chunk, **fields))
+                env = self._group_call(lambda chunk=chunk: self.core.member_request(op, ranges=chunk, **fields))
             except StaleLease as err:  # its valid ranges were applied: the next chunks go all the same
                 settled.refused(err)
             else:
@@ -1174,8 +1172,7 @@ class Consumer:
             self.flush_acks(wait=True)
             if leave and self.member_id:
                 try:
-                    self.conn.call(self.conn.url, m.Leave(group=self.group, member_id=self.member_id,
-                                                          generation=self.generation), timeout=2.0)
+                    self.conn.call(self.conn.url, self.core.member_request(m.Leave), timeout=2.0)
                 except ZBrokerError:
                     pass
         finally:
