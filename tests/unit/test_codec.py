@@ -18,6 +18,7 @@ from zbroker.protocol.batch import (BATCH_HEADER_SIZE, Record, build_batch_heade
 from zbroker.protocol.errors import CorruptBatch, ErrorCode, NotOwner, ProtocolError, StaleLease, ZBrokerError
 from zbroker.protocol.partitioner import partition_for_key
 from zbroker.client.core import ConsumedRecord
+from tests.support.blobs import Blob
 
 settings.register_profile("zbroker", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("zbroker")
@@ -330,7 +331,7 @@ def _valid_fields(cls) -> dict:
 # -- the uniform-batch fast path of validate_payload -------------------------------------
 
 _uniform_batches = st.builds(
-    lambda n, size, ts, fill: encode_values([bytes([fill]) * size] * n, ts),
+    lambda n, size, ts, fill: Blob(encode_values([bytes([fill]) * size] * n, ts)),
     st.integers(1, 40), st.sampled_from([0, 1, 100, 255, 256, 1024, 70_000]),
     st.one_of(st.integers(0, 127), st.integers(0, 2**64 - 1), st.integers(-2**63, -1)), st.integers(0, 255))
 _any_batches = st.lists(st.tuples(st.integers(-2**63, 2**64 - 1), st.one_of(st.none(), st.binary(max_size=8)),
