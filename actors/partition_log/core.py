@@ -414,7 +414,6 @@ class PartitionActorCore:
             replica.reported_hw = replica.high_watermark
             self._changed.add(key)
             out += self._wake_parked(key, now_ms)
-            out += self._wake_replica_fetches(key, now_ms)  # followers learn the new HW
         return out
     def _apply_config_changes(self, wanted: dict) -> None:
         """An altered topic (alter_topic) reaches its open logs through the assignment: the
@@ -878,16 +877,16 @@ class PartitionActorCore:
         replica = self.replicas.get(key)
         if replica is None:
             raise NotOwner("the partition is not replicated on this actor", topic=key[0], partition=key[1])
-        hw_before = replica.high_watermark
         try:
             reply, data, effects = replica.on_replica_fetch(msg, now_ms)
         except ZBrokerError as err:
             return self._replica_effects(key, getattr(err, "effects", []), now_ms) + [
                 ReplyError(token, "replica_fetch", detached(err))]
         effects = self._replica_effects(key, effects, now_ms)
-        # Parked at the log end, unless this very fetch moved the HW: the follower learns it now.
-        if (not data and reply.diverging is None and msg.max_wait_ms > 0 and msg.fetch_offset == reply.log_end
-                and replica.high_watermark == hw_before):
+        # Parked at the log end, even when this very fetch moved the HW: the follower learns
+        # the HW with its next answer, as Kafka's followers do. Answering at once cost every
+        # replicated produce a second round trip per follower (bench/PROFILE.md).
+        if not data and reply.diverging is None and msg.max_wait_ms > 0 and msg.fetch_offset == reply.log_end:
             self._parked_replica.setdefault(key, []).append(
                 _ParkedReplicaFetch(now_ms + msg.max_wait_ms, token, msg))
             return effects

@@ -84,7 +84,13 @@ def test_produce_is_acknowledged_once_the_follower_has_the_batch(pair):
         ["plain", 0, 0, 0], ["t", 0, 0, 1]]
     registration = b.registration(endpoint="x", storage_id="s", pid=1)
     assert [row[0] for row in registration.partitions] == ["plain"]
-    assert registration.replica_states == [["t", 0, 0, 1, 1]]
+    # The fetch that moved the HW waits at the log end: the follower learns the HW with the
+    # next answer (the next append, or here the end of the long poll), as in Kafka.
+    assert registration.replica_states == [["t", 0, 0, 1, 0]]
+    [answer] = [e for e in a.tick(2 + 500) if getattr(e, "token", None) == "follower"]
+    wire = codec.decode_reply(codec.encode_reply(answer.msg, 7, answer.frames))
+    b.on_replica_fetch_reply(("t", 0), wire.msg, wire.frames, None, 2 + 500)
+    assert b.registration(endpoint="x", storage_id="s", pid=1).replica_states == [["t", 0, 0, 1, 1]]
 
 
 def test_a_follower_refuses_produce_and_fetch_with_the_leader(pair):
