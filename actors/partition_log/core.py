@@ -58,8 +58,9 @@ replicated partitions
     (replica.py) beside its log. As leader: produce is checked by it
     (NOT_LEADER, NOT_ENOUGH_REPLICAS) and its reply held until the high
     watermark covers the batch; consumer fetches see and are told only what
-    is below the HW; `replica_fetch` is served (long-polled like a fetch);
-    the HW is reported as log_end. As follower: produce and fetch get
+    is below the HW; `replica_fetch` is served (long-polled like a fetch,
+    the waiting ones answered at `end_turn`: once for all of a turn's
+    appends); the HW is reported as log_end. As follower: produce and fetch get
     NOT_LEADER, and the core emits `SendToLeader` fetches whose replies
     (`on_replica_fetch_reply`) it applies to the log, fsynced before the next
     fetch reports them under ``--fsync always``. A partition without replica
@@ -297,6 +298,9 @@ class PartitionActorCore:
         self._replica_states: dict[tuple[str, int], ReplicaState] = {}
         self._parked_replica: dict[tuple[str, int], list[_ParkedReplicaFetch]] = {}
         self._synced_leaders: set[tuple[str, int]] = set()  # fsync=always: report local ends after end_turn
+        # Leaders appended to in this turn: their followers' waiting fetches are answered at
+        # end_turn, once for all the turn's produces rather than once per produce.
+        self._appended_leaders: set[tuple[str, int]] = set()
         self.coordinator_epoch = 0
         self.replica_lag_ms = replica_lag_ms
         self.max_open_partitions = max_open_partitions  # see partitions_for_open_files
@@ -729,7 +733,8 @@ class PartitionActorCore:
             self._synced_leaders.add(key)  # its own copy counts after end_turn's fsync
         else:
             effects += replica.on_local_end(plog.log_end, now_ms)
-        return self._replica_effects(key, effects, now_ms) + self._wake_replica_fetches(key, now_ms)
+        self._appended_leaders.add(key)
+        return self._replica_effects(key, effects, now_ms)
 
     def _produce_reply(self, token: Any, reply: m.ProduceReply) -> list:
         effect = Reply(token, reply)
@@ -960,10 +965,15 @@ class PartitionActorCore:
 
     def end_turn(self, now_ms: int) -> list:
         """Called once per loop turn after the shell drained its sockets."""
+        woken: list = []
+        if self._appended_leaders:
+            for key in self._appended_leaders:
+                woken += self._wake_replica_fetches(key, now_ms)
+            self._appended_leaders.clear()
         if not self._held_replies and not self._wake_after_sync and not self._synced_leaders:
-            return []
+            return self._gathered(woken) if woken else []
         self.sync_dirty()
-        held, self._held_replies = self._held_replies, []
+        held, self._held_replies = self._held_replies + woken, []
         if self._synced_leaders:
             leaders, self._synced_leaders = self._synced_leaders, set()
             for key in leaders:

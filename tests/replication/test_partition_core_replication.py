@@ -188,3 +188,14 @@ def test_a_dead_letter_from_an_older_coordinator_is_refused(pair):
     assert isinstance(ok, Reply)
     [ok] = send(m.Produce(topic="plain", partition=0), b"client")
     assert isinstance(ok, Reply) and a.logs[("plain", 0)].log_end == end + 2
+
+
+def test_the_produces_of_one_turn_reach_a_waiting_follower_in_one_answer(pair):
+    a, b = pair
+    pump(b, a)  # b's fetch waits at the (empty) log end
+    effects = []
+    for value in (b"one", b"two"):
+        effects += a.handle(("client", value), env(m.Produce(topic="t", partition=0), [payload(value)]), 1)
+    assert not [e for e in effects if getattr(e, "token", None) == "follower"]  # not once per produce
+    [answer] = [e for e in a.end_turn(1) if getattr(e, "token", None) == "follower"]
+    assert [r.value for r in decode_fetched(b"".join(answer.frames), "t", 0)] == [b"one", b"two"]
