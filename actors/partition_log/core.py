@@ -945,7 +945,9 @@ class PartitionActorCore:
         end_before = plog.log_end
         replica.on_fetch_reply(reply, b"".join(bytes(f) for f in frames), now_ms)
         if plog.log_end != end_before or reply.diverging is not None:
-            self._changed.add(key)
+            # Not reported at once: a follower's log end is only shown (describe's
+            # replica_log_ends), and the registration each second carries it. A report per
+            # answer was a coordinator wake-up per replicated batch and follower.
             if self.fsync.mode == "always":
                 plog.flush()  # the next fetch reports this end: it must be on disk first
                 self.counters["fsyncs"] += 1
