@@ -82,7 +82,7 @@ import structlog
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import stored_range, validate_payload
 from zbroker.actors.partition_log.replica import (DEFAULT_REPLICA_LAG_MS, Acknowledge, ProposeIsr, Refuse, Replica,
-                                                 ReplicaState)
+                                                 ReplicaState, WaitingFetch)
 from zbroker.protocol.batch import parse_batch_header
 from zbroker.protocol.errors import (NotOwner, OffsetOutOfRange, ProtocolError, StaleEpoch, TooLarge, Unauthorized,
                                      UnknownOp, ZBrokerError)
@@ -178,13 +178,6 @@ class SendToLeader:
 class SendToCoordinator:
     """Send `msg` (alter_isr) to the coordinator; its reply goes to `on_alter_isr_reply`."""
     msg: m.Message
-
-
-@dataclasses.dataclass(slots=True)
-class _ParkedReplicaFetch:
-    deadline_ms: int
-    token: Any
-    msg: m.ReplicaFetch
 
 
 @dataclasses.dataclass(slots=True)
@@ -296,7 +289,7 @@ class PartitionActorCore:
         # Replicated partitions only (assign's `replicas`); empty for an R = 1 broker.
         self.replicas: dict[tuple[str, int], Replica] = {}
         self._replica_states: dict[tuple[str, int], ReplicaState] = {}
-        self._parked_replica: dict[tuple[str, int], list[_ParkedReplicaFetch]] = {}
+        self._parked_replica: dict[tuple[str, int], list[WaitingFetch]] = {}
         self._synced_leaders: set[tuple[str, int]] = set()  # fsync=always: report local ends after end_turn
         # Leaders appended to in this turn: their followers' waiting fetches are answered at
         # end_turn, once for all the turn's produces rather than once per produce.
@@ -733,6 +726,7 @@ class PartitionActorCore:
             self._synced_leaders.add(key)  # its own copy counts after end_turn's fsync
         else:
             effects += replica.on_local_end(plog.log_end, now_ms)
+        replica.appended(len(payload), now_ms)
         self._appended_leaders.add(key)
         return self._replica_effects(key, effects, now_ms)
 
@@ -892,25 +886,26 @@ class PartitionActorCore:
         # the HW with its next answer, as Kafka's followers do. Answering at once cost every
         # replicated produce a second round trip per follower (bench/PROFILE.md).
         if not data and reply.diverging is None and msg.max_wait_ms > 0 and msg.fetch_offset == reply.log_end:
-            self._parked_replica.setdefault(key, []).append(
-                _ParkedReplicaFetch(now_ms + msg.max_wait_ms, token, msg))
+            self._parked_replica.setdefault(key, []).append(replica.wait_at_end(token, msg, now_ms))
             return effects
         return effects + [Reply(token, reply, (data,))]
 
-    def _wake_replica_fetches(self, key: tuple[str, int], now_ms: int, *, expired_only: bool = False) -> list:
+    def _wake_replica_fetches(self, key: tuple[str, int], now_ms: int) -> list:
+        """Answer the followers' waiting fetches the replica says are due (`Replica.answer_at`)."""
         parked = self._parked_replica.get(key)
-        if not parked:
+        replica = self.replicas.get(key)
+        if not parked or replica is None:
             return []
-        if expired_only:
-            due = [p for p in parked if p.deadline_ms <= now_ms]
-            if not due:
-                return []
-            self._parked_replica[key] = [p for p in parked if p.deadline_ms > now_ms]
-        else:
-            due, self._parked_replica[key] = parked, []
+        due, waiting = [], []
+        for fetch in parked:
+            fetch.due_ms = replica.answer_at(fetch, now_ms)
+            (due if fetch.due_ms <= now_ms else waiting).append(fetch)
+        if not due:
+            return []
+        self._parked_replica[key] = waiting
         effects = []
-        for waiting in due:
-            effects += self.replica_fetch(waiting.token, dataclasses.replace(waiting.msg, max_wait_ms=0), now_ms)
+        for fetch in due:
+            effects += self.replica_fetch(fetch.token, dataclasses.replace(fetch.msg, max_wait_ms=0), now_ms)
         return effects
 
     def on_alter_isr_reply(self, key: tuple[str, int], reply: m.AlterIsrReply | None, error: ZBrokerError | None,
@@ -1029,7 +1024,8 @@ class PartitionActorCore:
         if self.replicas:
             for key, replica in self.replicas.items():
                 effects += self._replica_effects(key, replica.tick(now_ms), now_ms)
-                effects += self._wake_replica_fetches(key, now_ms, expired_only=True)
+                if any(fetch.due_ms <= now_ms for fetch in self._parked_replica.get(key, ())):
+                    effects += self._wake_replica_fetches(key, now_ms)
             effects += self.replica_fetches(now_ms)
         if now_ms >= self._next_retention_ms:
             self._next_retention_ms = now_ms + RETENTION_CHECK_MS
@@ -1055,7 +1051,7 @@ class PartitionActorCore:
             due = replica.deadline_ms()
             if due is not None:
                 candidates.append(due)
-            candidates += [p.deadline_ms for p in self._parked_replica.get(key, ())]
+            candidates += [fetch.due_ms for fetch in self._parked_replica.get(key, ())]
         return min(candidates)
 
     # -- reports ----------------------------------------------------------------------------
