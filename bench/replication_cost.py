@@ -1,6 +1,6 @@
 """Where R = 3 produce spends the server's CPU beside R = 1 (issue #25), per actor.
 
-    .venv/bin/python bench/replication_cost.py [--records 200000] [--rounds 2]
+    .venv/bin/python -m bench.replication_cost [--records 200000] [--rounds 2]
 
 The broker and workload of bench/replication.py's produce rows (`zbroker up
 --partition-actors 3 --actor-dirs`, 100-byte records, the producer's
@@ -9,8 +9,8 @@ topic each, alternated `--rounds` times on one broker. For each row: records/s,
 the server's CPU per record, and for every actor its CPU per record and its
 voluntary context switches (every thread; a voluntary switch is a wait that
 something ended: a wake-up) per 500-record batch; the leader is marked "L:".
-The script imports the tree whose interpreter runs it, so one file compares
-two checkouts, each with its own venv.
+To compare two checkouts, copy this file into the other one's bench/ and run
+it there with that checkout's venv.
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.adapter import ProduceSpec  # noqa: E402
-from bench.one_record import threads  # noqa: E402
-from bench.replication import RECORD_BYTES, _fully_in_sync, _phase, _wait  # noqa: E402
-from bench.zbroker_adapter import PRODUCE_BATCH, _produce  # noqa: E402
+from bench.adapter import ProduceSpec
+from bench.one_record import threads
+from bench.replication import RECORD_BYTES, _fully_in_sync, _phase, _wait
+from bench.zbroker_adapter import PRODUCE_BATCH, _produce
 
 
 def _cpu_and_wakeups(pid: int) -> tuple[float, int]:
