@@ -86,13 +86,7 @@ def test_produce_is_acknowledged_once_the_follower_has_the_batch(pair):
         ["plain", 0, 0, 0], ["t", 0, 0, 1]]
     registration = b.registration(endpoint="x", storage_id="s", pid=1)
     assert [row[0] for row in registration.partitions] == ["plain"]
-    # The fetch that moved the HW waits at the log end: the follower learns the HW with the
-    # next answer (the next append, or here the end of the long poll), as in Kafka.
-    assert registration.replica_states == [["t", 0, 0, 1, 0]]
-    [answer] = [e for e in a.tick(2 + 500) if getattr(e, "token", None) == "follower"]
-    wire = codec.decode_reply(codec.encode_reply(answer.msg, 7, answer.frames))
-    b.on_replica_fetch_reply(("t", 0), wire.msg, wire.frames, None, 2 + 500)
-    assert b.registration(endpoint="x", storage_id="s", pid=1).replica_states == [["t", 0, 0, 1, 1]]
+    assert registration.replica_states == [["t", 0, 0, 1, 1]]  # the follower learnt the HW at once
 
 
 def test_a_follower_refuses_produce_and_fetch_with_the_leader(pair):
@@ -212,10 +206,12 @@ def test_under_a_stream_a_waiting_fetch_is_held_for_one_linger_at_most(pair):
     for now in (1, 2, 3):  # a stream too thin yet to fill 64 KiB within the linger: answered at once
         effects = produce(a, value, now=now)
         [answer] = [e for e in effects if getattr(e, "token", None) == "follower"]
-        [send] = pump_answer(b, answer, now)
-        request = codec.decode_request(codec.encode_request(send.msg, 7))
-        assert not [e for e in a.handle("follower", request, now) + a.end_turn(now)
-                    if getattr(e, "token", None) == "follower"]  # at the log end again: waits
+        queue = pump_answer(b, answer, now)
+        while queue:  # the fetch that moves the HW is answered at once; the next one waits
+            request = codec.decode_request(codec.encode_request(queue[0].msg, 7))
+            answers = [e for e in a.handle("follower", request, now) + a.end_turn(now)
+                       if getattr(e, "token", None) == "follower"]
+            queue = pump_answer(b, answers[0], now) if answers else []
     assert not [e for e in produce(a, value, now=4) if getattr(e, "token", None) == "follower"]  # held
     assert a.next_deadline() <= 4 + replica_module.FETCH_LINGER_MS
     assert not [e for e in a.tick(5) if getattr(e, "token", None) == "follower"]
