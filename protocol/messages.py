@@ -1134,12 +1134,18 @@ class ReplicaFetch(Message):
     last_fetched_epoch: int
     max_bytes: int = 1 << 20
     max_wait_ms: int = 0
+    # A fetch waiting at the log end may be held for min_bytes, at most linger_ms after the
+    # first byte it lacks (docs/PROTOCOL.md); the defaults answer at the first byte.
+    min_bytes: int = 1
+    linger_ms: int = 0
 
     def check(self) -> None:
         _nonneg(self.op, partition=self.partition, leader_epoch=self.leader_epoch,
-                fetch_offset=self.fetch_offset, max_bytes=self.max_bytes, max_wait_ms=self.max_wait_ms)
-        if self.max_wait_ms > MAX_WAIT_MS:
-            raise ProtocolError(f"'max_wait_ms' must be at most {MAX_WAIT_MS}", op=self.op, field="max_wait_ms")
+                fetch_offset=self.fetch_offset, max_bytes=self.max_bytes, max_wait_ms=self.max_wait_ms,
+                min_bytes=self.min_bytes, linger_ms=self.linger_ms)
+        for field in ("max_wait_ms", "linger_ms"):
+            if getattr(self, field) > MAX_WAIT_MS:
+                raise ProtocolError(f"{field!r} must be at most {MAX_WAIT_MS}", op=self.op, field=field)
 
 
 @reply("replica_fetch")

@@ -58,8 +58,9 @@ replicated partitions
     (replica.py) beside its log. As leader: produce is checked by it
     (NOT_LEADER, NOT_ENOUGH_REPLICAS) and its reply held until the high
     watermark covers the batch; consumer fetches see and are told only what
-    is below the HW; `replica_fetch` is served (long-polled like a fetch);
-    the HW is reported as log_end. As follower: produce and fetch get
+    is below the HW; `replica_fetch` is served (long-polled like a fetch,
+    the waiting ones answered at `end_turn`: once for all of a turn's
+    appends); the HW is reported as log_end. As follower: produce and fetch get
     NOT_LEADER, and the core emits `SendToLeader` fetches whose replies
     (`on_replica_fetch_reply`) it applies to the log, fsynced before the next
     fetch reports them under ``--fsync always``. A partition without replica
@@ -81,7 +82,7 @@ import structlog
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import stored_range, validate_payload
 from zbroker.actors.partition_log.replica import (DEFAULT_REPLICA_LAG_MS, Acknowledge, ProposeIsr, Refuse, Replica,
-                                                 ReplicaState)
+                                                 ReplicaState, WaitingFetch)
 from zbroker.protocol.batch import parse_batch_header
 from zbroker.protocol.errors import (NotOwner, OffsetOutOfRange, ProtocolError, StaleEpoch, TooLarge, Unauthorized,
                                      UnknownOp, ZBrokerError)
@@ -177,13 +178,6 @@ class SendToLeader:
 class SendToCoordinator:
     """Send `msg` (alter_isr) to the coordinator; its reply goes to `on_alter_isr_reply`."""
     msg: m.Message
-
-
-@dataclasses.dataclass(slots=True)
-class _ParkedReplicaFetch:
-    deadline_ms: int
-    token: Any
-    msg: m.ReplicaFetch
 
 
 @dataclasses.dataclass(slots=True)
@@ -295,8 +289,11 @@ class PartitionActorCore:
         # Replicated partitions only (assign's `replicas`); empty for an R = 1 broker.
         self.replicas: dict[tuple[str, int], Replica] = {}
         self._replica_states: dict[tuple[str, int], ReplicaState] = {}
-        self._parked_replica: dict[tuple[str, int], list[_ParkedReplicaFetch]] = {}
+        self._parked_replica: dict[tuple[str, int], list[WaitingFetch]] = {}
         self._synced_leaders: set[tuple[str, int]] = set()  # fsync=always: report local ends after end_turn
+        # Leaders appended to in this turn: their followers' waiting fetches are answered at
+        # end_turn, once for all the turn's produces rather than once per produce.
+        self._appended_leaders: set[tuple[str, int]] = set()
         self.coordinator_epoch = 0
         self.replica_lag_ms = replica_lag_ms
         self.max_open_partitions = max_open_partitions  # see partitions_for_open_files
@@ -414,7 +411,7 @@ class PartitionActorCore:
             replica.reported_hw = replica.high_watermark
             self._changed.add(key)
             out += self._wake_parked(key, now_ms)
-            out += self._wake_replica_fetches(key, now_ms)  # followers learn the new HW
+            out += self._wake_replica_fetches(key, now_ms, hw_moved=True)  # followers learn the new HW
         return out
     def _apply_config_changes(self, wanted: dict) -> None:
         """An altered topic (alter_topic) reaches its open logs through the assignment: the
@@ -730,7 +727,9 @@ class PartitionActorCore:
             self._synced_leaders.add(key)  # its own copy counts after end_turn's fsync
         else:
             effects += replica.on_local_end(plog.log_end, now_ms)
-        return self._replica_effects(key, effects, now_ms) + self._wake_replica_fetches(key, now_ms)
+        replica.appended(len(payload), now_ms)
+        self._appended_leaders.add(key)
+        return self._replica_effects(key, effects, now_ms)
 
     def _produce_reply(self, token: Any, reply: m.ProduceReply) -> list:
         effect = Reply(token, reply)
@@ -886,27 +885,33 @@ class PartitionActorCore:
                 ReplyError(token, "replica_fetch", detached(err))]
         effects = self._replica_effects(key, effects, now_ms)
         # Parked at the log end, unless this very fetch moved the HW: the follower learns it now.
+        # (Learning it with the next answer instead, as Kafka's followers do, saved two messages
+        # per batch, but a follower elected leader then started from a HW one answer old, and
+        # consumers reading from it missed acknowledged records until its followers had
+        # fetched: tests/replication/test_replication_paths.py, bench/PROFILE.md.)
         if (not data and reply.diverging is None and msg.max_wait_ms > 0 and msg.fetch_offset == reply.log_end
                 and replica.high_watermark == hw_before):
-            self._parked_replica.setdefault(key, []).append(
-                _ParkedReplicaFetch(now_ms + msg.max_wait_ms, token, msg))
+            self._parked_replica.setdefault(key, []).append(replica.wait_at_end(token, msg, now_ms))
             return effects
         return effects + [Reply(token, reply, (data,))]
 
-    def _wake_replica_fetches(self, key: tuple[str, int], now_ms: int, *, expired_only: bool = False) -> list:
+    def _wake_replica_fetches(self, key: tuple[str, int], now_ms: int, *, hw_moved: bool = False) -> list:
+        """Answer the followers' waiting fetches the replica says are due (`Replica.answer_at`),
+        or all of them when the HW moved."""
         parked = self._parked_replica.get(key)
-        if not parked:
+        replica = self.replicas.get(key)
+        if not parked or replica is None:
             return []
-        if expired_only:
-            due = [p for p in parked if p.deadline_ms <= now_ms]
-            if not due:
-                return []
-            self._parked_replica[key] = [p for p in parked if p.deadline_ms > now_ms]
-        else:
-            due, self._parked_replica[key] = parked, []
+        due, waiting = [], []
+        for fetch in parked:
+            fetch.due_ms = now_ms if hw_moved else replica.answer_at(fetch, now_ms)
+            (due if fetch.due_ms <= now_ms else waiting).append(fetch)
+        if not due:
+            return []
+        self._parked_replica[key] = waiting
         effects = []
-        for waiting in due:
-            effects += self.replica_fetch(waiting.token, dataclasses.replace(waiting.msg, max_wait_ms=0), now_ms)
+        for fetch in due:
+            effects += self.replica_fetch(fetch.token, dataclasses.replace(fetch.msg, max_wait_ms=0), now_ms)
         return effects
 
     def on_alter_isr_reply(self, key: tuple[str, int], reply: m.AlterIsrReply | None, error: ZBrokerError | None,
@@ -941,7 +946,9 @@ class PartitionActorCore:
         end_before = plog.log_end
         replica.on_fetch_reply(reply, b"".join(bytes(f) for f in frames), now_ms)
         if plog.log_end != end_before or reply.diverging is not None:
-            self._changed.add(key)
+            # Not reported at once: a follower's log end is only shown (describe's
+            # replica_log_ends), and the registration each second carries it. A report per
+            # answer was a coordinator wake-up per replicated batch and follower.
             if self.fsync.mode == "always":
                 plog.flush()  # the next fetch reports this end: it must be on disk first
                 self.counters["fsyncs"] += 1
@@ -961,10 +968,15 @@ class PartitionActorCore:
 
     def end_turn(self, now_ms: int) -> list:
         """Called once per loop turn after the shell drained its sockets."""
+        woken: list = []
+        if self._appended_leaders:
+            for key in self._appended_leaders:
+                woken += self._wake_replica_fetches(key, now_ms)
+            self._appended_leaders.clear()
         if not self._held_replies and not self._wake_after_sync and not self._synced_leaders:
-            return []
+            return self._gathered(woken) if woken else []
         self.sync_dirty()
-        held, self._held_replies = self._held_replies, []
+        held, self._held_replies = self._held_replies + woken, []
         if self._synced_leaders:
             leaders, self._synced_leaders = self._synced_leaders, set()
             for key in leaders:
@@ -1018,7 +1030,8 @@ class PartitionActorCore:
         if self.replicas:
             for key, replica in self.replicas.items():
                 effects += self._replica_effects(key, replica.tick(now_ms), now_ms)
-                effects += self._wake_replica_fetches(key, now_ms, expired_only=True)
+                if any(fetch.due_ms <= now_ms for fetch in self._parked_replica.get(key, ())):
+                    effects += self._wake_replica_fetches(key, now_ms)
             effects += self.replica_fetches(now_ms)
         if now_ms >= self._next_retention_ms:
             self._next_retention_ms = now_ms + RETENTION_CHECK_MS
@@ -1044,7 +1057,7 @@ class PartitionActorCore:
             due = replica.deadline_ms()
             if due is not None:
                 candidates.append(due)
-            candidates += [p.deadline_ms for p in self._parked_replica.get(key, ())]
+            candidates += [fetch.due_ms for fetch in self._parked_replica.get(key, ())]
         return min(candidates)
 
     # -- reports ----------------------------------------------------------------------------

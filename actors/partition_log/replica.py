@@ -63,12 +63,28 @@ High watermark across leader changes
     docs/SEMANTICS.md: a leader that lost an unsynced tail in a host crash
     and is the only ISR member left can only publish what it still holds.)
 
+Waiting fetches (leader)
+    A follower's fetch at the log end waits (the owner holds it, as a
+    `WaitingFetch`) until the leader has something for it. It asks for
+    ``min_bytes`` and a ``linger_ms`` (Kafka's replica.fetch.min.bytes, with a
+    wait of its own, short, beside the long poll): `answer_at` answers it at
+    once when nothing more is expected soon, when ``min_bytes`` are there, or
+    ``linger_ms`` after the first byte it lacks was appended, whichever comes
+    first; always at the end of its long poll. "Expected" means: the bytes
+    appended in the last APPEND_RATE_WINDOW_MS, coming at that rate for the
+    linger, would bring what it lacks to ``min_bytes``. Under a stream of
+    produce requests one answer then carries several batches (one fetch round
+    per follower for them, not one each); a trickle of small produces is
+    answered at once, so its acknowledgement waits no linger. The wait
+    changes when an acknowledgement comes, never what is acknowledged.
+
 The producer window survives a leader change without work here: followers
 store the same batches, so their logs rebuilt the same producer state.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -81,6 +97,14 @@ from zbroker.storage.log.epochs import NO_EPOCH
 DEFAULT_REPLICA_LAG_MS = 10_000
 FETCH_WAIT_MS = 500
 FETCH_MAX_BYTES = 1 << 20
+# What a follower asks a waiting fetch to gather before it is answered, and for how long at
+# most after the first byte (see "Waiting fetches" above). 64 KiB: a few produce requests'
+# batches (the benchmark's 500 records of 100 B are 53 KB). A leader honours a linger of up
+# to APPEND_RATE_WINDOW_MS.
+FETCH_MIN_BYTES = 64 << 10
+FETCH_LINGER_MS = 2
+# The appends of this last stretch of time tell whether more are coming soon.
+APPEND_RATE_WINDOW_MS = 10
 # After a failed fetch (leader unreachable, or it does not lead yet), try again this much later.
 FETCH_RETRY_MS = 100
 # An ISR proposal unanswered this long is sent again (the coordinator may have restarted).
@@ -126,6 +150,17 @@ class ProposeIsr:
 
 
 @dataclasses.dataclass(slots=True)
+class WaitingFetch:
+    """A follower's fetch held at the leader's log end; its owner keeps it and asks `answer_at`
+    when to answer it (again after each append: an append can only make that sooner)."""
+    token: Any
+    msg: m.ReplicaFetch
+    until_ms: int      # the end of its long poll: answered then, with or without records
+    from_bytes: int    # the leader's `appended_bytes` when it began to wait
+    due_ms: int        # what `answer_at` said last
+
+
+@dataclasses.dataclass(slots=True)
 class _Follower:
     log_end: int | None = None          # None until a non-diverging fetch in this epoch
     caught_up_ms: int = 0               # last time it had everything the leader had
@@ -137,7 +172,8 @@ class _Follower:
 class Replica:
     def __init__(self, topic: str, partition: int, actor_id: str, log: Any, state: ReplicaState, now_ms: int,
                  *, replica_lag_ms: int = DEFAULT_REPLICA_LAG_MS, fetch_wait_ms: int = FETCH_WAIT_MS,
-                 fetch_max_bytes: int = FETCH_MAX_BYTES) -> None:
+                 fetch_max_bytes: int = FETCH_MAX_BYTES, fetch_min_bytes: int = FETCH_MIN_BYTES,
+                 fetch_linger_ms: int = FETCH_LINGER_MS) -> None:
         self.topic = topic
         self.partition = partition
         self.actor_id = actor_id
@@ -145,6 +181,14 @@ class Replica:
         self.replica_lag_ms = replica_lag_ms
         self.fetch_wait_ms = fetch_wait_ms
         self.fetch_max_bytes = fetch_max_bytes
+        self.fetch_min_bytes = fetch_min_bytes
+        self.fetch_linger_ms = fetch_linger_ms
+        # Payload bytes appended by this replica as leader, ever; and of the appends of the
+        # last APPEND_RATE_WINDOW_MS, (time, appended_bytes after it), oldest first, with the
+        # count before the oldest of them (see "Waiting fetches").
+        self.appended_bytes = 0
+        self._recent_appends: collections.deque[tuple[int, int]] = collections.deque()
+        self._bytes_before_recent = 0
         self.state = state
         self.high_watermark = log.log_start
         self.deposed = False          # a newer epoch exists that this replica's state does not describe
@@ -275,6 +319,17 @@ class Replica:
         self._local_end = log_end
         return self._advance([])
 
+    def appended(self, nbytes: int, now_ms: int) -> None:
+        """The leader appended a batch of `nbytes` (for its followers' waiting fetches)."""
+        self.appended_bytes += nbytes
+        self._recent_appends.append((now_ms, self.appended_bytes))
+        self._forget_appends_before(now_ms - APPEND_RATE_WINDOW_MS)
+
+    def _forget_appends_before(self, since_ms: int) -> None:
+        recent = self._recent_appends
+        while recent and recent[0][0] <= since_ms:
+            self._bytes_before_recent = recent.popleft()[1]
+
     def _advance(self, effects: list) -> list:
         if not self.is_leader:
             return effects
@@ -327,6 +382,30 @@ class Replica:
             data = log.read(msg.fetch_offset, max(1, msg.max_bytes))
             reply.epochs = log.epochs.entries_from(msg.fetch_offset)
         return reply, data, effects
+
+    def wait_at_end(self, token: Any, msg: m.ReplicaFetch, now_ms: int) -> WaitingFetch:
+        """A fetch `on_replica_fetch` found at the log end, to be held for up to its max_wait_ms."""
+        until = now_ms + msg.max_wait_ms
+        return WaitingFetch(token, msg, until, self.appended_bytes, until)
+
+    def answer_at(self, waiting: WaitingFetch, now_ms: int) -> int:
+        """When to answer a held fetch: at or before `now_ms` means now (see "Waiting fetches")."""
+        if now_ms >= waiting.until_ms:
+            return now_ms
+        lacking = self.appended_bytes - waiting.from_bytes
+        if lacking <= 0:
+            return waiting.until_ms
+        linger = min(waiting.msg.linger_ms, APPEND_RATE_WINDOW_MS)
+        if lacking >= waiting.msg.min_bytes or linger <= 0:
+            return now_ms
+        self._forget_appends_before(now_ms - APPEND_RATE_WINDOW_MS)
+        if waiting.from_bytes < self._bytes_before_recent:
+            return now_ms  # its first byte came longer ago than any linger
+        first_ms = next(ms for ms, total in self._recent_appends if total > waiting.from_bytes)
+        recent = self.appended_bytes - self._bytes_before_recent
+        if lacking + recent * linger // APPEND_RATE_WINDOW_MS < waiting.msg.min_bytes:
+            return now_ms  # at the recent rate, min_bytes would not come within the linger
+        return min(first_ms + linger, waiting.until_ms)
 
     def _diverging(self, msg: m.ReplicaFetch, log_end: int) -> dict | None:
         if msg.last_fetched_epoch == NO_EPOCH:
@@ -457,7 +536,8 @@ class Replica:
         log_end = self._fetched_from = self.log.log_end
         last_epoch = self.log.epochs.epoch_at(log_end - 1) if log_end > self.log.log_start else NO_EPOCH
         return state.leader_endpoint, m.ReplicaFetch(self.topic, self.partition, self.actor_id, state.leader_epoch,
-                                                     log_end, last_epoch, self.fetch_max_bytes, self.fetch_wait_ms)
+                                                     log_end, last_epoch, self.fetch_max_bytes, self.fetch_wait_ms,
+                                                     self.fetch_min_bytes, self.fetch_linger_ms)
 
     def on_fetch_reply(self, reply: m.ReplicaFetchReply, data: bytes, now_ms: int) -> None:
         """Apply the leader's answer to the log: reset, truncate or append."""
