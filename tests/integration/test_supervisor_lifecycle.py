@@ -120,7 +120,7 @@ def start(self):
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")  # fork() at the process limit
     return real(self)
 SpawnProcess.start = start
-sys.exit(serve(BrokerConfig(data_dir=sys.argv[1], port=int(sys.argv[2]))))
+sys.exit(serve(BrokerConfig(data_dir=sys.argv[1], port=int(sys.argv[2]), http="off")))
 """
 
 
@@ -131,7 +131,7 @@ def test_a_restart_that_cannot_spawn_is_tried_again(tmp_path):
     up, data, url = _serve_with(tmp_path, _SPAWN_FAILS_ONCE)
     pids: dict = {}
     try:
-        wait_ready(url)
+        wait_ready(url, process=up)  # an exit before it is ready fails at once
         pids = _pids(data)
         os.kill(pids["partition-0"], signal.SIGKILL)
         _new_partition_actor(url, pids["partition-0"])
@@ -149,7 +149,7 @@ from zbroker.supervisor import BrokerConfig, serve
 def fault(signum, frame):
     raise RuntimeError("a fault of the supervisor's own")
 signal.signal(signal.SIGUSR1, fault)
-sys.exit(serve(BrokerConfig(data_dir=sys.argv[1], port=int(sys.argv[2]))))
+sys.exit(serve(BrokerConfig(data_dir=sys.argv[1], port=int(sys.argv[2]), http="off")))
 """
 
 
@@ -159,7 +159,7 @@ def test_a_fault_in_the_supervisor_still_stops_the_actors(tmp_path):
     up, data, url = _serve_with(tmp_path, _FAULT_ON_SIGNAL)
     pids: dict = {}
     try:
-        wait_ready(url)
+        wait_ready(url, process=up)  # an exit before it is ready fails at once
         pids = _pids(data)
         up.send_signal(signal.SIGUSR1)
         assert up.wait(30) != 0
