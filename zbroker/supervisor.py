@@ -93,9 +93,6 @@ class BrokerConfig:
             # one without a token (a broker that ran before the console existed keeps
             # starting: its metrics are not offered to the network unasked).
             host = self._local_host
-            if self.port + 80 > 65535:
-                raise ValueError(f"--port {self.port} puts the console at {self.port + 80}, past 65535: "
-                                 f"give --http HOST:PORT or --http off")
             return (host if _loopback(host) or self.http_token else "127.0.0.1"), self.port + 80
         host, sep, port = self.http.rpartition(":")
         if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
