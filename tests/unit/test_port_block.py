@@ -14,6 +14,15 @@ def test_port_blocks_are_free_and_outside_the_ephemeral_range(monkeypatch):
         base = supervisor.free_port_block(6)
         block = range(base, base + 6)
         assert all(p < 20_000 or p > 60_000 for p in block) and block[0] >= 10_000 and block[-1] <= 65_535
+        console = base + 80  # `zbroker up`'s default --http: in range, and in the same span
+        assert console <= 65_535 and (console < 20_000) == (base < 20_000)
+
+
+def test_the_top_span_leaves_room_for_the_console(monkeypatch):
+    monkeypatch.setattr(supervisor, "ephemeral_port_range", lambda: (11_000, 65_400))
+    monkeypatch.setattr(supervisor.random, "randrange", lambda lo, hi: hi - 1)  # the highest base allowed
+    monkeypatch.setattr(supervisor.random, "choice", lambda spans: spans[-1])
+    assert supervisor.free_port_block(3) + 80 <= 65_535
 
 
 def test_a_block_with_a_listener_in_it_is_never_chosen(monkeypatch):
