@@ -51,6 +51,22 @@ def read_log(url: str, topic: str) -> list[tuple[int, bytes]]:
         conn.close()
 
 
+def read_acknowledged_log(url: str, topic: str, acked: dict[bytes, int]) -> list[tuple[int, bytes]]:
+    """`read_log` once the leader's high watermark covers every acknowledged offset.
+
+    After a leader change, reads stop at the high watermark the new leader has
+    established from its ISR's fetches (docs/SEMANTICS.md, "A new leader ... publishes
+    no HW until it has computed one"): records the old leader acknowledged are on the
+    new one's disk, but read right after the change they can still lie above it. A
+    full make test met that with the reassignment test (124 of the last records not yet
+    readable). A record truly lost never gets covered: the wait then fails, naming it."""
+    top = max(acked.values(), default=-1) + 1
+    with Admin(url) as admin:
+        wait_for(lambda: (partition(admin, topic).get("high_watermark") or 0) >= top, FAILOVER_S,
+                 f"the high watermark of {topic} to cover the acknowledged offsets up to {top}")
+    return read_log(url, topic)
+
+
 def check_acknowledged(acked: dict[bytes, int], log: list[tuple[int, bytes]]) -> None:
     values = [v for _o, v in log]
     assert len(values) == len(set(values)), "a record is in the log twice"
@@ -90,7 +106,7 @@ def test_leader_sigkilled_mid_produce_the_producer_retries_to_the_new_leader_wit
         assert after["leader"] != before["leader"] and after["leader_epoch"] > before["leader_epoch"]
     acked = acknowledged(handles)
     assert len(acked) == 1200
-    check_acknowledged(acked, read_log(broker.url, "kill"))
+    check_acknowledged(acked, read_acknowledged_log(broker.url, "kill", acked))
 
 
 def isr_is(admin: Admin, topic: str, size: int):
@@ -227,7 +243,7 @@ def test_a_follower_restarted_on_an_empty_disk_rebuilds_from_the_leader_and_rejo
     copies = {d: {f.name: f.read_bytes() for f in sorted((d / "logs" / "disk" / "0").glob("*.log"))}
               for d in (leader_dir, victim_dir)}
     assert copies[leader_dir] and copies[leader_dir] == copies[victim_dir]  # byte for byte
-    check_acknowledged(acknowledged(handles), read_log(broker.url, "disk"))
+    check_acknowledged(acknowledged(handles), read_acknowledged_log(broker.url, "disk", acknowledged(handles)))
 
 
 def test_a_replica_set_moved_online_under_load_keeps_every_acknowledged_record(start):
@@ -259,4 +275,4 @@ def test_a_replica_set_moved_online_under_load_keeps_every_acknowledged_record(s
                                  else None)(partition(admin, "move")), FAILOVER_S, "the move to finish")
         assert done["leader"] in target
         assert not [h.error for _v, h in handles if h.error is not None]
-    check_acknowledged(acknowledged(handles), read_log(broker.url, "move"))
+    check_acknowledged(acknowledged(handles), read_acknowledged_log(broker.url, "move", acknowledged(handles)))
