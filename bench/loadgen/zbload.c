@@ -471,13 +471,23 @@ static void send_fetch(topic_map_t *tm, lease_t *l) {
     msgpack_sbuffer_destroy(&header);
 }
 
-static void pack_ranges(msgpack_packer *pk, lease_t *acks, int n_acks);
+/* Finished leases as ack ranges: each lease's records were all counted, so each is one. */
+static void pack_ranges(msgpack_packer *pk, lease_t *acks, int n_acks) {
+    msgpack_pack_array(pk, n_acks);
+    for (int i = 0; i < n_acks; i++) {
+        msgpack_pack_array(pk, 5);
+        pack_str(pk, acks[i].topic);
+        msgpack_pack_int64(pk, acks[i].partition);
+        msgpack_pack_uint64(pk, acks[i].lease_id);
+        msgpack_pack_int64(pk, acks[i].start);
+        msgpack_pack_int64(pk, acks[i].end);
+    }
+}
 
-/* Sends a poll carrying `n_acks` finished leases as ack ranges (each lease's records
- * all counted, so each is one range); or, with max_records 0, an `ack` of them alone.
- * Returns the request's id. */
-static uint64_t send_poll(conn_t *coord, msgpack_sbuffer *buf, const char *group, const char *member,
-                          int64_t generation, int max_records, int max_wait_ms, lease_t *acks, int n_acks) {
+/* Sends a poll (`max_records` > 0) carrying `acks`, or an `ack` of them alone
+ * (`max_records` 0); the two share every field but the poll's own. Returns the id. */
+static uint64_t send_poll_or_ack(conn_t *coord, msgpack_sbuffer *buf, const char *group, const char *member,
+                                 int64_t generation, int max_records, lease_t *acks, int n_acks) {
     msgpack_packer pk;
     msgpack_packer_init(&pk, buf, msgpack_sbuffer_write);
     msgpack_sbuffer_clear(buf);
@@ -488,25 +498,12 @@ static uint64_t send_poll(conn_t *coord, msgpack_sbuffer *buf, const char *group
     pack_kv_int(&pk, "generation", generation);
     if (max_records) {
         pack_kv_int(&pk, "max_records", max_records);
-        pack_kv_int(&pk, "max_wait_ms", max_wait_ms);
+        pack_kv_int(&pk, "max_wait_ms", 1000);
     }
     pack_str(&pk, max_records ? "acks" : "ranges");
     pack_ranges(&pk, acks, n_acks);
     send_request(coord, buf, NULL, 0);
     return id;
-}
-
-static void pack_ranges(msgpack_packer *pk_, lease_t *acks, int n_acks) {
-    msgpack_packer *pk = pk_;
-    msgpack_pack_array(pk, n_acks);
-    for (int i = 0; i < n_acks; i++) {
-        msgpack_pack_array(pk, 5);
-        pack_str(pk, acks[i].topic);
-        msgpack_pack_int64(pk, acks[i].partition);
-        msgpack_pack_uint64(pk, acks[i].lease_id);
-        msgpack_pack_int64(pk, acks[i].start);
-        msgpack_pack_int64(pk, acks[i].end);
-    }
 }
 
 /* Polls kept in flight, each for WINDOW / POLLS_AHEAD records, the group holding at most
@@ -568,12 +565,12 @@ static int run_consume(int argc, char **argv) {
         /* Acks ride on the next poll; when every poll is out (waiting, maybe for the very
          * capacity these acks free) or none is to come, they go alone in an `ack`. */
         while (polls_out < POLLS_AHEAD && leased < count) {
-            poll_ids[polls_out++] = send_poll(&coord, &buf, group, member, generation, window / POLLS_AHEAD, 1000,
-                                              finished, n_finished);
+            poll_ids[polls_out++] = send_poll_or_ack(&coord, &buf, group, member, generation, window / POLLS_AHEAD,
+                                                     finished, n_finished);
             n_finished = 0;
         }
         if (n_finished > 0) {
-            send_poll(&coord, &buf, group, member, generation, 0, 0, finished, n_finished);
+            send_poll_or_ack(&coord, &buf, group, member, generation, 0, finished, n_finished);
             n_finished = 0;
             acks_out++;
         }
