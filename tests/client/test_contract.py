@@ -401,13 +401,13 @@ def test_the_contract_fails_a_driver_that_does_not_follow_not_coordinator(broker
 def test_the_contract_fails_a_driver_that_skips_the_rebalance_callbacks(broker, monkeypatch):
     """A deliberate difference in one driver: the asyncio one stops calling on_revoke. The same
     check that passes for both drivers above must fail for it."""
-    original = AsyncConsumer._join
+    original = AsyncConsumer._notify
 
-    async def join_without_revoke(self):
-        self.on_revoke = None
-        await original(self)
+    async def notify_all_but_revoke(self, step):
+        if step.callback is not self.flow.on_revoke:
+            await original(self, step)
 
-    monkeypatch.setattr(AsyncConsumer, "_join", join_without_revoke)
+    monkeypatch.setattr(AsyncConsumer, "_notify", notify_all_but_revoke)
     with pytest.raises(AssertionError):
         check_with_a_fresh_driver(AsyncDriver, check_a_rebalance_calls_back_and_hands_out_only_what_it_still_owns,
                                   broker)

@@ -182,7 +182,9 @@ def test_acks_leave_after_the_ack_interval_without_waiting_for_a_poll(broker):
 def test_records_being_fetched_when_the_heartbeat_re_joins_are_still_handed_out(broker):
     """A rebalance revokes only the leases of partitions that move: in a shared group this
     member keeps its lease, and dropping its records at the re-join stranded them until
-    the ack timeout (a delivery attempt each)."""
+    the ack timeout (a delivery attempt each). The heartbeat hears of the rebalance while
+    the poll fetches; the poll hands its records out, and their acks, sent after the
+    re-join, are applied."""
     with Admin(broker.url) as admin:
         admin.create_topic("rejoin", partitions=1)
         admin.configure_group("rejoin", mode="shared", ack_timeout_ms=60_000)
@@ -199,16 +201,18 @@ def test_records_being_fetched_when_the_heartbeat_re_joins_are_still_handed_out(
                 await asyncio.sleep(0.3)  # the Poll is answered; the fetch waits on the paused actor
                 generation = a.generation
                 b = AsyncConsumer(broker.url, group="rejoin", topics=["rejoin"])
-                await b.start()  # a new generation: a's heartbeat (every 0.5 s) is fenced and re-joins
-                while a.generation == generation:
+                await b.start()  # a new generation: a's heartbeat (every 0.5 s) is fenced
+                while not a.flow.needs_rejoin:
                     await asyncio.sleep(0.05)
             got = await asyncio.wait_for(poll, 30)
+            await a.ack_many(got)
+            await a.flush_acks()  # refused in the old generation: re-joins, then sent again
             await b.close()
-            return [r.offset for r in got]
+            return [r.offset for r in got], a.generation > generation, a.stats["acked"], a.stats["stale"]
         finally:
             await a.close()
 
-    assert asyncio.run(main()) == list(range(10))
+    assert asyncio.run(main()) == (list(range(10)), True, 10, 0)
 
 
 def test_key_less_and_key_ed_records_keep_their_order_and_a_wrong_type_fails_alone(broker):

@@ -110,9 +110,9 @@ def test_a_rebalance_that_keeps_a_partition_leaves_no_lease_of_it_behind(broker,
         a.ack(r)
     a.flush_acks()
     if poll_ahead:
-        assert a._poll_ahead is not None  # the next 50 are leased to a already
+        assert a.flow.poll_in_flight is not None  # the next 50 are leased to a already
     b = consumer_of(group="k", topics=["kept"], session_timeout_ms=1500)  # a rebalance
-    wait_for(a._needs_rejoin.is_set, 5, "a's heartbeat to hear of the rebalance")
+    wait_for(lambda: a.flow.needs_rejoin, 5, "a's heartbeat to hear of the rebalance")
     _consume_all(a, b, got, len(values))
     _assert_all_delivered_and_committed(broker, got, values, "k", "kept")
 
@@ -129,7 +129,7 @@ def test_records_held_for_a_smaller_poll_survive_a_rejoin_on_the_partition_kept(
     while len(got) < 50 and time.monotonic() < deadline:
         got += a.poll(max_records=50, timeout=0.5)
     got += a.poll(max_records=5, timeout=5.0)  # the poll sent ahead leased 50: 45 are held
-    assert len(got) == 55 and a._held
+    assert len(got) == 55 and a.core.held
     for r in got:
         a.ack(r)
     b = consumer_of(group="h", topics=["held"])  # a rebalance: one partition moves

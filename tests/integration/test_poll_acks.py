@@ -55,7 +55,7 @@ def test_acks_ride_on_polls_and_flush_waits_until_those_on_a_waiting_poll_are_ap
             assert sent["poll_with_acks"] >= 4
             # The poll sent ahead finds nothing and waits; the next one carries the last batch's acks.
             assert consumer.poll(max_records=500, timeout=1.5) == []
-            assert consumer._poll_ahead.acks, "the last acks should be riding on the waiting poll"
+            assert consumer.flow.poll_in_flight.acks, "the last acks should be riding on the waiting poll"
             consumer.flush_acks(wait=True)
             # Applied by now (in the coordinator's memory); durable a flush of the writer later.
             applied = {(p["topic"], p["partition"]): p["committed_pending"]

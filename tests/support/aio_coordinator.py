@@ -1,21 +1,22 @@
 """An in-process stand-in for the coordinator, for unit tests of the asyncio consumer.
 
-An `AsyncConnection` whose `send` never touches a socket. Each request is decided
+An `AsyncConnection` whose requests never touch a socket. Each request is decided
 when it arrives (`answer`, which subclasses write) and its reply comes one round
-trip later, so two tasks' requests interleave as they would over the wire. An
+trip later, as the reader task would file it (`Correlation`, or the future of a
+caller waiting), so two tasks' requests interleave as they would over the wire. An
 answer of None parks the request: the test resolves it with `reply_to_parked`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 from zbroker.protocol import messages as m
 from zbroker.protocol.codec import Envelope
 from zbroker.protocol.errors import ZBrokerError
 from zbroker.client.aio import AsyncConnection, AsyncConsumer
 from zbroker.client.core import MetadataCache
+from zbroker.client.transport import Correlation
 
 
 class ScriptedCoordinator(AsyncConnection):
@@ -25,41 +26,51 @@ class ScriptedCoordinator(AsyncConnection):
         self.url = "coordinator"
         self.request_timeout = 5.0
         self.waiting: dict = {}
+        self.correlation = Correlation()
+        self._arrived = asyncio.Event()
         self.metadata = MetadataCache()
         self.sent: list[m.Message] = []
-        self.parked: list[asyncio.Future] = []
+        self.parked: list[int] = []
         self.closed = False
-        self._ids = itertools.count(1)
 
     def answer(self, msg: m.Message) -> m.Message | ZBrokerError | None:
         raise NotImplementedError
 
-    async def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> asyncio.Future:
+    async def send_request(self, endpoint: str, msg: m.Message) -> int:
         self.sent.append(msg)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        fut.corr_id, fut.later = next(self._ids), []  # as AsyncConnection.send's: one reply, then no more
+        corr = self.correlation.allocate(1 + (getattr(msg, "follow", 0) or 0))
         outcome = self.answer(msg)
         if outcome is None:
-            self.parked.append(fut)
+            self.parked.append(corr)
         else:
-            loop.call_later(self.round_trip_s, self._resolve, fut, outcome)
+            asyncio.get_running_loop().call_later(self.round_trip_s, self._resolve, corr, outcome)
+        return corr
+
+    async def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> asyncio.Future:
+        corr = await self.send_request(endpoint, msg)
+        fut = asyncio.get_running_loop().create_future()
+        fut.corr_id, fut.later = corr, []  # as AsyncConnection.send's: one reply, then no more
+        self.waiting[corr] = fut
         return fut
 
     def reply_to_parked(self, outcome: m.Message | ZBrokerError | tuple) -> None:
         self._resolve(self.parked.pop(0), outcome)
 
-    @staticmethod
-    def _resolve(fut: asyncio.Future, outcome: m.Message | ZBrokerError | tuple) -> None:
-        """`outcome`: a reply, an error, or (reply, payload frames) for a fetch."""
-        if fut.done():  # abandoned by the consumer
-            return
+    def _resolve(self, corr: int, outcome: m.Message | ZBrokerError | tuple) -> None:
+        """`outcome`: a reply, an error, or (reply, payload frames) for a fetch; filed as the
+        reader task files a reply."""
         if isinstance(outcome, ZBrokerError):
-            fut.set_result(Envelope(op="reply", corr_id=0, error=outcome))
+            env = Envelope(op="reply", corr_id=corr, error=outcome)
         elif isinstance(outcome, tuple):
-            fut.set_result(Envelope(op="reply", corr_id=0, msg=outcome[0], frames=list(outcome[1])))
+            env = Envelope(op="reply", corr_id=corr, msg=outcome[0], frames=list(outcome[1]))
         else:
-            fut.set_result(Envelope(op="reply", corr_id=0, msg=outcome))
+            env = Envelope(op="reply", corr_id=corr, msg=outcome)
+        fut = self.waiting.pop(corr, None)
+        if fut is not None:
+            if not fut.done():
+                fut.set_result(env)
+        elif self.correlation.file(env):
+            self._arrived.set()
 
     async def refresh(self, topics: list[str] | None = None) -> None:
         pass

@@ -15,32 +15,40 @@ from zbroker.client.aio import AsyncConsumer
 from zbroker.client.core import RANGES_PER_REQUEST, ConsumedRecord
 
 
+class OutcomeCoordinator(ScriptedCoordinator):
+    """Answers each group request with the next of ``outcomes``: a reply, an error, or PARK
+    (never answered)."""
+
+    def __init__(self, outcomes: list) -> None:
+        super().__init__()
+        self.outcomes = outcomes
+
+    def answer(self, msg):
+        outcome = self.outcomes.pop(0)
+        return None if outcome is PARK else outcome
+
+
+PARK = object()
+
+
 def bare_consumer(outcomes: list) -> tuple[AsyncConsumer, list]:
-    """A consumer whose group calls fail or succeed as `outcomes` says; returns what each call sent."""
-    consumer = offline_consumer(None)
-    sent: list = []
-
-    async def group_call(make, timeout=None):
-        msg = make()
-        sent.append(msg)
-        outcome = outcomes.pop(0)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
-    consumer._group_call = group_call
-    return consumer, sent
+    """A consumer whose group requests are answered as `outcomes` says; returns what each sent."""
+    conn = OutcomeCoordinator(outcomes)
+    return offline_consumer(conn), conn.sent
 
 
 def test_acks_refused_as_retriable_or_cancelled_are_sent_again():
-    consumer, sent = bare_consumer([Unavailable("coordinator away"), asyncio.CancelledError(), None])
+    consumer, sent = bare_consumer([Unavailable("coordinator away"), PARK, AckReply(applied=5)])
     consumer.acks.add_range(["t", 0, 7, 0, 5])
 
     async def run():
         with pytest.raises(Unavailable):
             await consumer.flush_acks()
+        flushing = asyncio.create_task(consumer.flush_acks())
+        await asyncio.sleep(0.05)  # sent, and waiting for the reply that never comes
+        flushing.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await consumer.flush_acks()
+            await flushing
         await consumer.flush_acks()
 
     asyncio.run(run())
@@ -49,7 +57,8 @@ def test_acks_refused_as_retriable_or_cancelled_are_sent_again():
 
 
 def test_acks_the_coordinator_calls_stale_are_not_sent_again():
-    consumer, sent = bare_consumer([StaleLease("expired", stale=[["t", 0, 7, 0, 5]], applied=0), None])
+    consumer, sent = bare_consumer([StaleLease("expired", stale=[["t", 0, 7, 0, 5]], applied=0),
+                                    AckReply(applied=2)])
     consumer.acks.add_range(["t", 0, 7, 0, 5])
 
     async def run():
@@ -62,22 +71,12 @@ def test_acks_the_coordinator_calls_stale_are_not_sent_again():
     assert [msg.ranges for msg in sent] == [[["t", 0, 7, 0, 5]], [["t", 0, 8, 0, 2]]]
 
 
-class _AwayConn:
-    """A coordinator that cannot be reached."""
-    url = "coord"
-    coordinators = Coordinators(url)
-    request_timeout = 5.0
+class _AwayConn(ScriptedCoordinator):
+    """A coordinator that cannot be reached: every send fails."""
 
-    def __init__(self):
-        self.sent = []
-        self.closed = False
-
-    async def call(self, endpoint, msg, frames=(), timeout=None):
+    async def send_request(self, endpoint, msg):
         self.sent.append(type(msg).__name__)
         raise Unavailable("coordinator away")
-
-    async def close(self):
-        self.closed = True
 
 
 def _bare_member(conn) -> AsyncConsumer:
@@ -110,8 +109,7 @@ def test_a_long_poll_timeout_asks_for_at_most_the_longest_wait():
 def test_the_heartbeat_goes_on_when_a_re_join_fails():
     from zbroker.protocol import messages as m
     from zbroker.protocol.errors import Fenced, RequestTimeout
-    c = _bare_member(None)
-    c.session_timeout_ms = 150  # a beat every 50 ms
+    c = offline_consumer(None, session_timeout_ms=150)  # a beat every 50 ms
     calls = []
 
     class Coordinator:
@@ -141,8 +139,8 @@ def gapped_ranges(count: int) -> list[list]:
     return [["t", 0, 7, 2 * i, 2 * i + 1] for i in range(count)]
 
 
-def applied(n: int, reply_type: type = AckReply) -> Envelope:
-    return Envelope(op="reply", corr_id=0, msg=reply_type(applied=n))
+def applied(n: int, reply_type: type = AckReply):
+    return reply_type(applied=n)
 
 
 def test_more_ranges_than_one_request_holds_go_in_several_acks_and_lease_calls():

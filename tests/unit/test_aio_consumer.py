@@ -81,10 +81,11 @@ class ParksPolls(ScriptedCoordinator):
 
 def fetch_offsets(consumer):
     """Stands in for the fetch from the partition actors: (topic, partition, offset) per record."""
-    async def fetch() -> None:
-        while consumer._to_fetch:
-            topic, partition, _lease, offset, end, _attempt, _reason = consumer._to_fetch.pop(0)
+    def fetch():
+        while consumer.flow.to_fetch:
+            topic, partition, _lease, offset, end, _attempt, _reason = consumer.flow.to_fetch.pop(0)
             consumer.core.held.append([(topic, partition, o) for o in range(offset, end)])
+        yield from ()
     return fetch
 
 
@@ -97,7 +98,7 @@ async def cancelled_poll(consumer, timeout: float) -> None:
 def test_the_lease_of_a_cancelled_poll_goes_to_the_next_poll():
     coordinator = ParksPolls(1)
     consumer = offline_consumer(coordinator)
-    consumer._fetch = fetch_offsets(consumer)
+    consumer.flow._fetch = fetch_offsets(consumer)
 
     async def main():
         await cancelled_poll(consumer, timeout=5.0)

@@ -138,8 +138,6 @@ def test_flush_acks_does_not_return_while_the_interval_request_holding_the_acks_
         coordinator.reply_to_parked(Unavailable("coordinator restarting"))
         await asyncio.sleep(0.05)
         held = consumer.acks.take()
-        for fut in coordinator.parked:
-            fut.cancel()
         flush.cancel()
         await asyncio.gather(flush, return_exceptions=True)
         return returned_early, held
@@ -203,7 +201,7 @@ def test_closing_a_consumer_twice_raises_nothing():
 class _Turns:
     """Just the turn-taking of AsyncConsumer.poll(), without a consumer around it."""
     def __init__(self) -> None:
-        self._poll_lock = asyncio.Lock()
+        self._turn = asyncio.Lock()
 
     wait_for_turn = AsyncConsumer._wait_for_turn
 
@@ -211,7 +209,7 @@ class _Turns:
 def test_a_turn_not_taken_in_time_or_cancelled_leaves_the_lock_to_the_others():
     async def main():
         turns = _Turns()
-        await turns._poll_lock.acquire()  # a running poll holds the turn
+        await turns._turn.acquire()  # a running poll holds the turn
         timed_out = await turns.wait_for_turn(0.01)
         waiting = asyncio.ensure_future(turns.wait_for_turn(10))
         await asyncio.sleep(0)
@@ -222,12 +220,12 @@ def test_a_turn_not_taken_in_time_or_cancelled_leaves_the_lock_to_the_others():
         # runs: the lock handed to it must come back rather than stay held for ever.
         racing = asyncio.ensure_future(turns.wait_for_turn(10))
         await asyncio.sleep(0.01)
-        turns._poll_lock.release()
+        turns._turn.release()
         racing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await racing
-        free_after = not turns._poll_lock.locked()
+        free_after = not turns._turn.locked()
         got_it = await turns.wait_for_turn(0)  # a free lock is taken even with no time left
-        return timed_out, free_after, got_it, turns._poll_lock.locked()
+        return timed_out, free_after, got_it, turns._turn.locked()
 
     assert asyncio.run(main()) == (False, True, True, True)

@@ -47,6 +47,9 @@ class SentAcks:
     def recv_nowait_all(self):
         return []
 
+    def collect(self):
+        pass
+
 
 def bare_consumer(ack_batch: int, conn=None) -> Consumer:
     """A sync Consumer over a stand-in connection (joined as member m, generation 1)."""
@@ -207,6 +210,6 @@ def test_acks_refused_because_the_coordinator_is_stopping_are_held_again():
     consumer = bare_consumer(ack_batch=1000)
     env = types.SimpleNamespace(error=ShuttingDown("stopping"), msg=None)
     with pytest.raises(ShuttingDown):
-        consumer._on_ack_reply(env, [["t", 0, 7, 0, 5]], [["t", 0, 6, 0, 2]])
+        consumer._run(consumer.flow._on_ack_reply(env, [["t", 0, 7, 0, 5]], [["t", 0, 6, 0, 2]]))
     consumer.flush_acks(wait=False)
     assert acked_set(consumer.conn.ranges) == [("t", 0, 6, 0), ("t", 0, 6, 1)] + [("t", 0, 7, o) for o in range(5)]

@@ -18,6 +18,7 @@ from tests.unit.test_read_ahead import stored
 from zbroker.client.consumer_core import PollSent
 from zbroker.client.core import MetadataCache
 from zbroker.client.transport import Coordinators, Correlation
+from zbroker.client.consumer_flow import ConsumerFlow
 from zbroker.client.sync import AHEAD_RETRY_S, Consumer
 
 
@@ -45,11 +46,11 @@ class FakeConn:
             self.refresh([topic])
         return self.metadata.endpoint(topic, partition)
 
-    def send(self, endpoint, msg, frames=(), replies=1):
+    def send(self, endpoint, msg, frames=()):
         if endpoint in self.dead:
             raise Unavailable(f"no connection to {endpoint}")
         corr = next(self._ids)
-        for _ in range(replies - 1):  # ids reserved for a followed fetch's later replies
+        for _ in range(getattr(msg, "follow", 0)):  # ids reserved for a followed fetch's later replies
             next(self._ids)
         self.sent.append((corr, endpoint, msg))
         if isinstance(msg, m.Fetch):
@@ -81,6 +82,9 @@ class FakeConn:
 
     def recv_nowait_all(self):
         return []
+
+    def collect(self):
+        pass
 
     def recv(self, timeout):
         return None
@@ -116,17 +120,18 @@ class FakeConn:
 
 
 def make_consumer(conn, monkeypatch, mode="exclusive", generation=1, assignment=None, **kw):
+    """A sync Consumer over ``conn``, joined as member m in ``generation`` without asking it."""
     def fake_join(self):
-        self.member_id, self.generation = "m", generation
-        self.assignment = assignment if assignment is not None else [["t", p] for p in range(len(conn.log))]
-        self.mode, self.ack_timeout_ms = mode, 30000
-        self._needs_rejoin.clear()
-    orig = Consumer._join
-    monkeypatch.setattr(Consumer, "_join", fake_join)
-    c = Consumer("tcp://127.0.0.1:1", group="g", topics=["t"], heartbeat=False, **kw)
-    monkeypatch.setattr(Consumer, "_join", orig)
-    c.conn.close()
-    c.conn = conn
+        core = self.core
+        core.member_id, core.generation = "m", generation
+        core.assignment = assignment if assignment is not None else [["t", p] for p in range(len(conn.log))]
+        core.mode, core.ack_timeout_ms = mode, 30000
+        self.needs_rejoin = False
+        yield from ()
+    orig = ConsumerFlow.join
+    monkeypatch.setattr(ConsumerFlow, "join", fake_join)
+    c = Consumer("tcp://127.0.0.1:1", group="g", topics=["t"], heartbeat=False, conn=conn, **kw)
+    monkeypatch.setattr(ConsumerFlow, "join", orig)
     return c
 
 
@@ -156,6 +161,9 @@ class LossyConn:
     def recv_nowait_all(self):
         return []
 
+    def collect(self):
+        pass
+
     def wait_for(self, corr, timeout=None):
         env = self._early.pop(corr, None)
         if env is None:
@@ -177,16 +185,14 @@ def test_an_ack_request_without_a_reply_has_its_acks_sent_again():
     c = counting(bare_consumer(ack_batch=1000))
     c.conn = LossyConn(lost={1}, answer=applied)
     recs, sizes = records_of([(0, 7, 0, 10)])
-    c._deliver(recs, sizes)
+    c.core.deliver(recs, sizes)
     for r in recs[:5]:
         c.ack(r)
     c.flush_acks(wait=False)
     for r in recs[5:]:
         c.ack(r)
-    with pytest.raises(RequestTimeout):
-        c.flush_acks(wait=True)  # the caller hears that request 1 was not answered...
-    assert not c._ack_requests and c.acks  # ...and its acks are held for the next request
-    c.flush_acks(wait=True)
+    c.flush_acks(wait=True)  # request 1 was never answered: its acks go again, with the rest
+    assert not c.flow.ack_requests and not c.acks
     resent = [r for corr, msg in c.conn.sent.items() if corr != 1 for r in msg.ranges]
     assert set(acked_set(resent)) == {("t", 0, 7, o) for o in range(10)}
 
@@ -196,15 +202,19 @@ def test_a_missing_ack_reply_does_not_hide_a_later_fenced_one():
     c.conn = LossyConn(lost={1}, answer=lambda corr, msg: codec.Envelope(
         op="ack", corr_id=corr, error=Fenced("fenced", generation=2)) if corr == 2 else applied(corr, msg))
     rejoins = []
-    c._rejoin = lambda: rejoins.append(1)
+
+    def rejoin():
+        rejoins.append(1)
+        yield from ()
+    c.flow.rejoin = rejoin
     recs, sizes = records_of([(0, 7, 0, 10)])
-    c._deliver(recs, sizes)
+    c.core.deliver(recs, sizes)
     c.ack(recs[0])
     c.flush_acks(wait=False)  # request 1: never answered
     for r in recs[1:]:
         c.ack(r)
     c.flush_acks(wait=False)  # request 2: FENCED
-    c._flush_acks_if_due()  # what poll() does
+    c._run(c.flow.flush_acks_if_due())  # what poll() does
     assert rejoins == [1]
     assert set(acked_set(c.conn.sent[3].ranges)) == {("t", 0, 7, o) for o in range(1, 10)}  # sent again after it
 
@@ -215,10 +225,11 @@ def test_acks_of_a_fenced_request_are_kept_when_the_re_join_fails():
 
     def rejoin():
         raise Unavailable("coordinator restarting")
-    c._rejoin = rejoin
+        yield
+    c.flow.rejoin = rejoin
     env = types.SimpleNamespace(error=Fenced("fenced", generation=2), msg=None)
     with pytest.raises(Unavailable):
-        c._on_ack_reply(env, [["t", 0, 7, 0, 5]], [["t", 0, 6, 0, 2]])
+        c._run(c.flow._on_ack_reply(env, [["t", 0, 7, 0, 5]], [["t", 0, 6, 0, 2]]))
     c.flush_acks(wait=False)  # the coordinator is back
     sent = [r for msg in c.conn.sent.values() for r in msg.ranges]
     assert acked_set(sent) == acked_set([["t", 0, 7, 0, 5], ["t", 0, 6, 0, 2]])
@@ -226,7 +237,7 @@ def test_acks_of_a_fenced_request_are_kept_when_the_re_join_fails():
 
 def test_acks_riding_on_a_poll_are_held_again_when_the_ack_that_would_prove_them_cannot_be_sent():
     c = counting(bare_consumer(ack_batch=1000))
-    c._poll_ahead = PollSent(99, [["t", 0, 6, 0, 2]], c.member_id, c.generation, give_up_at=1e12)
+    c.flow.poll_in_flight = PollSent(99, [["t", 0, 6, 0, 2]], c.member_id, c.generation, give_up_at=1e12)
 
     def refuse(endpoint, msg, frames=()):
         raise Unavailable("coordinator restarting")
@@ -251,10 +262,12 @@ def test_a_poll_answered_in_the_old_generation_is_not_used_after_a_re_join(monke
                                      poll_reply([["t", 0, 21, 5, 15, 1, "ahead"]])])
     c = make_consumer(conn, monkeypatch, lease_ahead=True)
     assert [r.offset for r in c.poll(max_records=100, timeout=0)] == [0, 1, 2, 3, 4]
-    c._rejoin()  # a rebalance: the ahead lease ended with generation 1
-    assert c.generation == 2 and c._poll_ahead is None
+    c._run(c.flow.rejoin())  # a rebalance: the ahead lease ended with generation 1
+    assert c.generation == 2
+    kept = c.flow.poll_in_flight  # answered before the rebalance: kept with only what still stands of it
+    assert kept is None or c.conn.correlation.early[kept.reply].msg.deliveries == []
     c.poll(max_records=100, timeout=0)
-    assert c._ahead_leases == {}
+    assert c.core.ahead_leases == {}
     conn.log[0] = 8
     assert all(r.lease_id != 21 for r in c.poll(max_records=100, timeout=0))
 
@@ -264,7 +277,7 @@ def test_a_failed_read_ahead_fetch_under_an_ahead_lease_is_sent_again(monkeypatc
     conn = FakeConn(log=[0], polls=[poll_reply([["t", 0, 21, 0, 10, 1, "ahead"]])])
     c = make_consumer(conn, monkeypatch, lease_ahead=True)
     assert c.poll(max_records=100, timeout=0.05) == []
-    assert c._ahead_leases == {("t", 0): [[21, 0, 10]]}
+    assert c.core.ahead_leases == {("t", 0): [[21, 0, 10]]}
     [(key, corr)] = c.ahead.in_flight()  # parked at offset 0
     # The partition actor restarts: the parked fetch is answered NOT_OWNER.
     conn._early[corr] = codec.Envelope(op="fetch", corr_id=corr, error=NotOwner("opening", opening=True))
@@ -346,7 +359,7 @@ def test_replies_of_followed_fetches_given_up_on_never_pile_up(monkeypatch):
     for _rebalance in range(3):
         for p in range(n):
             c.ahead.leased(("t", p), 0, 0)
-        c._send_read_ahead(1.0)
+        c._run(c.flow._send_read_ahead(1.0))
         out = dict(c.ahead.in_flight())
         assert len(out) == n
         c.conn.correlation.orphan_ranges(c.ahead.retain([]))
@@ -365,7 +378,7 @@ def test_polls_drop_the_pushes_of_a_followed_fetch_given_up_on(monkeypatch):
     c = make_consumer(conn, monkeypatch)
     for p in (0, 1):
         c.ahead.leased(("t", p), 0, 0)
-    c._send_read_ahead(1.0)  # a followed fetch waits at each log end
+    c._run(c.flow._send_read_ahead(1.0))  # a followed fetch waits at each log end
     given_up = dict(c.ahead.in_flight())[("t", 1)]
     c.conn.correlation.orphan_ranges(c.ahead.retain([("t", 0)]))  # a rebalance took partition 1 away
     assert not c.conn.correlation.orphaned(given_up - 1) and c.conn.correlation.orphaned(given_up)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
 
@@ -22,20 +21,17 @@ import zmq.asyncio
 
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
-from zbroker.protocol.errors import ErrorCode, Fenced, RequestTimeout, StaleLease, Unavailable, UnknownMember, ZBrokerError
-from zbroker.client.core import (ChunkedSettle, ConsumedRecord,
-                                 DeliveryHandle, MetadataCache, PendingBatch, checked_partition, checked_record,
-                                 checked_topics, group_by_lease,
-                                 in_request_sized_chunks, record_size_estimate)
+from zbroker.protocol.errors import ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError
+from zbroker.client.core import (ConsumedRecord, DeliveryHandle, MetadataCache, PendingBatch, checked_partition,
+                                 checked_record, checked_topics, record_size_estimate)
 from zbroker.client.admin_calls import async_method, with_admin_calls
 from zbroker.client.keys import ClientKeys
-from zbroker.client.consumer_core import (ACK_STALE, FOLLOW, READ_AHEAD_WAIT_S, REJOIN, ConsumerCore, GroupCallRetry,
-                                          PollSent, RetryBackoff, connection_field, core_field, failure_reason,
-                                          max_wait_ms)
-from zbroker.client.fetch_round import FetchRound
+from zbroker.client.consumer_core import ConsumerCore, RetryBackoff, connection_field, core_field, failure_reason
+from zbroker.client.consumer_flow import (Connect, ConsumerFlow, Coordinator, Done, Endpoint, Notify, Send, Sleep,
+                                          Wait, WaitAny, resume)
 from zbroker.client.producer_core import ProduceError, ProducerCore, failure_fields
 from zbroker.client.sockets import client_dealer, curve_from_env
-from zbroker.client.transport import DEFAULT_URL, Coordinators
+from zbroker.client.transport import DEFAULT_URL, Coordinators, Correlation
 
 log = structlog.get_logger("zbroker.client")
 
@@ -53,8 +49,11 @@ class AsyncConnection:
         self.ctx = zmq.asyncio.Context()
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.readers: list[asyncio.Task] = []
-        self.waiting: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
+        self.waiting: dict[int, asyncio.Future] = {}  # corr -> the future of someone waiting for it
+        self.correlation = Correlation()  # ids, replies nobody waits for yet, replies given up on
+        # Set when a reply is kept for a later waiter; cleared by `collect`, when a flow looks at
+        # what is in: `wait_any` then wakes for what came after that look.
+        self._arrived = asyncio.Event()
         self.metadata = MetadataCache()
         self.closed = False
 
@@ -84,20 +83,23 @@ class AsyncConnection:
                 env = codec.decode_reply(frames)
             except ZBrokerError:
                 continue
-            fut = self.waiting.pop(env.corr_id, None) if isinstance(env.corr_id, int) else None
-            if fut is not None and not fut.done():
-                fut.set_result(env)
+            if not isinstance(env.corr_id, int):
+                continue
+            fut = self.waiting.pop(env.corr_id, None)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(env)
+            elif self.correlation.file(env):
+                self._arrived.set()
 
     async def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> asyncio.Future:
         """Send a request; returns the future of its reply. A fetch with `follow` gets its later
         replies under id + 1 .. id + follow (PROTOCOL.md s.4): each has a future of its own, in
         the returned one's ``later`` list, so they match no other request and none is dropped."""
-        corr = next(self._ids)
+        follow = getattr(msg, "follow", 0) or 0
+        corr = self.correlation.allocate(1 + follow)
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future()]
-        for _ in range(getattr(msg, "follow", 0) or 0):
-            futures.append(loop.create_future())
-            next(self._ids)
+        futures = [loop.create_future() for _ in range(1 + follow)]
         for i, future in enumerate(futures):
             future.corr_id = corr + i  # type: ignore[attr-defined]
             self.waiting[corr + i] = future
@@ -115,6 +117,43 @@ class AsyncConnection:
             raise
         return fut
 
+    async def send_request(self, endpoint: str, msg: m.Message) -> int:
+        """Send a request whose replies are kept in `correlation` (``early``) until `wait_reply`
+        takes them; returns its id. A followed fetch's later replies come under id + 1, ..."""
+        corr = self.correlation.allocate(1 + (getattr(msg, "follow", 0) or 0))
+        try:
+            await self.socket(endpoint).send_multipart(codec.encode_request(msg, corr))
+        except zmq.Again:
+            raise Unavailable(f"no connection to {endpoint}", endpoint=endpoint) from None
+        return corr
+
+    async def wait_reply(self, corr: int, timeout: float | None = None) -> codec.Envelope:
+        """The reply to ``corr`` (a reply that comes after the timeout is kept for a later waiter)."""
+        env = self.correlation.early.pop(corr, None)
+        if env is not None:
+            return env
+        if self.closed:
+            raise Unavailable("the connection is closed", endpoint=self.url)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[corr] = fut
+        try:
+            return await asyncio.wait_for(fut, self.request_timeout if timeout is None else timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no reply within {self.request_timeout if timeout is None else timeout}s",
+                                 corr_id=corr) from None
+        finally:
+            if self.waiting.get(corr) is fut:
+                del self.waiting[corr]
+
+    def collect(self) -> None:
+        """The reader tasks keep every reply as it comes: this only marks that the caller looked."""
+        self._arrived.clear()
+
+    async def wait_any(self, timeout: float) -> None:
+        """Until a reply is kept after the last `collect`, or ``timeout``."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._arrived.wait(), timeout)
+
     async def wait(self, fut: asyncio.Future, timeout: float | None = None) -> codec.Envelope:
         try:
             return await asyncio.wait_for(fut, self.request_timeout if timeout is None else timeout)
@@ -131,7 +170,9 @@ class AsyncConnection:
     def abandon(self, fut: asyncio.Future) -> None:
         """Stop waiting for the reply (replies) of ``fut``'s request: if it comes, the reader drops it."""
         for future in [fut, *getattr(fut, "later", ())]:
-            self.waiting.pop(getattr(future, "corr_id", None), None)
+            corr = getattr(future, "corr_id", None)
+            if self.waiting.pop(corr, None) is not None:
+                self.correlation.orphan(corr)
             future.cancel()
 
     async def call(self, endpoint: str, msg: m.Message, frames: tuple = (), timeout: float | None = None
@@ -476,129 +517,113 @@ def _closing(what: str) -> ProduceError:
 class AsyncConsumer:
     """A member of a consumer group for asyncio: poll leases, fetch their records, ack each one.
 
-    Acks are folded into ranges and ride on the next poll, or leave on their own
-    once ``ack_batch`` of them are held or ``ack_interval_ms`` after the first
-    (a batch handled slowly must not lose the acks of its early records to the
-    ack timeout). A heartbeat task beats every ``session_timeout_ms / 3``.
+    What each call does is `consumer_flow.ConsumerFlow`'s, the sync `Consumer`'s flows
+    (its docstring describes the options: read-ahead, poll-ahead, lease-ahead, acks
+    riding on polls); this class performs their steps by awaiting. One flow runs at a
+    time: tasks sharing a consumer take turns, and each record goes to one of them.
+    Held acks leave on their own once ``ack_batch`` of them are held or
+    ``ack_interval_ms`` after the first (a batch handled slowly must not lose the acks
+    of its early records to the ack timeout). A heartbeat task beats every
+    ``session_timeout_ms / 3``; refused, it re-joins (or, while a call runs, that call does).
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
                  ack_batch: int = 1000, ack_interval_ms: float = 5.0, request_timeout: float = 5.0,
                  on_assign: Callable[[list], Any] | None = None, on_revoke: Callable[[list], Any] | None = None,
                  curve: ClientKeys | None = None, read_ahead: bool = True, read_ahead_bytes: int = 32 << 20,
-                 poll_ahead: bool = False, lease_ahead: bool = False) -> None:
-        self.topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
-        # The sync Consumer's ahead modes, with its decisions (`ConsumerCore`): read_ahead fetches
-        # where the next lease will start (exclusive groups); poll_ahead sends the next Poll as
-        # poll() returns (it is the Poll in flight the next poll() takes); lease_ahead asks for
-        # ahead leases, served as the parked read-ahead fetches bring their records.
-        # The read-ahead fetch out per partition: the futures of its replies (a followed fetch has many).
-        self._ahead_fetches: dict[tuple[str, int], list[asyncio.Future]] = {}
+                 poll_ahead: bool = False, lease_ahead: bool = False, max_in_flight: int | None = None) -> None:
+        topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
-        # Membership and the rejoin rule are the core's, shared with the sync Consumer.
-        self.core = ConsumerCore(group=group, topics=self.topics, ack_batch=ack_batch,
+        self.core = ConsumerCore(group=group, topics=topics, ack_batch=ack_batch,
                                  ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
                                  read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead,
                                  poll_ahead=poll_ahead, metadata=self.conn.metadata)
-        self.on_assign = on_assign
-        self.on_revoke = on_revoke
-        self.group = group
-        self.session_timeout_ms = session_timeout_ms
-        self.ack_batch = ack_batch
-        self.ack_interval_s = ack_interval_ms / 1000.0
+        # The loop's clock is time.monotonic (asyncio's default), and a flow may be made before the loop runs.
+        self.flow = ConsumerFlow(self.core, self.conn, time.monotonic, session_timeout_ms=session_timeout_ms,
+                                 on_assign=on_assign, on_revoke=on_revoke)
+        self.max_in_flight = max_in_flight
+        self._core_ack = self.core.ack
+        self._steps = {Send: self._send, Wait: self._wait, WaitAny: self._wait_any, Endpoint: self._endpoint,
+                       Coordinator: self._coordinator, Sleep: self._sleep, Notify: self._notify,
+                       Connect: self._connect}
+        # One flow at a time: two interleaved at their awaits could each send a Poll (the first
+        # one's leases stranded until the ack timeout), fetch the same delivery, or both join.
+        self._turn = asyncio.Lock()
         self._heartbeat_task: asyncio.Task | None = None
         self._ack_timer: asyncio.Task | None = None  # sleeping until the held acks are due
-        self._ack_timers: set[asyncio.Task] = set()  # sleeping or sending
-        # One future per ack send in progress, resolved with its error or None when it ends:
-        # flush_acks() waits for the sends other tasks (an interval timer) started.
-        self._ack_sends: set[asyncio.Future] = set()
-        # One join at a time: the heartbeat task and a poll both refused as an unknown member
-        # would otherwise each join as a new one, and the orphan would hold partitions.
-        self._join_lock = asyncio.Lock()
-        # One poll() at a time: two interleaved at their awaits could each send a Poll (the
-        # first one's leases stranded until the ack timeout) or fetch the same delivery.
-        self._poll_lock = asyncio.Lock()
-        self._poll_in_flight: PollSent | None = None  # its reply is a future; kept when a poll() is cancelled
-        # Deliveries of a poll reply not fetched yet, each [topic, partition, lease, next offset, end,
-        # attempt, reason]: a poll() cancelled while it fetched leaves them to the next one, instead
-        # of stranding their leases until the ack timeout (each strand costs a delivery attempt).
-        self._to_fetch: list[list] = []
 
     member_id = core_field("member_id")
     generation = core_field("generation")
     assignment = core_field("assignment")
     mode = core_field("mode")
+    group = core_field("group")
+    topics = core_field("topics")
     poll_ahead = core_field("poll_ahead")
+    ack_batch = core_field("ack_batch")
+    ack_interval_s = core_field("ack_interval_s")
     stats = core_field("stats")
-    acks = core_field("acks")  # the core's accumulator: `poll_refused` and `hold_again` put acks back there
+    acks = core_field("acks")
+    session_timeout_ms = property(lambda self: self.flow.session_timeout_ms)
 
     conn = connection_field()
 
     async def start(self) -> "AsyncConsumer":
         try:
-            async with self._join_lock:
-                await self._join()
+            if self.max_in_flight is not None:
+                await self.conn.coordinator(m.ConfigureGroup(group=self.group, max_in_flight=self.max_in_flight))
+            async with self._turn:
+                await self._run(self.flow.join())
         except BaseException:
             await self.conn.close()
             raise
         self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
         return self
 
-    async def _join(self) -> None:
-        previous_member = self.member_id
-        try:
-            reply = await self.conn.coordinator(self.core.join_request(self.session_timeout_ms))
-        except UnknownMember:
-            reply = await self.conn.coordinator(self.core.join_as_new(self.session_timeout_ms))
-        # The core's rule, the sync Consumer's too: records leased (fetched, `core.held`, or not)
-        # survive the join only where their lease still stands (same member, partition kept);
-        # the others' leases went to another member. A Poll of the old generation already
-        # answered is kept.
-        was_lost = self.core.member_lost
-        revoked, assigned, _given_up = self.core.joined(reply, previous_member)
-        self._prune_ahead_fetches()  # the read-ahead of partitions not kept
-        self._to_fetch = self.core.standing_deliveries(self._to_fetch, previous_member, was_lost)
-        in_flight = self._poll_in_flight
-        if in_flight is not None and in_flight.generation != self.generation:
-            if not in_flight.reply.done():
-                self._abandon_poll_in_flight()  # it will be answered FENCED, leasing nothing
-            elif in_flight.reply.result().error is None:
-                # Answered before the rebalance (sent ahead, or by a cancelled poll()): of its
-                # deliveries, only those whose leases still stand are handed out (the core's rule).
-                answered = in_flight.reply.result().msg
-                answered.deliveries = self.core.standing_deliveries(answered.deliveries, previous_member, was_lost)
-        await self._connect_to_assigned()
-        for callback, partitions in ((self.on_revoke, revoked), (self.on_assign, assigned)):
-            if callback is not None and partitions:
-                outcome = callback(partitions)
-                if asyncio.iscoroutine(outcome):
-                    await outcome
+    # -- the steps of a flow, performed by awaiting ----------------------------------------------
 
-    async def _connect_to_assigned(self) -> None:
-        """As the synchronous Consumer does: connect to the assigned partitions' actors
-        now, so the first fetch waits for neither a metadata request nor a handshake."""
-        topics = sorted({topic for topic, _partition in self.assignment})
-        if not topics:
-            return
+    async def _run(self, flow: Any) -> Any:
+        """Run ``flow`` to its end (the caller holds the turn), performing each step by awaiting.
+        A step's error, CancelledError too, is the flow's: its cleanup runs, and it re-raises
+        what it does not handle."""
+        step = resume(flow, None, None)
+        while step.__class__ is not Done:
+            try:
+                result, error = await self._steps[step.__class__](step), None
+            except BaseException as err:  # noqa: B036
+                result, error = None, err
+            step = resume(flow, result, error)
+        return step.value
+
+    async def _send(self, step: Send) -> int:
+        return await self.conn.send_request(self.conn.url if step.endpoint is None else step.endpoint, step.msg)
+
+    async def _wait(self, step: Wait) -> codec.Envelope:
+        return await self.conn.wait_reply(step.corr, step.timeout)
+
+    async def _wait_any(self, step: WaitAny) -> None:
+        await self.conn.wait_any(step.timeout)
+
+    async def _endpoint(self, step: Endpoint) -> str:
+        return await self.conn.endpoint(step.topic, step.partition)
+
+    async def _coordinator(self, step: Coordinator) -> m.Message:
+        return await self.conn.coordinator(step.msg, step.timeout)
+
+    async def _sleep(self, step: Sleep) -> None:
+        await asyncio.sleep(step.seconds)
+
+    async def _notify(self, step: Notify) -> None:
+        outcome = step.callback(step.partitions)
+        if asyncio.iscoroutine(outcome):
+            await outcome
+
+    async def _connect(self, step: Connect) -> None:
         try:
-            await self.conn.refresh(topics)
-            for endpoint in self.conn.metadata.endpoints(self.assignment):
+            await self.conn.refresh(step.topics)
+            for endpoint in self.conn.metadata.endpoints(step.assignment):
                 self.conn.socket(endpoint)  # connects in the background
-        except (ZBrokerError, zmq.ZMQError):
-            pass  # the fetch finds the owner again when it needs it
-
-    async def _join_settled(self) -> None:
-        """Wait for a join in progress: a request sent meanwhile would carry the old generation."""
-        if self._join_lock.locked():
-            async with self._join_lock:
-                pass
-
-    async def _rejoin_unless_done(self, err: ZBrokerError, member_id: str, generation: int) -> None:
-        """Re-join after ``err`` (FENCED or UNKNOWN_MEMBER) refused a request sent as
-        ``member_id`` in ``generation``, unless another task re-joined since it was sent."""
-        async with self._join_lock:
-            if self.core.rejoin_after(err, member_id, generation):
-                await self._join()
+        except (ZBrokerError, zmq.ZMQError) as err:  # the fetch finds the owner again when it needs it
+            log.info("consumer.connect_deferred", group=self.group, error=str(getattr(err, "code", err)))
 
     async def _heartbeat(self) -> None:
         while True:
@@ -606,87 +631,51 @@ class AsyncConsumer:
             await self.beat()
 
     async def beat(self) -> None:
-        """One heartbeat (the heartbeat task sends one every ``session_timeout_ms / 3``); refused,
-        it re-joins, unless another task did since it was sent."""
-        await self._join_settled()
+        """One heartbeat (the heartbeat task sends one every ``session_timeout_ms / 3``). Refused,
+        the member re-joins now, or, while a call runs, that call re-joins at its next request."""
         member_id, generation = self.member_id, self.generation
         try:
             await self.conn.coordinator(self.core.member_request(m.Heartbeat))
         except (Fenced, UnknownMember) as err:
-            try:
-                await self._rejoin_unless_done(err, member_id, generation)
-            except ZBrokerError:
-                pass  # the coordinator is away: the next beat (or poll) joins again
+            if not self.core.rejoin_after(err, member_id, generation):
+                return  # re-joined since it was sent
+            self.flow.needs_rejoin = True
+            if not self._turn.locked():
+                async with self._turn:
+                    if self.flow.needs_rejoin:
+                        with contextlib.suppress(ZBrokerError):  # the coordinator is away: the next call joins
+                            await self._run(self.flow.rejoin())
         except ZBrokerError:
             pass
 
-    async def _group_call(self, make: Any, timeout: float | None = None) -> codec.Envelope:
-        """A group request, sent again after a re-join or a move as `GroupCallRetry` decides."""
-        retry = GroupCallRetry(self.conn.coordinators)
-        while True:
-            await self._join_settled()
-            member_id, generation = self.member_id, self.generation  # what make() puts in the request
-            try:
-                return await self.conn.call(self.conn.url, make(), timeout=timeout)
-            except ZBrokerError as err:
-                decision = retry.after(err)
-                if decision == REJOIN:
-                    await self._rejoin_unless_done(err, member_id, generation)
-                elif decision == FOLLOW:
-                    log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
-                    await asyncio.sleep(self.conn.coordinators.backoff())
-                    async with self._join_lock:  # the new coordinator learns of this member by its join
-                        await self._join()
-                else:
-                    raise
+    # -- the calls --------------------------------------------------------------------------------
 
     async def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
         """Lease up to ``max_records`` and return their records (possibly none).
 
-        The held acks ride on the Poll (`Poll.acks`): applied before it leases, no
-        round trip of their own. A poll() cancelled while its Poll waits at the
-        coordinator leaves that Poll in flight (see `consumer_core.PollSent`): the next poll()
-        takes its reply first, waiting for it at most its own ``timeout``.
-
-        Tasks sharing one consumer may all call poll(): the calls take turns, and
-        each record is handed to one of them. The wait for a turn counts against
-        ``timeout``: a call whose time is up before its turn comes returns [].
+        The held acks ride on the Poll (`Poll.acks`). A poll() cancelled while its Poll
+        waits at the coordinator leaves that Poll in flight: the next poll() takes its
+        reply first, waiting for it at most its own ``timeout``. Tasks sharing one consumer
+        may all call poll(): the calls take turns, and the wait for a turn counts against
+        ``timeout`` (a call whose time is up before its turn comes returns []).
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = time.monotonic() + timeout
         if not await self._wait_for_turn(timeout):
             return []
         try:
-            if not self.core.held and not self._to_fetch and self.core.ahead_leases:
-                await self._records_ahead(max_records, deadline)
-            if not self.core.held and not self._to_fetch:
-                reply = await self._poll_reply(max_records, max(0.0, deadline - loop.time()))
-                if reply is None:
-                    return []
-                self._to_fetch = [list(delivery) for delivery in self.core.take_ahead_leases(reply.deliveries)]
-            if self._to_fetch:
-                await self._fetch()
-            if not self.core.held and self.core.ahead_leases:
-                await self._records_ahead(max_records, deadline)
-            records = self.core.hand_out(max_records)
-            if self.core.poll_ahead_now(self._poll_in_flight is not None):
-                with contextlib.suppress(ZBrokerError):  # not sent: the next poll() asks the usual way
-                    await self._send_poll(max_records, timeout)
-            if self.core.reading_ahead:
-                await self._send_read_ahead(timeout)
-            return records
+            return await self._run(self.flow.poll(max_records, max(0.0, deadline - time.monotonic())))
         finally:
-            self._poll_lock.release()
+            self._turn.release()
 
     async def _wait_for_turn(self, timeout: float) -> bool:
-        """Take `_poll_lock` within `timeout`; False if the time ran out first.
+        """Take `_turn` within `timeout`; False if the time ran out first.
 
         Not asyncio.wait_for: from 3.12 on it can raise TimeoutError after the
         lock was taken, which would leave it held for ever. An acquire cancelled
         before it ran never takes the lock; one that did is released here if this
         call is leaving (cancelled) rather than taking its turn.
         """
-        acquire = asyncio.ensure_future(self._poll_lock.acquire())
+        acquire = asyncio.ensure_future(self._turn.acquire())
         taken = False
         try:
             await asyncio.wait([acquire], timeout=max(0.0, timeout))
@@ -695,312 +684,52 @@ class AsyncConsumer:
             if not acquire.done():
                 acquire.cancel()
             elif not taken:
-                self._poll_lock.release()
+                self._turn.release()
         return taken
 
-    async def _poll_reply(self, max_records: int, timeout: float) -> m.PollReply | None:
-        """The reply of the Poll in flight, or of a new one; None if the one in flight
-        is still waiting at the coordinator when ``timeout`` is up."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        for attempt in range(3):
-            fresh = self._poll_in_flight is None
-            if fresh:
-                await self._send_poll(max_records, max(0.0, deadline - loop.time()))
-            sent = self._poll_in_flight
-            until = sent.give_up_at if fresh else min(deadline, sent.give_up_at)
-            # asyncio.wait, unlike wait_for, leaves the reply's future alone when this call is cancelled.
-            await asyncio.wait([sent.reply], timeout=max(0.0, until - loop.time()))
-            if self._poll_in_flight is not sent:
-                return None  # another poll() call took the reply
-            if not sent.reply.done():
-                if loop.time() < sent.give_up_at:
-                    return None  # still waiting at the coordinator: the next poll() takes it
-                self._abandon_poll_in_flight()
-                if fresh:
-                    raise RequestTimeout("no reply to the poll in time")
-                continue  # an old one given up: a new poll, with what is left of this call's timeout
-            self._poll_in_flight = None
-            env = sent.reply.result()
-            reply = self.core.poll_replied(sent, env, loop.time())
-            if reply is not None:
-                return reply
-            if attempt == 2:
-                raise env.error
-            await self._rejoin_unless_done(env.error, sent.member_id, sent.generation)
-        raise AssertionError("unreachable")
-
-    async def _send_poll(self, max_records: int, timeout: float) -> None:
-        acks = await self._acks_for_poll()
-        try:
-            await self._join_settled()
-            poll = self.core.poll_request(max_records, max_wait_ms(timeout), acks)
-            reply = await self.conn.send(self.conn.url, poll)
-        except BaseException:
-            self._hold_again(acks)  # not known to be sent: they go again (a repeated ack is harmless)
-            raise
-        self._poll_in_flight = self.core.poll_sent(reply, poll, asyncio.get_running_loop().time(),
-                                                   self.conn.request_timeout)
-
-    async def _acks_for_poll(self) -> list:
-        """The held acks for the Poll to carry (`ConsumerCore.acks_for_poll`); the rest go first, on their own."""
-        riding, rest = self.core.acks_for_poll()
-        if rest:
-            self._hold_again(rest)
-            try:
-                await self._send_held_acks()
-            except BaseException:
-                self._hold_again(riding)
-                raise
-        return riding
-
-    def _abandon_poll_in_flight(self) -> None:
-        """Stop waiting for the Poll in flight; the acks riding on it are held again."""
-        sent, self._poll_in_flight = self._poll_in_flight, None
-        if sent is not None:
-            self.conn.abandon(sent.reply)
-            self._hold_again(sent.acks)
-
-    async def _fetch(self) -> None:
-        """Fetch the records of `_to_fetch` into `core.held`, as `fetch_round.FetchRound` plans
-        and folds them (the sync Consumer's way: read-ahead first, a `fetch_many` per actor,
-        the rest of a lease max_bytes cut short). Cancelled, what was filed is handed out and
-        the rest fetched by the next poll(); a delivery a re-join dropped meanwhile (no longer
-        in `_to_fetch`) is handed out by neither."""
-        loop = asyncio.get_running_loop()
-        fetches = FetchRound(self.core, list(self._to_fetch))
-        replies: dict[int, asyncio.Future] = {}
-        try:
-            ahead_deadline = loop.time() + READ_AHEAD_WAIT_S
-            for i, d in enumerate(fetches.deliveries):
-                if self.core.reading_ahead:
-                    await self._serve_from_read_ahead(fetches, i, ahead_deadline)
-                if fetches.lacking[i] is not None:
-                    await self._route(fetches, (i, d, fetches.lacking[i]))
-            await self._send_fetches(fetches, replies)
-            while (corr := fetches.next_awaited()) is not None:
-                env, err = None, None
-                try:
-                    env = await self.conn.wait(replies.pop(corr))
-                except ZBrokerError as failed:
-                    err = failed
-                for item in fetches.replied(corr, env, err, loop.time()):
-                    await self._route(fetches, item, alone=True)
-                await self._send_fetches(fetches, replies)
-        finally:
-            for fut in replies.values():
-                self.conn.abandon(fut)
-            standing = {id(d) for d in self._to_fetch}
-            self.core.held.extend(part for d, part in zip(fetches.deliveries, fetches.parts)
-                                  if part and id(d) in standing)
-            self._to_fetch = [d for d in fetches.unfinished() if id(d) in standing]
-
-    async def _route(self, fetches: FetchRound, item: tuple, alone: bool = False) -> None:
-        try:
-            fetches.route(item, await self.conn.endpoint(item[1][0], item[1][1]), alone=alone)
-        except ZBrokerError as err:
-            fetches.unroutable(item, err, asyncio.get_running_loop().time())
-
-    async def _send_fetches(self, fetches: FetchRound, replies: dict[int, asyncio.Future]) -> None:
-        for request in fetches.requests():
-            try:
-                fut = await self.conn.send(request[0], request[1])
-            except ZBrokerError as err:
-                fetches.send_failed(request, err, asyncio.get_running_loop().time())
-                continue
-            fetches.sent(fut.corr_id, request)
-            replies[fut.corr_id] = fut
-        if fetches.take_given_up():
-            self._prune_ahead_fetches()  # read-ahead fetches the core gave up on
-
-    # -- read-ahead and lease-ahead: the core decides, this sends and waits ----------------------
-
-    async def _serve_from_read_ahead(self, fetches: FetchRound, i: int, deadline: float) -> None:
-        """Hand what the read-ahead holds of delivery ``i`` to its part of ``fetches``, waiting
-        until ``deadline`` (one for the poll) for the fetch out that may bring it (the lease
-        proves the records exist: a live actor answers at once)."""
-        loop = asyncio.get_running_loop()
-        delivery = fetches.deliveries[i]
-        key = (delivery[0], delivery[1])
-        while True:
-            pos, awaited, _given_up = self.core.serve_lease_from_read_ahead(delivery, fetches.lacking[i],
-                                                                            fetches.parts[i], loop.time())
-            fetches.served(i, pos)
-            if awaited is None:
-                break
-            fut = next((f for f in self._ahead_fetches.get(key, ()) if f.corr_id == awaited), None)
-            if fut is not None:
-                await asyncio.wait([fut], timeout=max(0.005, deadline - loop.time()))
-            if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.core.read_ahead_replied(key, awaited, fut.result(), loop.time())
-            else:  # its actor died with the fetch parked, or hangs: fetch the rest the usual way
-                self.core.give_up_read_ahead(key, loop.time())
-                self._prune_ahead_fetches()
-        self.core.lease_served(delivery)
-
-    def _collect_read_ahead(self) -> None:
-        arrived = {f.corr_id: f.result() for futures in self._ahead_fetches.values() for f in futures
-                   if f.done() and not f.cancelled() and f.exception() is None}
-        self.core.collect_read_ahead(arrived, asyncio.get_running_loop().time())
-        self._prune_ahead_fetches()
-
-    def _prune_ahead_fetches(self) -> None:
-        """Forget the futures of replies the core no longer awaits (filed, or their fetch given up:
-        their replies are dropped when they come)."""
-        in_flight = dict(self.core.ahead.in_flight())
-        for key, futures in list(self._ahead_fetches.items()):
-            corr = in_flight.get(key)
-            if corr is None or all(f.corr_id != corr for f in futures):
-                for fut in futures:
-                    self.conn.abandon(fut)
-                del self._ahead_fetches[key]
-            else:
-                self._ahead_fetches[key] = [f for f in futures if f.corr_id >= corr]
-
-    async def _send_read_ahead(self, timeout: float, collected: bool = False) -> None:
-        """Send the read-ahead fetches the core wants (``collected``: the replies were just filed)."""
-        if not collected:
-            self._collect_read_ahead()
-        loop = asyncio.get_running_loop()
-        for key, fetch in self.core.read_ahead_fetches(max_wait_ms(timeout), loop.time()):
-            fut = None
-            with contextlib.suppress(ZBrokerError):  # not reachable now: the next lease is fetched the usual way
-                fut = await self.conn.send(await self.conn.endpoint(*key), fetch)
-            self.core.read_ahead_sent(key, None if fut is None else fut.corr_id, fetch, loop.time(),
-                                      self.conn.request_timeout)
-            if fut is not None:
-                self._ahead_fetches[key] = [fut, *fut.later]
-
-    async def _records_ahead(self, max_records: int, deadline: float) -> None:
-        """Put what the parked fetches brought under the ahead leases in `core.held`, waiting until
-        ``deadline`` for some; returns early when the Poll in flight is answered (the caller takes it)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            self._collect_read_ahead()
-            parts, _given_up = self.core.ahead_records(max_records, loop.time())  # dropped: `_prune_ahead_fetches`
-            if parts:
-                self.core.held.extend(parts)
-                return
-            if not self.core.ahead_leases or (self._poll_in_flight is not None and self._poll_in_flight.reply.done()):
-                return  # all used up, or the coordinator answered
-            if self._poll_in_flight is None:
-                # Redeliveries, and the next ahead lease once this one is used up, come from a poll.
-                with contextlib.suppress(ZBrokerError):  # not sent: the caller's poll asks the usual way
-                    await self._send_poll(max_records, max(0.0, deadline - loop.time()))
-            await self._send_read_ahead(max(0.0, deadline - loop.time()), collected=True)
-            remaining = deadline - loop.time()
-            waits = [f for futures in self._ahead_fetches.values() for f in futures]
-            if self._poll_in_flight is not None:
-                waits.append(self._poll_in_flight.reply)
-            if remaining <= 0 or not waits:
-                return
-            await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+    async def _in_turn(self, flow: Any) -> Any:
+        async with self._turn:
+            return await self._run(flow)
 
     async def ack(self, record: ConsumedRecord) -> None:
-        self.acks.add(record.topic, record.partition, record.lease_id, record.offset)
-        if self.acks.count >= self.ack_batch:
-            await self._send_held_acks()
-        elif self._ack_timer is None:
-            self._ack_timer = asyncio.get_running_loop().create_task(self._send_acks_when_due())
-            self._ack_timers.add(self._ack_timer)
-            self._ack_timer.add_done_callback(self._ack_timers.discard)
+        # The clock is read only when the core says the held acks may be due (a full batch).
+        if self._core_ack(record) and self.core.acks_due(time.monotonic()) and not self._turn.locked():
+            await self._in_turn(self.flow.flush_acks(wait=False))
+        elif self._ack_timer is None:  # the held acks go at their interval, polled or not
+            self._ack_timer = asyncio.get_running_loop().create_task(self._flush_acks_when_due())
 
     async def ack_many(self, records: Iterable[ConsumedRecord]) -> None:
         for record in records:
             await self.ack(record)
 
-    async def _send_acks_when_due(self) -> None:
+    async def _flush_acks_when_due(self) -> None:
+        """Send the held acks when they are due (a call holding the turn meanwhile sends them itself)."""
         try:
-            await asyncio.sleep(self.ack_interval_s)
-        finally:
-            self._ack_timer = None  # acks from now on wait for an interval of their own
-        try:
-            await self._send_held_acks()
+            while (due := self.core.acks_due_at(time.monotonic())) is not None:
+                if due > time.monotonic():
+                    await asyncio.sleep(due - time.monotonic())
+                else:
+                    await self._in_turn(self.flow.flush_acks_if_due())
+                    if self.core.acks_due(time.monotonic()):
+                        return  # not sent (held again after an error): the next call takes them
         except ZBrokerError as err:  # retriable ones are held again: they go with the next poll or interval
             log.warning("ack.deferred", group=self.group, code=err.code.value, reason=err.message)
-
-    async def _stop_ack_timers(self) -> None:
-        """Cancelled mid-send, a timer holds its acks again (see flush_acks): nothing is lost."""
-        timers = list(self._ack_timers)
-        for timer in timers:
-            timer.cancel()
-        await asyncio.gather(*timers, return_exceptions=True)
+        finally:
+            self._ack_timer = None
 
     async def flush_acks(self) -> None:
-        """Send the held acks and wait for those already on their way; on return every ack
-        made before the call was applied (or its lease was gone), as with the sync Consumer.
-
-        An interval timer's request takes its acks out of `acks` while it waits for the
-        reply: until it is answered they are neither applied nor held, and if it fails
-        they are held again and sent here."""
-        others = list(self._ack_sends)
-        riding = self._poll_in_flight is not None and bool(self._poll_in_flight.acks)
-        if riding and not self.acks:
-            # Acks riding on a poll still parked at the coordinator were applied when it
-            # arrived: an Ack sent after it on the same socket, answered, proves it.
-            await self._group_call(lambda: self.core.member_request(m.Ack, ranges=[]))
-        await self._send_held_acks()
-        if not others:
-            return
-        outcomes = await asyncio.gather(*(asyncio.shield(sending) for sending in others))
-        await self._send_held_acks()  # what a failed one held again
-        refused = next((err for err in outcomes if err is not None and not err.retriable), None)
-        if refused is not None:
-            raise refused
-
-    async def _send_held_acks(self) -> None:
-        """Send the held acks, in requests of at most RANGES_PER_REQUEST ranges: a larger
-        header is answered TOO_LARGE with no id, so the call would only time out."""
-        if not self.acks:
-            return
-        ended = asyncio.get_running_loop().create_future()
-        self._ack_sends.add(ended)
-        outcome: ZBrokerError | None = None
-        chunks = in_request_sized_chunks(self.acks.take())
-        try:
-            for i, chunk in enumerate(chunks):
-                try:
-                    await self._group_call(lambda chunk=chunk: self.core.member_request(m.Ack, ranges=chunk))
-                except ZBrokerError as err:
-                    # The core's rule, the sync Consumer's too: stale ones are noted, retriable ones
-                    # held again (a re-join was `_group_call`'s already). Then the unsent go again.
-                    if self.core.ack_refused(err, chunk, asyncio.get_running_loop().time()) == ACK_STALE:
-                        continue
-                    self._hold_again(itertools.chain.from_iterable(chunks[i + 1:]))
-                    outcome = err
-                    raise
-                except BaseException:  # cancelled mid-call: sent or not, sending again is harmless
-                    self._hold_again(itertools.chain.from_iterable(chunks[i:]))
-                    raise
-        finally:
-            self._ack_sends.discard(ended)
-            ended.set_result(outcome)
-
-    def _hold_again(self, ranges: Iterable[list]) -> None:
-        self.core.hold_again(ranges)
-
-    async def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
-        """Records applied, over as many requests as the ranges need."""
-        await self.flush_acks()
-        settled = ChunkedSettle()
-        for chunk in in_request_sized_chunks(group_by_lease(records)):
-            try:
-                env = await self._group_call(lambda chunk=chunk: self.core.member_request(op, ranges=chunk,
-                                                                                            **fields))
-            except StaleLease as err:  # its valid ranges were applied: the next chunks go all the same
-                settled.refused(err)
-            else:
-                settled.replied(env.msg)
-        return settled.outcome()
+        """Send the held acks and wait until every ack made before the call is applied (or its
+        lease was gone); a failure is raised."""
+        await self._in_turn(self.flow.flush_acks(wait=True))
 
     async def nack(self, records: Iterable[ConsumedRecord], *, delay_ms: int = 0, reason: str = "") -> int:
-        return await self._lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason)
+        return await self._in_turn(self.flow.lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason))
 
     async def extend(self, records: Iterable[ConsumedRecord], *, extend_ms: int = 0) -> int:
-        return await self._lease_call(m.Extend, records, extend_ms=extend_ms)
+        return await self._in_turn(self.flow.lease_call(m.Extend, records, extend_ms=extend_ms))
 
     async def reject(self, records: Iterable[ConsumedRecord], *, reason: str = "") -> int:
-        return await self._lease_call(m.Reject, records, reason=reason)
+        return await self._in_turn(self.flow.lease_call(m.Reject, records, reason=reason))
 
     async def run(self, handler: Callable[[ConsumedRecord], Any], *, max_records: int = 1000,
                   stop: Callable[[], bool] = lambda: False) -> None:
@@ -1040,20 +769,16 @@ class AsyncConsumer:
 
     async def close(self) -> None:
         """Flush the held acks (their failure is raised, as by the sync consumer: the
-        application must know they were not applied), then leave the group."""
+        application must know they were not applied), then leave the group. A call another
+        task is making (a poll waiting at the coordinator) ends first: its records are handed
+        out to it, not stranded."""
         if self.conn.closed:
             return
         try:
-            await self._stop_ack_timers()
-            for key in list(self._ahead_fetches):
-                self.core.give_up_read_ahead(key, asyncio.get_running_loop().time())
-            self._prune_ahead_fetches()
-            self._abandon_poll_in_flight()  # applied or not, its acks go again now (a repeat is harmless)
-            await self.flush_acks()
-            try:
-                await self.conn.call(self.conn.url, self.core.member_request(m.Leave), timeout=2.0)
-            except ZBrokerError:
-                pass  # not leaving costs only a session timeout before a rebalance
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
+                await asyncio.gather(self._ack_timer, return_exceptions=True)
+            await self._in_turn(self.flow.close(leave=True))
         finally:
             if self._heartbeat_task is not None:
                 self._heartbeat_task.cancel()

@@ -278,11 +278,13 @@ def core_field(name: str) -> property:
 
 def connection_field() -> property:
     """A driver's ``conn``: set (at start, or by a test's stand-in), its metadata cache becomes the
-    core's, where a fetch refused as NOT_OWNER forgets the moved partition's owner."""
+    core's, where a fetch refused as NOT_OWNER forgets the moved partition's owner, and its flow's."""
     def set_conn(self: Any, conn: Any) -> None:
         self._conn = conn
         if hasattr(self, "core") and getattr(conn, "metadata", None) is not None:
             self.core.metadata = conn.metadata
+        if hasattr(self, "flow"):
+            self.flow.conn = conn
     return property(lambda self: self._conn, set_conn)
 
 

@@ -26,16 +26,14 @@ from zbroker.client.wire import recv_frames, send_frames
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched
-from zbroker.protocol.errors import (ErrorCode, RequestTimeout, StaleLease, Unavailable,
-                                     UnknownMember, ZBrokerError)
-from zbroker.client.core import (ChunkedSettle, ConsumedRecord, checked_topics, DeliveryHandle, MetadataCache, PendingBatch,
-                                 group_by_lease, checked_partition, checked_record, checked_timestamp,
-                                 in_request_sized_chunks, record_size_estimate)
+from zbroker.protocol.errors import ErrorCode, RequestTimeout, Unavailable, ZBrokerError
+from zbroker.client.core import (ConsumedRecord, DeliveryHandle, MetadataCache, PendingBatch, checked_partition,
+                                 checked_record, checked_timestamp, checked_topics, record_size_estimate)
 from zbroker.client import consumer_core
-from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, AHEAD_RETRY_S, FOLLOW, READ_AHEAD_WAIT_S, REJOIN,
-                                          AckRequests, ConsumerCore, GroupCallRetry, PollSent, connection_field,
-                                          core_field, failure_reason, max_wait_ms, membership_lost)
-from zbroker.client.fetch_round import FetchRound
+from zbroker.client.consumer_core import (AHEAD_RETRY_S, ConsumerCore, connection_field, core_field, failure_reason,
+                                          membership_lost)
+from zbroker.client.consumer_flow import (Connect, ConsumerFlow, Coordinator, Done, Endpoint, Notify, Send, Sleep,
+                                          Wait, WaitAny, resume)
 from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore, failure_fields
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
 from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
@@ -44,7 +42,6 @@ __all__ = ["Admin", "Connection", "Consumer", "DEFAULT_URL", "MAX_ORPHANS", "MAX
            "Producer", "RETRIABLE_PRODUCE", "AHEAD_RETRY_S", "client_dealer", "curve_from_env", "fetch", "poll_timeout_ms"]
 
 log = structlog.get_logger("zbroker.client")
-_NOT_YET = object()  # a poll sent ahead that is still parked at the coordinator
 _time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once per record sent
 
 
@@ -108,6 +105,12 @@ class Connection:
             while (frames := recv_frames(sock)) is not None:
                 out.append(codec.decode_reply(frames))
         return out
+
+    def collect(self) -> None:
+        """File every reply that is here now for its waiter (`Correlation.early`), without waiting."""
+        keep = self.correlation.keep
+        for env in self.recv_nowait_all():
+            keep(env)
 
     def wait_for(self, corr: int, timeout: float | None = None) -> codec.Envelope:
         """Wait for the reply to ``corr``; other replies are kept for their waiters."""
@@ -528,14 +531,17 @@ class RetryBackoff(consumer_core.RetryBackoff):
 class Consumer:
     """A member of a consumer group: poll leases, fetch their records, ack each one.
 
+    What each call does is `consumer_flow.ConsumerFlow`'s (the asyncio consumer runs the
+    same flows): this class performs their steps by blocking. The options:
+
     Acks are folded into ranges and sent every ``ack_batch`` records or
-    ``ack_interval_ms``, and before a poll that has to ask the coordinator (with
+    ``ack_interval_ms``, and ride on a poll that goes to the coordinator (with
     ``poll_ahead`` the next lease is already asked for, so acks then wait for
-    their batch or interval, never longer). A background thread
-    heartbeats every ``session_timeout_ms / 3`` on its own socket; a FENCED or
-    UNKNOWN_MEMBER answer makes the next call re-join (same member id first),
-    after which acks that were refused are sent again under the new
-    generation. Rebalance callbacks get the partitions assigned and revoked.
+    their batch or interval, never longer). A background thread heartbeats every
+    ``session_timeout_ms / 3`` on its own socket; a FENCED or UNKNOWN_MEMBER answer
+    makes the next call re-join (same member id first), after which acks that
+    were refused are sent again under the new generation. Rebalance callbacks
+    get the partitions assigned and revoked.
 
     In an exclusive group the consumer reads ahead (``read_ahead=True``): it
     fetches the records its next lease will cover while it waits for the
@@ -575,19 +581,18 @@ class Consumer:
                                  ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
                                  read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead,
                                  poll_ahead=poll_ahead, metadata=self.conn.metadata)
+        self.flow = ConsumerFlow(self.core, self.conn, time.monotonic, session_timeout_ms=session_timeout_ms,
+                                 on_assign=on_assign, on_revoke=on_revoke)
         self._core_ack = self.core.ack  # bound once: ack() runs per record
-        self._poll_ahead: PollSent | None = None  # its reply is a correlation id
-        self.session_timeout_ms = session_timeout_ms
-        self.on_assign = on_assign
-        self.on_revoke = on_revoke
-        self._ack_requests = AckRequests()  # sent, not answered yet
-        self._needs_rejoin = threading.Event()
+        self._steps = {Send: self._send, Wait: self._wait, WaitAny: self._wait_any, Endpoint: self._endpoint,
+                       Coordinator: self._coordinator, Sleep: self._sleep, Notify: self._notify,
+                       Connect: self._connect}
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         try:
             if max_in_flight is not None:
                 self.conn.coordinator(m.ConfigureGroup(group=group, max_in_flight=max_in_flight))
-            self._join()
+            self._run(self.flow.join())
         except BaseException:
             self.conn.close()  # a consumer that never joined owns no sockets afterwards
             raise
@@ -614,63 +619,59 @@ class Consumer:
     ahead = core_field("ahead")
     stats = core_field("stats")
     stale = core_field("stale")
-    _held = core_field("held")
-    _ahead_leases = core_field("ahead_leases")
+    session_timeout_ms = property(lambda self: self.flow.session_timeout_ms)
 
-    # -- membership -------------------------------------------------------------------------
+    # -- the steps of a flow, performed by blocking ----------------------------------------------
 
-    def _join(self) -> None:
-        previous_member = self.member_id
+    def _run(self, flow: Any) -> Any:
+        """Run ``flow`` to its end, performing each step by blocking. A step's error, any
+        (KeyboardInterrupt too), is the flow's: its cleanup runs, and it re-raises what it
+        does not handle."""
+        step = resume(flow, None, None)
+        while step.__class__ is not Done:
+            try:
+                result, error = self._steps[step.__class__](step), None
+            except BaseException as err:  # noqa: B036
+                result, error = None, err
+            step = resume(flow, result, error)
+        return step.value
+
+    def _send(self, step: Send) -> int:
+        return self.conn.send(self.conn.url if step.endpoint is None else step.endpoint, step.msg)
+
+    def _wait(self, step: Wait) -> codec.Envelope:
+        return self.conn.wait_for(step.corr, step.timeout)
+
+    def _wait_any(self, step: WaitAny) -> None:
+        env = self.conn.recv(step.timeout)
+        if env is not None:
+            self.conn.correlation.keep(env)
+
+    def _endpoint(self, step: Endpoint) -> str:
+        return self.conn.endpoint(step.topic, step.partition)
+
+    def _coordinator(self, step: Coordinator) -> m.Message:
+        return self.conn.coordinator(step.msg, step.timeout)
+
+    def _sleep(self, step: Sleep) -> None:
+        time.sleep(step.seconds)
+
+    def _notify(self, step: Notify) -> None:
+        step.callback(step.partitions)
+
+    def _connect(self, step: Connect) -> None:
         try:
-            reply = self.conn.coordinator(self.core.join_request(self.session_timeout_ms))
-        except UnknownMember:
-            reply = self.conn.coordinator(self.core.join_as_new(self.session_timeout_ms))
-        revoked, assigned, given_up = self.core.joined(reply, previous_member)
-        if self._poll_ahead is not None and self._poll_ahead.generation != self.generation:
-            # Sent in the old generation: its leases (an ahead lease among them) ended with it.
-            self._orphan_poll_ahead()
-        if self._poll_ahead is not None:
-            # Acks riding on a poll sent before the join: it may have been fenced on arrival,
-            # so the acks go again (a repeat is harmless; a loss costs a redelivery).
-            self._hold_again(self._poll_ahead.take_acks())
-        self.conn.correlation.orphan_ranges(given_up)
-        self._needs_rejoin.clear()
-        self._connect_to_assigned()
-        if revoked and self.on_revoke:
-            self.on_revoke(revoked)
-        if assigned and self.on_assign:
-            self.on_assign(assigned)
-
-    def _connect_to_assigned(self) -> None:
-        """Connect to the actors of the assigned partitions now, while the first poll goes
-        to the coordinator, so that the first fetch does not also wait for a metadata
-        request and a TCP and ZeroMQ handshake (about 2 ms of a first poll's 4.5)."""
-        topics = sorted({topic for topic, _partition in self.assignment})
-        if not topics:
-            return
-        try:
-            self.conn.refresh(topics)
-            for endpoint in self.conn.metadata.endpoints(self.assignment):
+            self.conn.refresh(step.topics)
+            for endpoint in self.conn.metadata.endpoints(step.assignment):
                 self.conn.socket(endpoint)  # connects in the background
         except ZBrokerError as err:  # the fetch finds the owner again when it needs it
             log.info("consumer.connect_deferred", group=self.group, error=str(getattr(err.code, "value", err.code)))
         except zmq.ZMQError as err:  # e.g. a bad endpoint in the metadata: the fetch reports it
             log.info("consumer.connect_deferred", group=self.group, error=str(err))
 
-    def _stash_arrived(self) -> None:
-        """Keep every reply that is here now for its waiter."""
-        early = self.conn._early
-        for env in self.conn.recv_nowait_all():
-            if isinstance(env.corr_id, int):
-                early[env.corr_id] = env
-
-    def _rejoin(self) -> None:
-        self.stats["rejoins"] += 1
-        self._join()
-
     def _heartbeat_loop(self) -> None:
-        ctx = self.conn.ctx
-        sock = ctx.socket(zmq.DEALER)
+        """Beat on a socket of its own; refused (FENCED, UNKNOWN_MEMBER), the next call re-joins."""
+        sock = self.conn.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if self.conn.curve is not None:
             self.conn.curve.apply(sock)
@@ -684,11 +685,9 @@ class Consumer:
                     sock.disconnect(connected_to)
                     connected_to = self.conn.url
                     sock.connect(connected_to)
-                corr = next(ids)
                 try:
-                    sock.send_multipart(codec.encode_request(
-                        self.core.member_request(m.Heartbeat), corr),
-                        zmq.NOBLOCK)
+                    sock.send_multipart(codec.encode_request(self.core.member_request(m.Heartbeat), next(ids)),
+                                        zmq.NOBLOCK)
                 except zmq.Again:
                     continue
                 if sock.poll(poll_timeout_ms(interval)):
@@ -696,33 +695,13 @@ class Consumer:
                     if env.error is not None and env.error.code in (ErrorCode.FENCED, ErrorCode.UNKNOWN_MEMBER):
                         if membership_lost(env.error)[0]:
                             self.core.member_lost = True
-                        self._needs_rejoin.set()
+                        self.flow.needs_rejoin = True
         except zmq.ZMQError:
             pass  # the context is being closed
         finally:
             sock.close(linger=0)
 
-    def _group_call(self, make: Callable[[], m.Message], timeout: float | None = None) -> codec.Envelope:
-        """A group request, sent again after a re-join or a move as `GroupCallRetry` decides."""
-        retry = GroupCallRetry(self.conn.coordinators)
-        while True:
-            if self._needs_rejoin.is_set():
-                self._rejoin()
-            try:
-                return self.conn.call(self.conn.url, make(), timeout=timeout)
-            except ZBrokerError as err:
-                decision = retry.after(err)
-                if decision == REJOIN:
-                    if self.core.rejoin_after(err, self.member_id, self.generation):  # always: sent just now
-                        self._rejoin()
-                elif decision == FOLLOW:
-                    log.info("coordinator.redirected", group=self.group, code=err.code.value, to=self.conn.url)
-                    time.sleep(self.conn.coordinators.backoff())
-                    self._needs_rejoin.set()  # the new coordinator learns of this member by its join
-                else:
-                    raise
-
-    # -- polling ----------------------------------------------------------------------------
+    # -- the calls --------------------------------------------------------------------------------
 
     def poll(self, max_records: int = 1000, timeout: float = 1.0) -> list[ConsumedRecord]:
         """Lease up to ``max_records`` and return their records (possibly fewer, possibly none).
@@ -732,272 +711,7 @@ class Consumer:
         Acks that no poll takes along leave on their own once ``ack_batch`` or
         ``ack_interval_ms`` says so.
         """
-        records = self._poll(max_records, timeout)
-        try:
-            self._flush_acks_if_due()
-        except ZBrokerError as err:
-            if not records:
-                raise
-            # The records are leased and fetched: hand them out. The acks are held again
-            # and go with the next request.
-            log.warning("ack.deferred", group=self.group, error=str(getattr(err.code, "value", err.code)))
-        return records
-
-    def _poll(self, max_records: int, timeout: float) -> list[ConsumedRecord]:
-        if self._held:
-            # Leased by a poll sent ahead for more than this call asked for: hand them out first.
-            return self._hand_out(max_records)
-        deadline = time.monotonic() + timeout
-        if self._ahead_leases:
-            records = self._records_ahead(max_records, deadline)
-            if records:
-                return records
-            timeout = max(0.0, deadline - time.monotonic())
-        wait_ms = max_wait_ms(timeout)
-        reply = None
-        if self._poll_ahead is not None and self._needs_rejoin.is_set():
-            reply = self._answered_before_rejoin()
-        if reply is None and self._poll_ahead is not None:
-            reply = self._take_poll_ahead(timeout)
-        if reply is _NOT_YET:
-            return []
-        if reply is None:
-            reply = self._poll_now(max_records, wait_ms, timeout)
-        deliveries = self._take_ahead_leases(reply.deliveries)
-        self._held = [part for part in self._fetch_deliveries(deliveries) if part]
-        records = self._hand_out(max_records)
-        if self.core.poll_ahead_now(self._poll_ahead is not None):
-            self._send_poll_ahead(max_records, wait_ms)
-        if self.core.reading_ahead:
-            self._send_read_ahead(timeout)
-        if not records and self._ahead_leases:
-            records = self._records_ahead(max_records, deadline)
-        return records
-
-    def _answered_before_rejoin(self) -> m.PollReply | None:
-        """Re-join now; the poll sent ahead, if it was answered before the rebalance, with its
-        deliveries whose leases still stand (None, and it is dropped, if it was not answered:
-        it would be fenced). A rebalance keeps a member's leases on the partitions it keeps:
-        dropped, they would come back only at their ack timeout, one attempt more."""
-        self._stash_arrived()
-        answered = self.conn._early.get(self._poll_ahead.reply)
-        if answered is None or answered.error is not None:
-            self._orphan_poll_ahead()
-            return None
-        previous_member, lost = self.member_id, self.core.member_lost
-        reply = self._take_poll_ahead(0.0)
-        self._rejoin()
-        reply.deliveries = self.core.standing_deliveries(reply.deliveries, previous_member, lost)
-        return reply
-
-    def _poll_now(self, max_records: int, max_wait_ms: int, timeout: float) -> m.PollReply:
-        """A poll that waits for its reply, carrying the held acks (re-sent if it is fenced and retried)."""
-        acks = self._acks_for_poll()
-        try:
-            reply = self._group_call(lambda: self.core.poll_request(max_records, max_wait_ms, acks),
-                                     timeout=self.conn.request_timeout + timeout).msg
-        except BaseException:
-            self._hold_again(acks)  # not known to be applied: they go again (a repeated ack is harmless)
-            raise
-        return self.core.poll_answered(reply)
-
-    # -- acks riding on polls -------------------------------------------------------------------
-
-    def _acks_for_poll(self) -> list:
-        """Take the held acks for the poll about to be sent (`ConsumerCore.acks_for_poll`)."""
-        riding, rest = self.core.acks_for_poll()
-        if rest:
-            try:
-                self._send_acks(rest, [])
-            except BaseException:
-                self._hold_again(riding)
-                raise
-        return riding
-
-    def _hold_again(self, ranges: list) -> None:
-        """Acks a poll carried that may not have been applied (fenced, lost): send them again."""
-        self.core.hold_again(ranges, time.monotonic())
-
-    def _orphan_poll_ahead(self) -> None:
-        """Stop waiting for the poll sent ahead; the acks it carried are held again."""
-        sent, self._poll_ahead = self._poll_ahead, None
-        self.conn.correlation.orphan(sent.reply)
-        self._hold_again(sent.acks)
-
-    # -- ahead leases -------------------------------------------------------------------------
-
-    def _take_ahead_leases(self, deliveries: list) -> list:
-        return self.core.take_ahead_leases(deliveries)
-
-    def _records_ahead(self, max_records: int, deadline: float) -> list[ConsumedRecord]:
-        """Hand out what the parked fetches brought under the ahead leases, waiting until
-        ``deadline`` for some; returns early (empty) when the poll sent ahead is answered."""
-        while True:
-            self._collect_read_ahead()
-            parts, given_up = self.core.ahead_records(max_records, time.monotonic())
-            self._give_up(given_up)
-            if parts:
-                self._held = parts
-                records = self._hand_out(max_records)
-                if self._poll_ahead is None and self._ahead_leases:
-                    self._send_poll_ahead(max_records, max_wait_ms(deadline - time.monotonic()))
-                self._send_read_ahead(max(0.0, deadline - time.monotonic()), collected=True)
-                return records
-            if not self._ahead_leases or (self._poll_ahead is not None and self._poll_ahead.reply in self.conn._early):
-                return []  # all used up, or the coordinator answered: the caller takes it from here
-            now = time.monotonic()
-            if self._poll_ahead is None:
-                # Redeliveries, and the next ahead lease once this one is used up, come from a poll.
-                self._send_poll_ahead(max_records, max_wait_ms(deadline - now))
-            self._send_read_ahead(max(0.0, deadline - now), collected=True)
-            due = self._acks_due_at()
-            until = deadline if due is None else min(deadline, due)
-            if until <= now:
-                if due is not None and due <= now:
-                    self.flush_acks(wait=False)
-                    continue
-                return []
-            env = self.conn.recv(until - now)
-            if env is not None and isinstance(env.corr_id, int):
-                self.conn._early[env.corr_id] = env
-
-    def _hand_out(self, max_records: int) -> list[ConsumedRecord]:
-        return self.core.hand_out(max_records)
-
-    def _send_poll_ahead(self, max_records: int, max_wait_ms: int) -> None:
-        """Ask for the next lease now, so the coordinator works while the caller handles this batch."""
-        if self._needs_rejoin.is_set():
-            return  # the next poll re-joins first
-        poll = self.core.poll_request(max_records, max_wait_ms, self._acks_for_poll())
-        try:
-            corr = self.conn.send(self.conn.url, poll)
-        except ZBrokerError:
-            self._hold_again(poll.acks)
-            return  # the next poll asks the usual way
-        self._poll_ahead = self.core.poll_sent(corr, poll, time.monotonic(), self.conn.request_timeout)
-
-    def _take_poll_ahead(self, timeout: float) -> Any:
-        """The poll sent ahead: its reply, _NOT_YET when it needs longer than ``timeout``,
-        or None when it failed in a way a fresh poll recovers from (fenced, lost)."""
-        sent = self._poll_ahead
-        try:
-            env = self._wait_sending_acks(sent.reply, max(0.0, min(timeout, sent.give_up_at - time.monotonic())))
-        except RequestTimeout:
-            if time.monotonic() < sent.give_up_at:
-                return _NOT_YET  # still parked at the coordinator: keep it for the next poll
-            self._orphan_poll_ahead()
-            return None
-        self._poll_ahead = None
-        reply = self.core.poll_replied(sent, env, time.monotonic())
-        if reply is None and self.core.rejoin_after(env.error, sent.member_id, sent.generation):
-            self._rejoin()
-        return reply
-
-    def _wait_sending_acks(self, corr: int, wait: float) -> codec.Envelope:
-        """`Connection.wait_for`, sending the held acks when their interval is up meanwhile.
-
-        When the acks are due and the reply is already in, they stay held: the poll
-        sent as soon as this batch is handed out takes them along. Otherwise they go
-        now; the poll may be waiting for exactly the capacity they free.
-        """
-        deadline = time.monotonic() + wait
-        while True:
-            due = self._acks_due_at()
-            until = deadline if due is None else min(deadline, due)
-            try:
-                return self.conn.wait_for(corr, max(0.0, until - time.monotonic()))
-            except RequestTimeout:
-                if until >= deadline:
-                    raise
-                for env in self.conn.recv_nowait_all():  # in already? then the next poll takes the acks
-                    if isinstance(env.corr_id, int):
-                        self.conn._early[env.corr_id] = env
-                if corr in self.conn._early:
-                    return self.conn.wait_for(corr, 0)
-                self.flush_acks(wait=False)
-
-    def _give_up(self, ranges: list[tuple[int, int]]) -> None:
-        """Replies under these id ranges (read-ahead fetches the core gave up on) are dropped when they come."""
-        if ranges:
-            self.conn.correlation.orphan_ranges(ranges)
-
-    def _send_read_ahead(self, timeout: float, collected: bool = False) -> None:
-        """Send the read-ahead fetches the core wants. ``collected``: the caller has just filed
-        the replies that came in (one receive fewer on the path of every record handed out
-        under an ahead lease)."""
-        if not collected:
-            self._collect_read_ahead()
-        for key, fetch in self.core.read_ahead_fetches(max_wait_ms(timeout), time.monotonic()):
-            try:
-                corr = self.conn.send(self.conn.endpoint(*key), fetch, replies=1 + fetch.follow)
-            except ZBrokerError:
-                corr = None
-            self.core.read_ahead_sent(key, corr, fetch, time.monotonic(), self.conn.request_timeout)
-
-    def _collect_read_ahead(self) -> None:
-        self._stash_arrived()
-        self._give_up(self.core.collect_read_ahead(self.conn._early, time.monotonic()))
-
-    def _fetch_deliveries(self, deliveries: list) -> list[list[ConsumedRecord]]:
-        """The records of each of ``deliveries``, in offset order: from what the read-ahead
-        holds, then fetched, as `fetch_round.FetchRound` plans and folds them."""
-        core, conn = self.core, self.conn
-        ahead_deadline = time.monotonic() + READ_AHEAD_WAIT_S
-        if conn.correlation.has_orphans():
-            conn.correlation.drop_orphans()
-        fetches = FetchRound(core, deliveries)
-        for i, d in enumerate(deliveries):
-            start = self._serve_from_read_ahead(d, fetches.parts[i], ahead_deadline) if core.reading_ahead else d[3]
-            if start < d[4]:
-                self._route(fetches, (i, d, start))
-        self._send_fetches(fetches)
-        while (corr := fetches.next_awaited()) is not None:
-            env, err = None, None
-            try:
-                env = conn.wait_for(corr)
-            except RequestTimeout as timeout:
-                conn.correlation.orphan(corr)  # a reply that comes after all is dropped
-                err = timeout
-            for item in fetches.replied(corr, env, err, time.monotonic()):
-                self._route(fetches, item, alone=True)
-            self._send_fetches(fetches)
-        return fetches.parts
-
-    def _route(self, fetches: FetchRound, item: tuple, alone: bool = False) -> None:
-        d = item[1]
-        try:
-            fetches.route(item, self.conn.endpoint(d[0], d[1]), alone=alone)
-        except ZBrokerError as err:
-            fetches.unroutable(item, err, time.monotonic())
-
-    def _send_fetches(self, fetches: FetchRound) -> None:
-        for request in fetches.requests():
-            try:
-                fetches.sent(self.conn.send(request[0], request[1]), request)
-            except ZBrokerError as err:
-                fetches.send_failed(request, err, time.monotonic())
-        self._give_up(fetches.take_given_up())
-
-    def _serve_from_read_ahead(self, d: list, out: list, deadline: float) -> int:
-        """Deliver what the read-ahead holds of delivery ``d``; returns the first offset it lacks."""
-        pos, key = d[3], (d[0], d[1])
-        while True:
-            pos, awaited, given_up = self.core.serve_lease_from_read_ahead(d, pos, out, time.monotonic())
-            self._give_up(given_up)
-            if awaited is None:
-                break
-            try:
-                # The lease proves the records exist, so a live actor answers at once;
-                # one that died with the fetch parked never will: give up soon, with one
-                # deadline for the whole poll (not one per partition the dead actor held).
-                env = self.conn.wait_for(awaited, max(0.005, deadline - time.monotonic()))
-            except RequestTimeout:
-                self.conn.correlation.orphan(awaited)  # this reply, and later ones of its fetch, are dropped
-                self._give_up(self.core.give_up_read_ahead(key, time.monotonic()))
-            else:
-                self.core.read_ahead_replied(key, awaited, env, time.monotonic())
-        self.core.lease_served(d)
-        return pos
+        return self._run(self.flow.poll(max_records, timeout))
 
     def __iter__(self) -> Iterator[ConsumedRecord]:
         """Yields records forever; each is acked when the loop body returns for it."""
@@ -1038,130 +752,28 @@ class Consumer:
                     except ZBrokerError as err:  # the acks are held and go with the next request
                         backoff.log_or_raise(err, "ack", group=self.group)
 
-    # -- acks -------------------------------------------------------------------------------
-
-    def _deliver(self, records: list, sizes: list[int]) -> None:
-        self.core.deliver(records, sizes)
-
     def ack(self, record: ConsumedRecord) -> None:
         # Once per record: the core's identity check and index step; the clock is read
         # only when the core says the held acks may be due (bench/PROFILE.md).
-        if self._core_ack(record):
-            self._acks_held()
+        if self._core_ack(record) and self.core.acks_due(time.monotonic()):
+            self._run(self.flow.flush_acks(wait=False))
 
     def ack_many(self, records: Iterable[ConsumedRecord]) -> None:
         for record in records:
             self.ack(record)
 
-    def _acks_held(self) -> None:
-        """Send the acks held when a batch or the interval is up."""
-        if self.core.acks_due(time.monotonic()):
-            self.flush_acks(wait=False)
-
-    def _acks_due_at(self) -> float | None:
-        return self.core.acks_due_at(time.monotonic())
-
-    def _flush_acks_if_due(self) -> None:
-        due = self._acks_due_at()
-        if due is not None and due <= time.monotonic():
-            self.flush_acks(wait=False)
-        elif self._ack_requests:
-            self._collect_ack_replies(block=False)
-
     def flush_acks(self, wait: bool = True) -> None:
-        """Send pending acks; with ``wait``, until every ack sent is applied.
-
-        Acks riding on a poll that is still waiting at the coordinator were applied
-        when it arrived: an ack request sent after it on the same socket, answered,
-        proves it (the coordinator serves one connection's requests in order), so
-        ``wait`` sends one, empty if need be.
-        """
-        self.core.fold_in_order_acks()
-        riding = self._poll_ahead.acks if self._poll_ahead is not None else []
-        if self.acks or (wait and riding):
-            ranges = self.core.take_acks()
-            # Answered => the poll sent before it in this generation applied its acks
-            # (or was fenced, and then so is this request: see _on_ack_reply).
-            ranges_before = self._poll_ahead.take_acks() if wait and riding else []
-            self._send_acks(ranges, ranges_before)
-        self.core.acks_since = None
-        self._collect_ack_replies(block=wait)
-
-    def _send_acks(self, ranges: list, ranges_before: list) -> None:
-        """The ack requests for ``ranges`` (`AckRequests.requests`, the last one also standing
-        for ``ranges_before``); what could not be sent is held again (and the error raised)."""
-        requests = AckRequests.requests(ranges, ranges_before)
-        for i, (chunk, before) in enumerate(requests):
-            try:
-                corr = self.conn.send(self.conn.url, self.core.member_request(m.Ack, ranges=chunk))
-            except ZBrokerError:
-                self._hold_again([r for rest, rode in requests[i:] for r in (*rode, *rest)])
-                raise
-            self._ack_requests.sent(corr, chunk, before, time.monotonic())
-
-    def _collect_ack_replies(self, block: bool) -> None:
-        """Take the replies of the ack requests out, each as it comes (one that never
-        comes must not hide the others: a FENCED one among them means re-join now).
-        With ``block``, wait for all of them. A request without a reply within the
-        request timeout has its ranges held again, to go with the next request
-        (`AckRequests`); with ``block`` its timeout is raised once the others are taken."""
-        lost: RequestTimeout | None = None
-        requests = self._ack_requests
-        while requests:
-            if not block:
-                self._stash_arrived()
-            for corr in requests.waiting():
-                env = None
-                if block or corr in self.conn._early:
-                    try:
-                        env = self.conn.wait_for(corr)
-                    except RequestTimeout as err:
-                        lost = err
-                elif not requests.overdue(corr, time.monotonic(), self.conn.request_timeout):
-                    continue  # still on its way
-                if env is None:
-                    self._hold_again(requests.lost(corr))
-                    continue
-                self._on_ack_reply(env, *requests.answered(corr))
-            if not block:
-                break  # (a re-sent request, after a FENCED reply, is taken next time)
-        if lost is not None:
-            raise lost
-
-    def _on_ack_reply(self, env: codec.Envelope, ranges: list, ranges_before: list = ()) -> None:
-        """``ranges_before``: acks that rode on polls sent before this request; they were
-        applied if this one was, and are sent again with it if it was fenced."""
-        if env.error is None:
-            self.core.applied(env.msg.applied, [])
-            return
-        outcome = self.core.ack_refused(env.error, [*ranges_before, *ranges], time.monotonic())
-        if outcome == ACK_REJOIN:
-            self._rejoin()  # raising, the acks stay held: they go after a later join
-            self._send_acks(self.core.take_acks(), [])
-        elif outcome == ACK_FAILED:
-            raise env.error
-
-    def _lease_call(self, op: type, records: Iterable[ConsumedRecord], **fields: Any) -> int:
-        """Records applied, over as many requests as the ranges need."""
-        self.flush_acks(wait=True)
-        settled = ChunkedSettle()
-        for chunk in in_request_sized_chunks(group_by_lease(records)):
-            try:
-                env = self._group_call(lambda chunk=chunk: self.core.member_request(op, ranges=chunk, **fields))
-            except StaleLease as err:  # its valid ranges were applied: the next chunks go all the same
-                settled.refused(err)
-            else:
-                settled.replied(env.msg)
-        return settled.outcome()
+        """Send the held acks; with ``wait``, until every ack sent is applied."""
+        self._run(self.flow.flush_acks(wait))
 
     def nack(self, records: Iterable[ConsumedRecord], *, delay_ms: int = 0, reason: str = "") -> int:
-        return self._lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason)
+        return self._run(self.flow.lease_call(m.Nack, records, delay_ms=delay_ms, reason=reason))
 
     def extend(self, records: Iterable[ConsumedRecord], *, extend_ms: int = 0) -> int:
-        return self._lease_call(m.Extend, records, extend_ms=extend_ms)
+        return self._run(self.flow.lease_call(m.Extend, records, extend_ms=extend_ms))
 
     def reject(self, records: Iterable[ConsumedRecord], *, reason: str = "") -> int:
-        return self._lease_call(m.Reject, records, reason=reason)
+        return self._run(self.flow.lease_call(m.Reject, records, reason=reason))
 
     def close(self, leave: bool = True) -> None:
         """Send the held acks, leave the group (its leases go to the others at once) and
@@ -1169,12 +781,7 @@ class Consumer:
         if self._stop.is_set():
             return
         try:
-            self.flush_acks(wait=True)
-            if leave and self.member_id:
-                try:
-                    self.conn.call(self.conn.url, self.core.member_request(m.Leave), timeout=2.0)
-                except ZBrokerError:
-                    pass
+            self._run(self.flow.close(leave))
         finally:
             self._stop.set()
             if self._heartbeat_thread is not None:

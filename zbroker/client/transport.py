@@ -57,6 +57,18 @@ class Correlation:
         if isinstance(env.corr_id, int):
             self.early[env.corr_id] = env
 
+    def file(self, env: Any) -> bool:
+        """A reply that came with nobody waiting (the asyncio reader's way): dropped if it was
+        given up on (a single id is then forgotten: it has its one reply), else kept. True if kept."""
+        corr = env.corr_id
+        if corr in self._orphans:
+            self._orphans.discard(corr)
+            return False
+        if self.orphaned(corr):
+            return False
+        self.early[corr] = env
+        return True
+
     def orphan(self, corr: int) -> None:
         """Give up on the reply to ``corr``: it is dropped if it comes."""
         self._orphans.add(corr)
