@@ -79,6 +79,9 @@ class AcksSent:
     def recv_nowait_all(self):
         return []
 
+    def collect(self):
+        pass
+
     def close(self):
         pass
 

@@ -276,6 +276,7 @@ class ConsumerFlow:
             records = yield from self._records_ahead(max_records, deadline)
             if records:
                 return records
+            timeout = max(0.0, deadline - self.clock())  # what is left of it for the Polls and fetches
         if not core.held and not self.to_fetch:
             reply = yield from self._poll_reply(max_records, deadline)
             if reply is None:
