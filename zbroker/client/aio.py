@@ -26,9 +26,9 @@ from zbroker.client.core import (ConsumedRecord, DeliveryHandle, MetadataCache, 
                                  checked_record, checked_topics, record_size_estimate)
 from zbroker.client.admin_calls import async_method, with_admin_calls
 from zbroker.client.keys import ClientKeys
-from zbroker.client.consumer_core import ConsumerCore, RetryBackoff, connection_field, core_field, failure_reason
-from zbroker.client.consumer_flow import (Connect, ConsumerFlow, Coordinator, Done, Endpoint, Notify, Send, Sleep,
-                                          Wait, WaitAny, resume)
+from zbroker.client.consumer_core import ConsumerCore, RetryBackoff, core_field, failure_reason
+from zbroker.client.consumer_flow import (Connect, ConsumerDriver, ConsumerFlow, Coordinator, Done, Endpoint, Notify,
+                                          Send, Sleep, Wait, WaitAny, resume)
 from zbroker.client.producer_core import ProduceError, ProducerCore, failure_fields
 from zbroker.client.sockets import client_dealer, curve_from_env
 from zbroker.client.transport import DEFAULT_URL, Coordinators, Correlation
@@ -514,7 +514,7 @@ def _closing(what: str) -> ProduceError:
     return ProduceError(f"the producer closed before the batch was {what}", code=ErrorCode.SHUTTING_DOWN)
 
 
-class AsyncConsumer:
+class AsyncConsumer(ConsumerDriver):
     """A member of a consumer group for asyncio: poll leases, fetch their records, ack each one.
 
     What each call does is `consumer_flow.ConsumerFlow`'s, the sync `Consumer`'s flows
@@ -527,14 +527,15 @@ class AsyncConsumer:
     ``session_timeout_ms / 3``; refused, it re-joins (or, while a call runs, that call does).
     """
 
-    def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], session_timeout_ms: int = 10_000,
-                 ack_batch: int = 1000, ack_interval_ms: float = 5.0, request_timeout: float = 5.0,
+    def __init__(self, url: str = DEFAULT_URL, *, group: str, topics: list[str], member_id: str = "",
+                 session_timeout_ms: int = 10_000, ack_batch: int = 1000, ack_interval_ms: float = 5.0,
+                 request_timeout: float = 5.0,
                  on_assign: Callable[[list], Any] | None = None, on_revoke: Callable[[list], Any] | None = None,
                  curve: ClientKeys | None = None, read_ahead: bool = True, read_ahead_bytes: int = 32 << 20,
                  poll_ahead: bool = False, lease_ahead: bool = False, max_in_flight: int | None = None) -> None:
         topics = checked_topics(topics)  # before any socket exists: a TypeError leaves nothing open
         self.conn = AsyncConnection(url, request_timeout=request_timeout, curve=curve)
-        self.core = ConsumerCore(group=group, topics=topics, ack_batch=ack_batch,
+        self.core = ConsumerCore(group=group, topics=topics, member_id=member_id, ack_batch=ack_batch,
                                  ack_interval_s=ack_interval_ms / 1000.0, read_ahead=read_ahead,
                                  read_ahead_bytes=read_ahead_bytes, lease_ahead=lease_ahead,
                                  poll_ahead=poll_ahead, metadata=self.conn.metadata)
@@ -543,29 +544,13 @@ class AsyncConsumer:
                                  on_assign=on_assign, on_revoke=on_revoke)
         self.max_in_flight = max_in_flight
         self._core_ack = self.core.ack
-        self._steps = {Send: self._send, Wait: self._wait, WaitAny: self._wait_any, Endpoint: self._endpoint,
-                       Coordinator: self._coordinator, Sleep: self._sleep, Notify: self._notify,
-                       Connect: self._connect}
+        self._steps = self.step_methods()
         # One flow at a time: two interleaved at their awaits could each send a Poll (the first
         # one's leases stranded until the ack timeout), fetch the same delivery, or both join.
         self._turn = asyncio.Lock()
         self._heartbeat_task: asyncio.Task | None = None
         self._ack_timer: asyncio.Task | None = None  # sleeping until the held acks are due
 
-    member_id = core_field("member_id")
-    generation = core_field("generation")
-    assignment = core_field("assignment")
-    mode = core_field("mode")
-    group = core_field("group")
-    topics = core_field("topics")
-    poll_ahead = core_field("poll_ahead")
-    ack_batch = core_field("ack_batch")
-    ack_interval_s = core_field("ack_interval_s")
-    stats = core_field("stats")
-    acks = core_field("acks")
-    session_timeout_ms = property(lambda self: self.flow.session_timeout_ms)
-
-    conn = connection_field()
 
     async def start(self) -> "AsyncConsumer":
         try:

@@ -55,7 +55,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 import structlog
 
 from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, FOLLOW, RAISE, READ_AHEAD_WAIT_S, REJOIN,
-                                          AckRequests, ConsumerCore, GroupCallRetry, PollSent, max_wait_ms)
+                                          AckRequests, ConsumerCore, GroupCallRetry, PollSent, connection_field,
+                                          core_field, max_wait_ms)
 from zbroker.client.core import ChunkedSettle, ConsumedRecord, group_by_lease, in_request_sized_chunks
 from zbroker.client.fetch_round import FetchRound
 from zbroker.protocol import messages as m
@@ -104,6 +105,40 @@ class Connect(NamedTuple):
 
 
 Flow = Any  # a generator of steps
+
+
+# Each step, and the method of a driver (`ConsumerDriver`) that performs it.
+STEP_METHODS = ((Send, "_send"), (Wait, "_wait"), (WaitAny, "_wait_any"), (Endpoint, "_endpoint"),
+                (Coordinator, "_coordinator"), (Sleep, "_sleep"), (Notify, "_notify"), (Connect, "_connect"))
+
+
+class ConsumerDriver:
+    """What both consumer drivers share around their `ConsumerFlow`: the consumer's state under
+    the names a user reads it by (the core's and the flow's), and the table of the driver's own
+    methods that perform each step."""
+
+    conn = connection_field()
+
+    member_id = core_field("member_id")
+    generation = core_field("generation")
+    assignment = core_field("assignment")
+    mode = core_field("mode")
+    ack_timeout_ms = core_field("ack_timeout_ms")
+    group = core_field("group")
+    topics = core_field("topics")
+    read_ahead = core_field("read_ahead")
+    lease_ahead = core_field("lease_ahead")
+    poll_ahead = core_field("poll_ahead")
+    ack_batch = core_field("ack_batch")
+    ack_interval_s = core_field("ack_interval_s")
+    acks = core_field("acks")
+    ahead = core_field("ahead")
+    stats = core_field("stats")
+    stale = core_field("stale")
+    session_timeout_ms = property(lambda self: self.flow.session_timeout_ms)
+
+    def step_methods(self) -> dict[type, Callable]:
+        return {step: getattr(self, name) for step, name in STEP_METHODS}
 
 
 class Done(NamedTuple):

@@ -30,10 +30,10 @@ from zbroker.protocol.errors import ErrorCode, RequestTimeout, Unavailable, ZBro
 from zbroker.client.core import (ConsumedRecord, DeliveryHandle, MetadataCache, PendingBatch, checked_partition,
                                  checked_record, checked_timestamp, checked_topics, record_size_estimate)
 from zbroker.client import consumer_core
-from zbroker.client.consumer_core import (AHEAD_RETRY_S, ConsumerCore, connection_field, core_field, failure_reason,
+from zbroker.client.consumer_core import (AHEAD_RETRY_S, ConsumerCore, core_field, failure_reason,
                                           membership_lost)
-from zbroker.client.consumer_flow import (Connect, ConsumerFlow, Coordinator, Done, Endpoint, Notify, Send, Sleep,
-                                          Wait, WaitAny, resume)
+from zbroker.client.consumer_flow import (Connect, ConsumerDriver, ConsumerFlow, Coordinator, Done, Endpoint, Notify,
+                                          Send, Sleep, Wait, WaitAny, resume)
 from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore, failure_fields
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
 from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
@@ -528,7 +528,7 @@ class RetryBackoff(consumer_core.RetryBackoff):
         super().__init__(sleep)
 
 
-class Consumer:
+class Consumer(ConsumerDriver):
     """A member of a consumer group: poll leases, fetch their records, ack each one.
 
     What each call does is `consumer_flow.ConsumerFlow`'s (the asyncio consumer runs the
@@ -584,9 +584,7 @@ class Consumer:
         self.flow = ConsumerFlow(self.core, self.conn, time.monotonic, session_timeout_ms=session_timeout_ms,
                                  on_assign=on_assign, on_revoke=on_revoke)
         self._core_ack = self.core.ack  # bound once: ack() runs per record
-        self._steps = {Send: self._send, Wait: self._wait, WaitAny: self._wait_any, Endpoint: self._endpoint,
-                       Coordinator: self._coordinator, Sleep: self._sleep, Notify: self._notify,
-                       Connect: self._connect}
+        self._steps = self.step_methods()
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         try:
@@ -601,25 +599,6 @@ class Consumer:
                                                       daemon=True)
             self._heartbeat_thread.start()
 
-    conn = connection_field()
-
-    member_id = core_field("member_id")
-    generation = core_field("generation")
-    assignment = core_field("assignment")
-    mode = core_field("mode")
-    ack_timeout_ms = core_field("ack_timeout_ms")
-    group = core_field("group")
-    topics = core_field("topics")
-    read_ahead = core_field("read_ahead")
-    lease_ahead = core_field("lease_ahead")
-    poll_ahead = core_field("poll_ahead")
-    ack_batch = core_field("ack_batch")
-    ack_interval_s = core_field("ack_interval_s")
-    acks = core_field("acks")
-    ahead = core_field("ahead")
-    stats = core_field("stats")
-    stale = core_field("stale")
-    session_timeout_ms = property(lambda self: self.flow.session_timeout_ms)
 
     # -- the steps of a flow, performed by blocking ----------------------------------------------
 
