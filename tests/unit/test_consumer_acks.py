@@ -210,6 +210,6 @@ def test_acks_refused_because_the_coordinator_is_stopping_are_held_again():
     consumer = bare_consumer(ack_batch=1000)
     env = types.SimpleNamespace(error=ShuttingDown("stopping"), msg=None)
     with pytest.raises(ShuttingDown):
-        consumer._run(consumer.flow._on_ack_reply(env, [["t", 0, 7, 0, 5]], [["t", 0, 6, 0, 2]]))
+        consumer._run(consumer.flow.ack_replied(env, [["t", 0, 7, 0, 5]], [["t", 0, 6, 0, 2]]))
     consumer.flush_acks(wait=False)
     assert acked_set(consumer.conn.ranges) == [("t", 0, 6, 0), ("t", 0, 6, 1)] + [("t", 0, 7, o) for o in range(5)]

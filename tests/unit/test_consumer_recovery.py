@@ -229,7 +229,7 @@ def test_acks_of_a_fenced_request_are_kept_when_the_re_join_fails():
     c.flow.rejoin = rejoin
     env = types.SimpleNamespace(error=Fenced("fenced", generation=2), msg=None)
     with pytest.raises(Unavailable):
-        c._run(c.flow._on_ack_reply(env, [["t", 0, 7, 0, 5]], [["t", 0, 6, 0, 2]]))
+        c._run(c.flow.ack_replied(env, [["t", 0, 7, 0, 5]], [["t", 0, 6, 0, 2]]))
     c.flush_acks(wait=False)  # the coordinator is back
     sent = [r for msg in c.conn.sent.values() for r in msg.ranges]
     assert acked_set(sent) == acked_set([["t", 0, 7, 0, 5], ["t", 0, 6, 0, 2]])
@@ -359,7 +359,7 @@ def test_replies_of_followed_fetches_given_up_on_never_pile_up(monkeypatch):
     for _rebalance in range(3):
         for p in range(n):
             c.ahead.leased(("t", p), 0, 0)
-        c._run(c.flow._send_read_ahead(1.0))
+        c._run(c.flow.send_read_ahead(1.0))
         out = dict(c.ahead.in_flight())
         assert len(out) == n
         c.conn.correlation.orphan_ranges(c.ahead.retain([]))
@@ -378,7 +378,7 @@ def test_polls_drop_the_pushes_of_a_followed_fetch_given_up_on(monkeypatch):
     c = make_consumer(conn, monkeypatch)
     for p in (0, 1):
         c.ahead.leased(("t", p), 0, 0)
-    c._run(c.flow._send_read_ahead(1.0))  # a followed fetch waits at each log end
+    c._run(c.flow.send_read_ahead(1.0))  # a followed fetch waits at each log end
     given_up = dict(c.ahead.in_flight())[("t", 1)]
     c.conn.correlation.orphan_ranges(c.ahead.retain([("t", 0)]))  # a rebalance took partition 1 away
     assert not c.conn.correlation.orphaned(given_up - 1) and c.conn.correlation.orphaned(given_up)

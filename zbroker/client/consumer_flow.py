@@ -323,7 +323,7 @@ class ConsumerFlow:
         if core.poll_ahead_now(self.poll_in_flight is not None):
             yield from self._send_poll_ahead(max_records, max_wait_ms(timeout))
         if core.reading_ahead:
-            yield from self._send_read_ahead(timeout)
+            yield from self.send_read_ahead(timeout)
         if not records and core.ahead_leases:
             records = yield from self._records_ahead(max_records, deadline)
         return records
@@ -509,7 +509,7 @@ class ConsumerFlow:
         self.conn.collect()
         self._give_up(self.core.collect_read_ahead(self.conn.correlation.early, self.clock()))
 
-    def _send_read_ahead(self, timeout: float, collected: bool = False) -> Flow:
+    def send_read_ahead(self, timeout: float, collected: bool = False) -> Flow:
         """Send the read-ahead fetches the core wants. ``collected``: the replies that came in
         were just filed (one receive fewer on the path of every record under an ahead lease)."""
         if not collected:
@@ -534,7 +534,7 @@ class ConsumerFlow:
                 records = core.hand_out(max_records)
                 if self.poll_in_flight is None and core.ahead_leases:
                     yield from self._send_poll_ahead(max_records, max_wait_ms(deadline - self.clock()))
-                yield from self._send_read_ahead(max(0.0, deadline - self.clock()), collected=True)
+                yield from self.send_read_ahead(max(0.0, deadline - self.clock()), collected=True)
                 return records
             sent = self.poll_in_flight
             if not core.ahead_leases or (sent is not None and sent.reply in self.conn.correlation.early):
@@ -542,7 +542,7 @@ class ConsumerFlow:
             if sent is None:
                 # Redeliveries, and the next ahead lease once this one is used up, come from a poll.
                 yield from self._send_poll_ahead(max_records, max_wait_ms(deadline - self.clock()))
-            yield from self._send_read_ahead(max(0.0, deadline - self.clock()), collected=True)
+            yield from self.send_read_ahead(max(0.0, deadline - self.clock()), collected=True)
             now = self.clock()
             due = core.acks_due_at(now)
             until = deadline if due is None else min(deadline, due)
@@ -595,7 +595,7 @@ class ConsumerFlow:
         if core.acks or (wait and riding):
             ranges = core.take_acks()
             # Answered => the Poll sent before it in this generation applied its acks (or was
-            # fenced, and then so is this request: see _on_ack_reply).
+            # fenced, and then so is this request: see ack_replied).
             before = sent.take_acks() if wait and riding else []
             yield from self._send_acks(ranges, before)
         core.acks_since = None
@@ -644,13 +644,13 @@ class ConsumerFlow:
                     correlation.orphan(corr)
                     self._hold_again(requests.lost(corr))
                     continue
-                yield from self._on_ack_reply(env, *requests.answered(corr))
+                yield from self.ack_replied(env, *requests.answered(corr))
             if not block:
                 break  # (a re-sent request, after a FENCED reply, is taken next time)
         if lost is not None:
             raise lost
 
-    def _on_ack_reply(self, env: Envelope, ranges: list, before: list = ()) -> Flow:
+    def ack_replied(self, env: Envelope, ranges: list, before: list = ()) -> Flow:
         """``before``: acks that rode on Polls sent before this request; they were applied if this
         one was, and are sent again with it if it was fenced."""
         core = self.core
