@@ -469,7 +469,9 @@ class TopicRegistry:
                                "leader_endpoint": leader.endpoint if leader is not None else None,
                                "replicas": list(rs.replicas), "isr": list(rs.isr), "min_insync": rs.min_insync,
                                "replica_endpoints": {a: self.actors[a].endpoint for a in rs.replicas
-                                                     if a in self.actors}}])
+                                                     if a in self.actors},
+                               # The last HW a leader published: a new leader's reads start there.
+                               "high_watermark": part.log_end}])
         return out
 
     def replication_status(self) -> list[dict]:

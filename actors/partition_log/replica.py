@@ -62,6 +62,15 @@ High watermark across leader changes
     this; here no write per published HW is needed. One exception, said in
     docs/SEMANTICS.md: a leader that lost an unsynced tail in a host crash
     and is the only ISR member left can only publish what it still holds.)
+    Consumers read here up to the HW, so a new leader whose own HW is old
+    would hide acknowledged records until its followers have fetched in its
+    epoch; and a follower's HW can be an answer old (see Follower). So the
+    assignment carries the last HW a leader published, as the controller
+    heard it, and a replica that starts to lead begins from it, capped at
+    its own log end: a clean election picks an ISR member, which holds
+    everything below any HW published before. It publishes nothing on that
+    account: the first HW it publishes is still the one computed from its
+    ISR.
 
 Waiting fetches (leader)
     A follower's fetch at the log end waits (the owner holds it, as a
@@ -121,11 +130,16 @@ class ReplicaState:
     isr: tuple[str, ...]
     min_insync: int
     replica_endpoints: dict
+    # The last high watermark a leader of this partition published, as the controller heard
+    # it (None: not known). A replica that starts to lead begins from it, capped at its own
+    # log end (see "High watermark across leader changes").
+    high_watermark: int | None = None
 
     @classmethod
     def from_wire(cls, state: dict) -> "ReplicaState":
         return cls(state["leader_epoch"], state["leader"], state["leader_endpoint"], tuple(state["replicas"]),
-                   tuple(state["isr"]), state["min_insync"], dict(state["replica_endpoints"]))
+                   tuple(state["isr"]), state["min_insync"], dict(state["replica_endpoints"]),
+                   state.get("high_watermark"))  # optional, checked by messages.check_replicas
 
 
 # -- effects -------------------------------------------------------------------------------
@@ -239,6 +253,10 @@ class Replica:
             self._epoch_start = self.log.log_end
             self._local_end = self.log.log_end
             self._end_seen = self.log.log_end
+            if self.state.high_watermark is not None:
+                # Published by a leader before: below it every ISR member (this one too) holds
+                # what that leader held, so reads here need not wait for this epoch's first HW.
+                self.high_watermark = max(self.high_watermark, min(self.state.high_watermark, self.log.log_end))
             for replica in self.state.replicas:
                 if replica != self.actor_id:
                     # A follower gets a full lag period from the moment this replica leads.

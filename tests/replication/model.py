@@ -148,6 +148,9 @@ class Cluster:
         self.refused: set[int] = set()  # batch ids whose produce failed after the append
         self.epochs_seen: dict[str, int] = {}
         self.controller_epochs: list[int] = [0]
+        # The last HW the current leader published, as the controller hears it (the
+        # coordinator's log_end of the partition): sent with every assignment.
+        self.published_hw: int | None = None
         # Per node, the batches (base, id) it held durably when its disk was lost: a follower
         # that reported a batch and lost its disk after counted as a copy when it reported it,
         # and the leader cannot know of the loss before it acknowledges (Kafka neither).
@@ -159,7 +162,14 @@ class Cluster:
 
     def state(self) -> ReplicaState:
         return ReplicaState(self.epoch, self.leader, self.leader, self.NAMES, self.isr, self.min_insync,
-                            {n: n for n in self.NAMES})
+                            {n: n for n in self.NAMES}, self.published_hw)
+
+    def hear_hw(self) -> None:
+        """The leader's report: its HW once it has computed one in the controller's epoch."""
+        core = self.nodes[self.leader].core if self.leader is not None else None
+        if (core is not None and self.leader not in self.isolated and core.is_leader and core.hw_established
+                and core.leader_epoch == self.epoch):
+            self.published_hw = max(self.published_hw or 0, core.high_watermark)
 
     def reachable(self, name: str) -> bool:
         return self.nodes[name].core is not None and name not in self.isolated
@@ -204,6 +214,7 @@ class Cluster:
     # -- effects ---------------------------------------------------------------------------------
 
     def apply(self, name: str, effects: list) -> None:
+        self.hear_hw()
         for effect in effects:
             if isinstance(effect, Acknowledge):
                 batch_id, base, end = effect.token

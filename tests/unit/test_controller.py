@@ -235,6 +235,22 @@ def test_replica_states_feed_describe():
     assert part["leader"] == "a" and part["isr"] == ["a", "b", "c"]
 
 
+def test_the_assignment_carries_the_last_high_watermark_a_leader_published():
+    """A new leader serves reads from it (replica.py, "High watermark across leader changes")."""
+    from zbroker.protocol import messages as m
+    reg = created()
+    assert reg.on_report("a", [["t", 0, 0, 40, 4000]], 0) == [("t", 0, 0, 40)]
+    reg.on_report("b", [["t", 0, 0, 99, 9900]], 0)  # a follower's report: not the leader's HW
+    entries = reg.replicas_for("b")
+    assert entries[0][2]["high_watermark"] == 40
+    m.check_replicas("assign", entries)
+    for bad in (-1, "40", True):
+        with pytest.raises(ProtocolError):
+            m.check_replicas("assign", [["t", 0, {**entries[0][2], "high_watermark": bad}]])
+    del entries[0][2]["high_watermark"]
+    m.check_replicas("assign", entries)  # optional: an older coordinator sends none
+
+
 def test_snapshot_round_trip_keeps_replica_state():
     reg = created()
     confirm(reg, reg.deregister("a", reg.actors["a"].pid, 5))
