@@ -39,7 +39,13 @@ Follower
     parts from the leader (KIP-279: the smaller of the leader's and its own
     end of the diverging epoch), or appends the batches byte for byte and
     takes over the epochs that describe them. It adopts the leader's HW,
-    capped at its own log end.
+    capped at its own log end. The leader does not answer a fetch just to
+    tell it a newer HW: the fetch that moved it waits at the log end like any
+    other, so a follower's HW trails the leader's by one answer (as in
+    Kafka). Nothing depends on it being current: consumers read from the
+    leader, and a follower elected leader serves reads from the HW its
+    assignment carries and publishes none until it computed one from the
+    whole ISR (below).
 Epochs
     An assignment, fetch or reply of an older leader epoch is refused
     (STALE_EPOCH). A leader that learns of a newer epoch (a fetch carrying
