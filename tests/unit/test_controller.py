@@ -351,6 +351,31 @@ def test_a_restarted_leader_hands_over_and_a_restarted_follower_leaves_the_isr()
     assert reg.register("c", reg.actors["c"].endpoint, reg.actors["c"].storage_id, 997, [], 13) == []
 
 
+def test_a_restarted_leader_is_not_told_to_lead_its_old_epoch_while_its_replacement_is_written():
+    """The host-loss chaos run (2026-12-05 00:00 UTC): a leader restarted on a wiped disk was
+    told by its registration reply to lead the epoch being replaced (the new election not yet
+    durable); its empty epoch cache could not tell it had led that epoch, so it took 13
+    records at offsets 0-12, which the ISR held otherwise, kept them as a follower (the
+    epoch matched) and never caught up. Followers fetching from it would have cut their
+    logs back to its end."""
+    reg = created()
+    a = reg.actors["a"]
+    effects = reg.register("a", a.endpoint, a.storage_id, 998, [], 11)
+    assert any(isinstance(e, WriteMetadata) for e in effects)  # b's election, not durable yet
+    [[_t, _p, told]] = reg.replicas_for("a")
+    assert told["leader"] is None and told["leader_epoch"] == 0 and told["leader_endpoint"] is None
+    assert reg.replicas_for("b")[0][2]["leader"] == "a"  # the others hear of the change once it is durable
+    confirm(reg, effects)
+    assert [row[2]["leader"] for row in reg.replicas_for("a")] == ["b"]
+    # The only ISR member restarting leads again at a new epoch: not at the old one before that.
+    reg = created()
+    reg.partitions[("t", 0)].replication = ctl.ReplicaSet(("a", "b", "c"), "a", 0, ("a",), 2)
+    effects = reg.register("a", a.endpoint, a.storage_id, 997, [], 12)
+    assert reg.replicas_for("a")[0][2]["leader"] is None
+    confirm(reg, effects)
+    assert (reg.replicas_for("a")[0][2]["leader"], reg.replicas_for("a")[0][2]["leader_epoch"]) == ("a", 1)
+
+
 def test_a_restarted_coordinator_waits_for_the_leaders_to_register_before_electing():
     reg = created()
     again = TopicRegistry(actor_timeout_ms=TIMEOUT)
