@@ -1095,6 +1095,10 @@ def check_replicas(op: str, replicas: list) -> None:
                 isinstance(r, str) for r in state["replicas"] + state["isr"]):
             raise ProtocolError("replica state needs leader_epoch >= 0, min_insync >= 1 and actor ids",
                                 op=op, index=i, field="replicas")
+        hw = state.get("high_watermark")  # optional: the last HW a leader published
+        if hw is not None and not (_is_int(hw) and hw >= 0):
+            raise ProtocolError("replica state field 'high_watermark' must be an integer >= 0", op=op, index=i,
+                                field="high_watermark")
 
 
 @request("report", tell=True)

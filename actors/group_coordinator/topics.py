@@ -464,12 +464,23 @@ class TopicRegistry:
             rs = part.replication
             if rs is None or actor_id not in rs.replicas:
                 continue
-            leader = self.actors.get(rs.leader) if rs.leader is not None else None
-            out.append([t, p, {"leader_epoch": rs.leader_epoch, "leader": rs.leader,
+            leader_id = rs.leader
+            if (leader_id == actor_id and part.proposed is not None
+                    and part.proposed.leader_epoch > rs.leader_epoch):
+                # Its leadership is being replaced (it came back as a new process, perhaps
+                # on an empty disk whose epoch cache cannot tell that it led this epoch):
+                # told to lead the old epoch until the write lands, it would take produce
+                # at offsets the ISR already holds, and followers fetching from it would
+                # cut their logs back to its end. It waits, leaderless, for the new state.
+                leader_id = None
+            leader = self.actors.get(leader_id) if leader_id is not None else None
+            out.append([t, p, {"leader_epoch": rs.leader_epoch, "leader": leader_id,
                                "leader_endpoint": leader.endpoint if leader is not None else None,
                                "replicas": list(rs.replicas), "isr": list(rs.isr), "min_insync": rs.min_insync,
                                "replica_endpoints": {a: self.actors[a].endpoint for a in rs.replicas
-                                                     if a in self.actors}}])
+                                                     if a in self.actors},
+                               # The last HW a leader published: a new leader's reads start there.
+                               "high_watermark": part.log_end}])
         return out
 
     def replication_status(self) -> list[dict]:

@@ -411,7 +411,6 @@ class PartitionActorCore:
             replica.reported_hw = replica.high_watermark
             self._changed.add(key)
             out += self._wake_parked(key, now_ms)
-            out += self._wake_replica_fetches(key, now_ms, hw_moved=True)  # followers learn the new HW
         return out
     def _apply_config_changes(self, wanted: dict) -> None:
         """An altered topic (alter_topic) reaches its open logs through the assignment: the
@@ -877,34 +876,31 @@ class PartitionActorCore:
         replica = self.replicas.get(key)
         if replica is None:
             raise NotOwner("the partition is not replicated on this actor", topic=key[0], partition=key[1])
-        hw_before = replica.high_watermark
         try:
             reply, data, effects = replica.on_replica_fetch(msg, now_ms)
         except ZBrokerError as err:
             return self._replica_effects(key, getattr(err, "effects", []), now_ms) + [
                 ReplyError(token, "replica_fetch", detached(err))]
         effects = self._replica_effects(key, effects, now_ms)
-        # Parked at the log end, unless this very fetch moved the HW: the follower learns it now.
-        # (Learning it with the next answer instead, as Kafka's followers do, saved two messages
-        # per batch, but a follower elected leader then started from a HW one answer old, and
-        # consumers reading from it missed acknowledged records until its followers had
-        # fetched: tests/replication/test_replication_paths.py, bench/PROFILE.md.)
-        if (not data and reply.diverging is None and msg.max_wait_ms > 0 and msg.fetch_offset == reply.log_end
-                and replica.high_watermark == hw_before):
+        # Parked at the log end, even when this very fetch moved the HW: the follower learns
+        # the HW with its next answer, as Kafka's followers do. Answering at once cost every
+        # replicated produce a second round trip per follower (bench/PROFILE.md, twenty-first
+        # and twenty-fourth passes). A follower elected leader does not start from its own
+        # HW, one answer old, but from the last one published, which its assignment carries.
+        if not data and reply.diverging is None and msg.max_wait_ms > 0 and msg.fetch_offset == reply.log_end:
             self._parked_replica.setdefault(key, []).append(replica.wait_at_end(token, msg, now_ms))
             return effects
         return effects + [Reply(token, reply, (data,))]
 
-    def _wake_replica_fetches(self, key: tuple[str, int], now_ms: int, *, hw_moved: bool = False) -> list:
-        """Answer the followers' waiting fetches the replica says are due (`Replica.answer_at`),
-        or all of them when the HW moved."""
+    def _wake_replica_fetches(self, key: tuple[str, int], now_ms: int) -> list:
+        """Answer the followers' waiting fetches the replica says are due (`Replica.answer_at`)."""
         parked = self._parked_replica.get(key)
         replica = self.replicas.get(key)
         if not parked or replica is None:
             return []
         due, waiting = [], []
         for fetch in parked:
-            fetch.due_ms = now_ms if hw_moved else replica.answer_at(fetch, now_ms)
+            fetch.due_ms = replica.answer_at(fetch, now_ms)
             (due if fetch.due_ms <= now_ms else waiting).append(fetch)
         if not due:
             return []

@@ -39,7 +39,13 @@ Follower
     parts from the leader (KIP-279: the smaller of the leader's and its own
     end of the diverging epoch), or appends the batches byte for byte and
     takes over the epochs that describe them. It adopts the leader's HW,
-    capped at its own log end.
+    capped at its own log end. The leader does not answer a fetch just to
+    tell it a newer HW: the fetch that moved it waits at the log end like any
+    other, so a follower's HW trails the leader's by one answer (as in
+    Kafka). Nothing depends on it being current: consumers read from the
+    leader, and a follower elected leader serves reads from the HW its
+    assignment carries and publishes none until it computed one from the
+    whole ISR (below).
 Epochs
     An assignment, fetch or reply of an older leader epoch is refused
     (STALE_EPOCH). A leader that learns of a newer epoch (a fetch carrying
@@ -62,6 +68,15 @@ High watermark across leader changes
     this; here no write per published HW is needed. One exception, said in
     docs/SEMANTICS.md: a leader that lost an unsynced tail in a host crash
     and is the only ISR member left can only publish what it still holds.)
+    Consumers read here up to the HW, so a new leader whose own HW is old
+    would hide acknowledged records until its followers have fetched in its
+    epoch; and a follower's HW can be an answer old (see Follower). So the
+    assignment carries the last HW a leader published, as the controller
+    heard it, and a replica that starts to lead begins from it, capped at
+    its own log end: a clean election picks an ISR member, which holds
+    everything below any HW published before. It publishes nothing on that
+    account: the first HW it publishes is still the one computed from its
+    ISR.
 
 Waiting fetches (leader)
     A follower's fetch at the log end waits (the owner holds it, as a
@@ -121,11 +136,16 @@ class ReplicaState:
     isr: tuple[str, ...]
     min_insync: int
     replica_endpoints: dict
+    # The last high watermark a leader of this partition published, as the controller heard
+    # it (None: not known). A replica that starts to lead begins from it, capped at its own
+    # log end (see "High watermark across leader changes").
+    high_watermark: int | None = None
 
     @classmethod
     def from_wire(cls, state: dict) -> "ReplicaState":
         return cls(state["leader_epoch"], state["leader"], state["leader_endpoint"], tuple(state["replicas"]),
-                   tuple(state["isr"]), state["min_insync"], dict(state["replica_endpoints"]))
+                   tuple(state["isr"]), state["min_insync"], dict(state["replica_endpoints"]),
+                   state.get("high_watermark"))  # optional, checked by messages.check_replicas
 
 
 # -- effects -------------------------------------------------------------------------------
@@ -239,6 +259,10 @@ class Replica:
             self._epoch_start = self.log.log_end
             self._local_end = self.log.log_end
             self._end_seen = self.log.log_end
+            if self.state.high_watermark is not None:
+                # Published by a leader before: below it every ISR member (this one too) holds
+                # what that leader held, so reads here need not wait for this epoch's first HW.
+                self.high_watermark = max(self.high_watermark, min(self.state.high_watermark, self.log.log_end))
             for replica in self.state.replicas:
                 if replica != self.actor_id:
                     # A follower gets a full lag period from the moment this replica leads.

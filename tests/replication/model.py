@@ -97,7 +97,8 @@ class InvariantViolated(AssertionError):
 # -- the invariants, as functions of plain data (so that crafted bad histories can feed them) --
 
 def check_acknowledged_on_m(copies: int, min_insync: int, batch: object) -> None:
-    """At the moment a batch is acknowledged, at least min_insync replicas hold it durably."""
+    """At the moment a batch is acknowledged, at least min_insync replicas hold it durably (or
+    held it until their disk was lost, after they had reported it: `Cluster.lost_copies`)."""
     if copies < min_insync:
         raise InvariantViolated(f"batch {batch} acknowledged with {copies} durable copies < min_insync {min_insync}")
 
@@ -147,6 +148,13 @@ class Cluster:
         self.refused: set[int] = set()  # batch ids whose produce failed after the append
         self.epochs_seen: dict[str, int] = {}
         self.controller_epochs: list[int] = [0]
+        # The last HW the current leader published, as the controller hears it (the
+        # coordinator's log_end of the partition): sent with every assignment.
+        self.published_hw: int | None = None
+        # Per node, the batches (base, id) it held durably when its disk was lost: a follower
+        # that reported a batch and lost its disk after counted as a copy when it reported it,
+        # and the leader cannot know of the loss before it acknowledges (Kafka neither).
+        self.lost_copies: dict[str, set[tuple[int, int]]] = {name: set() for name in self.NAMES}
         for name in self.NAMES:
             self.start(name)
 
@@ -154,7 +162,14 @@ class Cluster:
 
     def state(self) -> ReplicaState:
         return ReplicaState(self.epoch, self.leader, self.leader, self.NAMES, self.isr, self.min_insync,
-                            {n: n for n in self.NAMES})
+                            {n: n for n in self.NAMES}, self.published_hw)
+
+    def hear_hw(self) -> None:
+        """The leader's report: its HW once it has computed one in the controller's epoch."""
+        core = self.nodes[self.leader].core if self.leader is not None else None
+        if (core is not None and self.leader not in self.isolated and core.is_leader and core.hw_established
+                and core.leader_epoch == self.epoch):
+            self.published_hw = max(self.published_hw or 0, core.high_watermark)
 
     def reachable(self, name: str) -> bool:
         return self.nodes[name].core is not None and name not in self.isolated
@@ -199,10 +214,12 @@ class Cluster:
     # -- effects ---------------------------------------------------------------------------------
 
     def apply(self, name: str, effects: list) -> None:
+        self.hear_hw()
         for effect in effects:
             if isinstance(effect, Acknowledge):
                 batch_id, base, end = effect.token
-                copies = sum(node.log.holds(base, batch_id, durable_only=True) for node in self.nodes.values())
+                copies = sum(node.log.holds(base, batch_id, durable_only=True)
+                             or (base, batch_id) in self.lost_copies[node.name] for node in self.nodes.values())
                 check_acknowledged_on_m(copies, self.min_insync, effect.token)
                 self.acknowledged[batch_id] = (base, end)
             elif isinstance(effect, ProposeIsr):
@@ -273,6 +290,7 @@ class Cluster:
         node = self.nodes[name]
         node.core = None
         if lose_disk:
+            self.lost_copies[name] |= {(base, batch_id) for base, _count, batch_id in node.log.batches[:node.log.durable]}
             node.log = MemoryLog()
         else:
             node.log.lose_unsynced_tail()

@@ -16,9 +16,12 @@ from tests.unit.test_partition_actor_core import Opener, env, payload
 ENDPOINTS = {"a": "tcp://127.0.0.1:1", "b": "tcp://127.0.0.1:2"}
 
 
-def state(epoch=0, leader="a", isr=("a", "b"), min_insync=2):
-    return {"leader_epoch": epoch, "leader": leader, "leader_endpoint": ENDPOINTS.get(leader),
-            "replicas": ["a", "b"], "isr": list(isr), "min_insync": min_insync, "replica_endpoints": ENDPOINTS}
+def state(epoch=0, leader="a", isr=("a", "b"), min_insync=2, high_watermark=None):
+    out = {"leader_epoch": epoch, "leader": leader, "leader_endpoint": ENDPOINTS.get(leader),
+           "replicas": ["a", "b"], "isr": list(isr), "min_insync": min_insync, "replica_endpoints": ENDPOINTS}
+    if high_watermark is not None:
+        out["high_watermark"] = high_watermark
+    return out
 
 
 def assign(core, now=0, coordinator_epoch=1, **kw):
@@ -86,7 +89,29 @@ def test_produce_is_acknowledged_once_the_follower_has_the_batch(pair):
         ["plain", 0, 0, 0], ["t", 0, 0, 1]]
     registration = b.registration(endpoint="x", storage_id="s", pid=1)
     assert [row[0] for row in registration.partitions] == ["plain"]
-    assert registration.replica_states == [["t", 0, 0, 1, 1]]  # the follower learnt the HW at once
+    # The fetch that moved the HW waits at the log end: the follower learns the HW with the
+    # next answer (the next append, or here the end of the long poll), as in Kafka.
+    assert registration.replica_states == [["t", 0, 0, 1, 0]]
+    [answer] = [e for e in a.tick(2 + 500) if getattr(e, "token", None) == "follower"]
+    wire = codec.decode_reply(codec.encode_reply(answer.msg, 7, answer.frames))
+    b.on_replica_fetch_reply(("t", 0), wire.msg, wire.frames, None, 2 + 500)
+    assert b.registration(endpoint="x", storage_id="s", pid=1).replica_states == [["t", 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("carried", [None, 1])
+def test_a_follower_elected_leader_reads_from_the_high_watermark_its_assignment_carries(pair, carried):
+    """The follower's own HW is an answer old (above); elected, it serves consumers the records
+    acknowledged before the change at once when the assignment carries the last published HW,
+    and only once its followers have fetched in its epoch when it does not (an older coordinator)."""
+    a, b = pair
+    produce(a, b"one")
+    assert [e.msg.base_offset for e in pump(b, a) if isinstance(e, Reply)] == [0]  # acknowledged
+    assert b.replicas[("t", 0)].high_watermark == 0
+    assign(b, now=3, coordinator_epoch=2, epoch=1, leader="b", high_watermark=carried)
+    [fetched] = b.handle("c", env(m.Fetch(topic="t", partition=0, offset=0)), 3)
+    assert [r.value for r in decode_fetched(fetched.frames[0], "t", 0)] == ([b"one"] if carried else [])
+    # Either way nothing is published before the HW is computed from the ISR in epoch 1.
+    assert [row[0] for row in b.registration(endpoint="x", storage_id="s", pid=1).partitions] == ["plain"]
 
 
 def test_a_follower_refuses_produce_and_fetch_with_the_leader(pair):
@@ -206,12 +231,10 @@ def test_under_a_stream_a_waiting_fetch_is_held_for_one_linger_at_most(pair):
     for now in (1, 2, 3):  # a stream too thin yet to fill 64 KiB within the linger: answered at once
         effects = produce(a, value, now=now)
         [answer] = [e for e in effects if getattr(e, "token", None) == "follower"]
-        queue = pump_answer(b, answer, now)
-        while queue:  # the fetch that moves the HW is answered at once; the next one waits
-            request = codec.decode_request(codec.encode_request(queue[0].msg, 7))
-            answers = [e for e in a.handle("follower", request, now) + a.end_turn(now)
-                       if getattr(e, "token", None) == "follower"]
-            queue = pump_answer(b, answers[0], now) if answers else []
+        [send] = pump_answer(b, answer, now)
+        request = codec.decode_request(codec.encode_request(send.msg, 7))
+        assert not [e for e in a.handle("follower", request, now) + a.end_turn(now)
+                    if getattr(e, "token", None) == "follower"]  # at the log end again: waits
     assert not [e for e in produce(a, value, now=4) if getattr(e, "token", None) == "follower"]  # held
     assert a.next_deadline() <= 4 + replica_module.FETCH_LINGER_MS
     assert not [e for e in a.tick(5) if getattr(e, "token", None) == "follower"]

@@ -184,6 +184,26 @@ def test_a_restarted_leader_refuses_its_old_epoch_until_elected_again():
     assert again.is_leader
 
 
+def test_a_new_leader_reads_from_the_high_watermark_its_predecessor_published():
+    """A follower's HW trails the leader's (it learns it with its next answer): elected, it
+    starts from the last HW the controller heard published, capped at its own log end."""
+    cluster = Cluster(2)
+    settle(cluster, "b", "c")
+    cluster.produce("a", 2)
+    cluster.sync("a")
+    for follower in ("b", "c", "b", "c"):   # each gets the batch, then reports it
+        cluster.fetch(follower)              # c's report moves the HW: b has not heard of it
+    assert 0 in cluster.acknowledged and cluster.published_hw == 2
+    assert cluster.nodes["b"].core.high_watermark == 0
+    cluster.elect(exclude={"a"})
+    new = cluster.nodes["b"].core
+    assert new.is_leader and not new.hw_established and new.high_watermark == 2
+    cluster.check()
+    # Capped at its own log end: a HW published above what it holds is not taken past it.
+    lone = Replica("t", 0, "z", MemoryLog(), ReplicaState(5, "z", "z", ("z",), ("z",), 1, {}, 7), 0)
+    assert lone.high_watermark == 0
+
+
 def test_the_producer_window_travels_with_the_batches():
     """Followers store the leader's batches byte for byte, so a new leader's dedupe state is the
     old one's (tests/log/test_replication.py checks the real log; here the model's fetch path
@@ -232,6 +252,15 @@ class _AcksAtItsOwnEnd(Replica):
         return effects
 
 
+class _TakesThePublishedHwUncapped(Replica):
+    """A broken new leader: it takes the published HW past its own log end."""
+
+    def _start(self, now_ms):
+        super()._start(now_ms)
+        if self.state.leader == self.actor_id and self.state.high_watermark is not None:
+            self.high_watermark = max(self.high_watermark, self.state.high_watermark)
+
+
 class _TruncatesByHighWatermark(Replica):
     """A broken follower: it never cuts the tail the leader says diverges."""
 
@@ -253,3 +282,25 @@ def test_the_model_catches_a_follower_that_keeps_a_divergent_tail():
                       ("detect",), ("produce", "b", 1), ("sync", "b"), ("fetch", "c"), ("fetch", "c"),
                       ("sync", "b"), ("fetch", "c"), ("heal",), ("fetch", "a"), ("fetch", "a"), ("fetch", "a"),
                       ("sync", "b"), ("fetch", "a"), ("fetch", "c")])
+
+
+def test_the_model_catches_a_new_leader_that_takes_a_high_watermark_past_its_log():
+    cluster = Cluster(1, replica_class=_TakesThePublishedHwUncapped)
+    cluster.isr = ("a", "b")
+    cluster.publish()
+    settle(cluster, "b")
+    cluster.produce("a", 2)
+    cluster.sync("a")
+    cluster.fetch("b")
+    cluster.fetch("b")   # b holds batch 0 and acknowledged; the HW is published
+    cluster.produce("a", 1)
+    cluster.sync("a")    # ISR {a} after b leaves below: batch 1 on a alone
+    cluster.isr = ("a",)
+    cluster.publish()
+    cluster.sync("a")
+    assert cluster.published_hw == 3
+    cluster.crash("a", lose_disk=True)
+    cluster.isr = ("b",)   # an unclean-like move the model's controller allows here
+    with pytest.raises(InvariantViolated, match="missing below b's high watermark"):
+        cluster.elect()
+        cluster.check()

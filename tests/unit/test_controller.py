@@ -235,6 +235,22 @@ def test_replica_states_feed_describe():
     assert part["leader"] == "a" and part["isr"] == ["a", "b", "c"]
 
 
+def test_the_assignment_carries_the_last_high_watermark_a_leader_published():
+    """A new leader serves reads from it (replica.py, "High watermark across leader changes")."""
+    from zbroker.protocol import messages as m
+    reg = created()
+    assert reg.on_report("a", [["t", 0, 0, 40, 4000]], 0) == [("t", 0, 0, 40)]
+    reg.on_report("b", [["t", 0, 0, 99, 9900]], 0)  # a follower's report: not the leader's HW
+    entries = reg.replicas_for("b")
+    assert entries[0][2]["high_watermark"] == 40
+    m.check_replicas("assign", entries)
+    for bad in (-1, "40", True):
+        with pytest.raises(ProtocolError):
+            m.check_replicas("assign", [["t", 0, {**entries[0][2], "high_watermark": bad}]])
+    del entries[0][2]["high_watermark"]
+    m.check_replicas("assign", entries)  # optional: an older coordinator sends none
+
+
 def test_snapshot_round_trip_keeps_replica_state():
     reg = created()
     confirm(reg, reg.deregister("a", reg.actors["a"].pid, 5))
@@ -333,6 +349,31 @@ def test_a_restarted_leader_hands_over_and_a_restarted_follower_leaves_the_isr()
     assert (state(reg).leader, state(reg).leader_epoch, state(reg).isr) == ("c", 2, ("c",))
     # A registration of the same process changes nothing.
     assert reg.register("c", reg.actors["c"].endpoint, reg.actors["c"].storage_id, 997, [], 13) == []
+
+
+def test_a_restarted_leader_is_not_told_to_lead_its_old_epoch_while_its_replacement_is_written():
+    """The host-loss chaos run (2026-12-05 00:00 UTC): a leader restarted on a wiped disk was
+    told by its registration reply to lead the epoch being replaced (the new election not yet
+    durable); its empty epoch cache could not tell it had led that epoch, so it took 13
+    records at offsets 0-12, which the ISR held otherwise, kept them as a follower (the
+    epoch matched) and never caught up. Followers fetching from it would have cut their
+    logs back to its end."""
+    reg = created()
+    a = reg.actors["a"]
+    effects = reg.register("a", a.endpoint, a.storage_id, 998, [], 11)
+    assert any(isinstance(e, WriteMetadata) for e in effects)  # b's election, not durable yet
+    [[_t, _p, told]] = reg.replicas_for("a")
+    assert told["leader"] is None and told["leader_epoch"] == 0 and told["leader_endpoint"] is None
+    assert reg.replicas_for("b")[0][2]["leader"] == "a"  # the others hear of the change once it is durable
+    confirm(reg, effects)
+    assert [row[2]["leader"] for row in reg.replicas_for("a")] == ["b"]
+    # The only ISR member restarting leads again at a new epoch: not at the old one before that.
+    reg = created()
+    reg.partitions[("t", 0)].replication = ctl.ReplicaSet(("a", "b", "c"), "a", 0, ("a",), 2)
+    effects = reg.register("a", a.endpoint, a.storage_id, 997, [], 12)
+    assert reg.replicas_for("a")[0][2]["leader"] is None
+    confirm(reg, effects)
+    assert (reg.replicas_for("a")[0][2]["leader"], reg.replicas_for("a")[0][2]["leader_epoch"]) == ("a", 1)
 
 
 def test_a_restarted_coordinator_waits_for_the_leaders_to_register_before_electing():
