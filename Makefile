@@ -7,11 +7,13 @@ NODE_STAMP := clients/node/node_modules/.installed
 LOADGEN := bench/loadgen/zbload
 DURATION ?= 1800
 # pytest-xdist workers for `make test`: serially the suite mostly waits (load under
-# 0.5 on two cores), so more workers than cores pays. worksteal, because a few tests
+# 0.5 on two cores), so more workers than cores pays: on this 2-core machine 6 workers
+# ran the parallel part in 444 s under a load of 13 from other work, where 4 had taken
+# 524 s an hour before at a load of 2-5 (2026-12-05). worksteal, because a few tests
 # take minutes (the chaos run, the stateful model, the actor fuzzers) and must not
 # hold a queue of short ones behind them. No test needs a worker to itself: ports are
 # random free blocks, PostgreSQL schemas are per worker, the Redis test uses a fake.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 6
 # What needs no process and no service: everything else in tests/.
 FAST := not processes and not postgres and not node
 
