@@ -46,8 +46,11 @@ def test_group_lag_equals_describe_with_and_without_live_members(console_broker)
         scraped = console.samples()
         for p in described["partitions"]:
             key = labels(group="billing", topic="orders", partition=p["partition"])
-            assert scraped[("zbroker_group_committed_offset", key)] == p["committed"]
-            assert scraped[("zbroker_group_in_flight", key)] == p["in_flight"]
+            # No committed offset yet (none of the 15 acked records on this partition: a poll takes
+            # shares of 32 per partition, so all 15 can come from one) is no sample, and None in
+            # describe; a CI run at 6 workers read the sample as missing.
+            assert scraped.get(("zbroker_group_committed_offset", key)) == p["committed"]
+            assert scraped.get(("zbroker_group_in_flight", key)) == p["in_flight"]
         assert scraped[("zbroker_group_members", labels(group="billing"))] == 1
         consumer.close()
         # No live member: the group's lag is still there, and still describe's.
