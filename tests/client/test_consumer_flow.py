@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from zbroker.client.consumer_core import ConsumerCore
-from zbroker.client.consumer_flow import (Connect, ConsumerFlow, Coordinator, Done, Endpoint, Notify, Send, Sleep,
-                                          Wait, WaitAny, resume)
+from zbroker.client.consumer_flow import ConsumerFlow
+from zbroker.client.steps import Connect, Coordinator, Done, Endpoint, Notify, Send, Sleep, Wait, WaitAny, resume
 from zbroker.client.core import MetadataCache
 from zbroker.client.transport import Coordinators, Correlation
 from zbroker.protocol import messages as m

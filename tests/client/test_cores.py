@@ -27,8 +27,8 @@ CLIENT = pathlib.Path(__file__).resolve().parents[2] / "zbroker" / "client"
 FORBIDDEN = {"zmq", "asyncio", "time", "socket"}
 
 
-@pytest.mark.parametrize("module", ["consumer_core.py", "consumer_flow.py", "fetch_round.py", "producer_core.py", "core.py", "transport.py",
-                                    "admin_calls.py"])
+@pytest.mark.parametrize("module", ["consumer_core.py", "consumer_flow.py", "fetch_round.py", "producer_core.py",
+                                    "producer_flow.py", "steps.py", "core.py", "transport.py", "admin_calls.py"])
 def test_the_cores_import_neither_zmq_asyncio_time_nor_socket(module):
     imported = set()
     for node in ast.walk(ast.parse((CLIENT / module).read_text())):
@@ -75,8 +75,8 @@ def forbidden_reach(module: str) -> dict[str, set[str]]:
     return found
 
 
-@pytest.mark.parametrize("module", ["consumer_core", "consumer_flow", "fetch_round", "producer_core", "transport",
-                                    "admin_calls"])
+@pytest.mark.parametrize("module", ["consumer_core", "consumer_flow", "fetch_round", "producer_core", "producer_flow",
+                                    "steps", "transport", "admin_calls"])
 def test_nothing_a_core_imports_imports_zmq_asyncio_time_or_socket_either(module):
     assert not forbidden_reach(module)
 

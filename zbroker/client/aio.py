@@ -1,10 +1,11 @@
-"""The asyncio twin of the client: `AsyncAdmin`, `AsyncProducer`, `AsyncConsumer`.
+"""The asyncio client: `AsyncAdmin`, `AsyncProducer` and `AsyncConsumer`.
 
-Same decisions as the sync client (`producer_core.ProducerCore`, `consumer_core`,
-`fetch_round.FetchRound`, `transport`, `core`: the same objects, called from
-here), with asyncio transport: one reader task per socket resolves the future of
-each request by correlation id, the producer lingers in one background task and
-sends from another, and the consumer heartbeats in one.
+A driver, the sync client's twin: what each call does is written once, for
+both drivers, in `consumer_flow` and `producer_flow` (the decisions under them
+in `consumer_core`, `producer_core` and `fetch_round`); this module performs
+their steps by awaiting, on a `connections.AsyncConnection`. The producer
+lingers in one background task and sends from another; the consumer runs one
+flow at a time (its turn) and heartbeats in a task of its own.
 """
 
 from __future__ import annotations
@@ -19,217 +20,22 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from zbroker.client.admin_calls import async_method, with_admin_calls
+from zbroker.client.connections import AsyncConnection
+from zbroker.client.consumer_core import ConsumerCore, RetryBackoff, core_field, failure_reason
+from zbroker.client.consumer_flow import ConsumerDriver, ConsumerFlow
+from zbroker.client.core import (ConsumedRecord, DeliveryHandle, PendingBatch, checked_partition, checked_record,
+                                 checked_topics, record_size_estimate)
+from zbroker.client.keys import ClientKeys
+from zbroker.client.producer_core import ProduceError, ProducerCore, failure_fields
+from zbroker.client.producer_flow import ProducerFlow, not_sent
+from zbroker.client.steps import Connect, Coordinator, Endpoint, Notify, Send, Sleep, Wait, WaitAny, run_awaiting
+from zbroker.client.transport import DEFAULT_URL
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
-from zbroker.protocol.errors import ErrorCode, Fenced, RequestTimeout, Unavailable, UnknownMember, ZBrokerError
-from zbroker.client.core import (ConsumedRecord, DeliveryHandle, MetadataCache, PendingBatch, checked_partition,
-                                 checked_record, checked_topics, record_size_estimate)
-from zbroker.client.admin_calls import async_method, with_admin_calls
-from zbroker.client.keys import ClientKeys
-from zbroker.client.consumer_core import ConsumerCore, RetryBackoff, core_field, failure_reason
-from zbroker.client.consumer_flow import (Connect, ConsumerDriver, ConsumerFlow, Coordinator, Done, Endpoint, Notify,
-                                          Send, Sleep, Wait, WaitAny, resume)
-from zbroker.client.producer_core import ProduceError, ProducerCore, failure_fields
-from zbroker.client.sockets import client_dealer, curve_from_env
-from zbroker.client.transport import DEFAULT_URL, Coordinators, Correlation
+from zbroker.protocol.errors import ErrorCode, Fenced, UnknownMember, ZBrokerError
 
 log = structlog.get_logger("zbroker.client")
-
-
-class AsyncConnection:
-    """Sockets to the coordinator and the partition actors; a reader task per socket resolves
-    each request's future by correlation id. ``url`` may list several coordinators,
-    comma-separated: coordinator requests follow NOT_COORDINATOR as the sync `Connection`'s do."""
-
-    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
-                 curve: ClientKeys | None = None) -> None:
-        self.url = url
-        self.request_timeout = request_timeout
-        self.curve = curve if curve is not None else curve_from_env()
-        self.ctx = zmq.asyncio.Context()
-        self.sockets: dict[str, zmq.asyncio.Socket] = {}
-        self.readers: list[asyncio.Task] = []
-        self.waiting: dict[int, asyncio.Future] = {}  # corr -> the future of someone waiting for it
-        self.correlation = Correlation()  # ids, replies nobody waits for yet, replies given up on
-        # Set when a reply is kept for a later waiter; cleared by `collect`, when a flow looks at
-        # what is in: `wait_any` then wakes for what came after that look.
-        self._arrived = asyncio.Event()
-        self.metadata = MetadataCache()
-        self.closed = False
-
-    @property
-    def url(self) -> str:
-        """The coordinator this connection talks to now."""
-        return self.coordinators.current
-
-    @url.setter
-    def url(self, url: str) -> None:
-        self.coordinators = Coordinators(url)
-
-    def socket(self, endpoint: str) -> zmq.asyncio.Socket:
-        if self.closed:
-            raise Unavailable("the connection is closed", endpoint=endpoint)
-        sock = self.sockets.get(endpoint)
-        if sock is None:
-            sock = client_dealer(self.ctx, endpoint, self.request_timeout, self.curve)
-            self.sockets[endpoint] = sock
-            self.readers.append(asyncio.get_running_loop().create_task(self._read(sock)))
-        return sock
-
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            try:
-                env = codec.decode_reply(frames)
-            except ZBrokerError:
-                continue
-            if not isinstance(env.corr_id, int):
-                continue
-            fut = self.waiting.pop(env.corr_id, None)
-            if fut is not None:
-                if not fut.done():
-                    fut.set_result(env)
-            elif self.correlation.file(env):
-                self._arrived.set()
-
-    async def send(self, endpoint: str, msg: m.Message, frames: tuple = ()) -> asyncio.Future:
-        """Send a request; returns the future of its reply. A fetch with `follow` gets its later
-        replies under id + 1 .. id + follow (PROTOCOL.md s.4): each has a future of its own, in
-        the returned one's ``later`` list, so they match no other request and none is dropped."""
-        follow = getattr(msg, "follow", 0) or 0
-        corr = self.correlation.allocate(1 + follow)
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in range(1 + follow)]
-        for i, future in enumerate(futures):
-            future.corr_id = corr + i  # type: ignore[attr-defined]
-            self.waiting[corr + i] = future
-        fut = futures[0]
-        fut.later = futures[1:]  # type: ignore[attr-defined]
-        try:
-            await self.socket(endpoint).send_multipart(codec.encode_request(msg, corr, frames))
-        except zmq.Again:
-            self.abandon(fut)
-            raise Unavailable(f"no connection to {endpoint}", endpoint=endpoint) from None
-        except BaseException:
-            # Cancelled while the send waited for a connection (it is then dropped unsent), or
-            # refused: nobody will wait for this id, and nothing else would ever remove it.
-            self.abandon(fut)
-            raise
-        return fut
-
-    async def send_request(self, endpoint: str, msg: m.Message) -> int:
-        """Send a request whose replies are kept in `correlation` (``early``) until `wait_reply`
-        takes them; returns its id. A followed fetch's later replies come under id + 1, ..."""
-        corr = self.correlation.allocate(1 + (getattr(msg, "follow", 0) or 0))
-        try:
-            await self.socket(endpoint).send_multipart(codec.encode_request(msg, corr))
-        except zmq.Again:
-            raise Unavailable(f"no connection to {endpoint}", endpoint=endpoint) from None
-        return corr
-
-    async def wait_reply(self, corr: int, timeout: float | None = None) -> codec.Envelope:
-        """The reply to ``corr`` (a reply that comes after the timeout is kept for a later waiter)."""
-        env = self.correlation.early.pop(corr, None)
-        if env is not None:
-            return env
-        if self.closed:
-            raise Unavailable("the connection is closed", endpoint=self.url)
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting[corr] = fut
-        try:
-            return await asyncio.wait_for(fut, self.request_timeout if timeout is None else timeout)
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"no reply within {self.request_timeout if timeout is None else timeout}s",
-                                 corr_id=corr) from None
-        finally:
-            if self.waiting.get(corr) is fut:
-                del self.waiting[corr]
-
-    def collect(self) -> None:
-        """The reader tasks keep every reply as it comes: this only marks that the caller looked."""
-        self._arrived.clear()
-
-    async def wait_any(self, timeout: float) -> None:
-        """Until a reply is kept after the last `collect`, or ``timeout``."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._arrived.wait(), timeout)
-
-    async def wait(self, fut: asyncio.Future, timeout: float | None = None) -> codec.Envelope:
-        try:
-            return await asyncio.wait_for(fut, self.request_timeout if timeout is None else timeout)
-        except asyncio.TimeoutError:
-            self.abandon(fut)
-            raise RequestTimeout("no reply in time") from None
-        except asyncio.CancelledError:
-            # The caller gave up (asyncio.wait_for, a TaskGroup): forget the request as a timeout
-            # does. Left in `waiting`, it would stay there for good if no reply ever comes (the
-            # peer died), one entry per call given up on.
-            self.abandon(fut)
-            raise
-
-    def abandon(self, fut: asyncio.Future) -> None:
-        """Stop waiting for the reply (replies) of ``fut``'s request: if it comes, the reader drops it."""
-        for future in [fut, *getattr(fut, "later", ())]:
-            corr = getattr(future, "corr_id", None)
-            if self.waiting.pop(corr, None) is not None:
-                self.correlation.orphan(corr)
-            future.cancel()
-
-    async def call(self, endpoint: str, msg: m.Message, frames: tuple = (), timeout: float | None = None
-                   ) -> codec.Envelope:
-        env = await self.wait(await self.send(endpoint, msg, frames), timeout)
-        if env.error is not None:
-            raise env.error
-        return env
-
-    async def coordinator(self, msg: m.Message, timeout: float | None = None) -> m.Message:
-        """A request to the coordinator, following NOT_COORDINATOR (and, with several URLs,
-        timeouts) to the next one after a capped backoff (`transport.Coordinators`)."""
-        coordinators = self.coordinators
-        for attempt in range(coordinators.attempts()):
-            try:
-                reply = (await self.call(self.url, msg, timeout=timeout)).msg
-            except ZBrokerError as err:
-                wait = coordinators.retry_in(err, attempt)
-                if wait is None:
-                    raise
-                await asyncio.sleep(wait)
-                continue
-            coordinators.answered()
-            return reply
-        raise AssertionError("unreachable")
-
-    async def refresh(self, topics: list[str] | None = None) -> None:
-        self.metadata.update((await self.coordinator(m.Metadata(topics=topics))).topics)
-
-    async def endpoint(self, topic: str, partition: int) -> str:
-        if topic not in self.metadata.topics or self.metadata.endpoint(topic, partition) is None:
-            await self.refresh([topic])
-        endpoint = self.metadata.endpoint(topic, partition)
-        if endpoint is None:
-            raise Unavailable(f"partition {topic}/{partition} has no live owner", topic=topic, partition=partition)
-        return endpoint
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        readers, self.readers = self.readers, []
-        for task in readers:
-            task.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
-        # Calls still waiting (another task's poll, fetch or admin request) fail with an error
-        # they can catch. Cancelled, they raised CancelledError in tasks nobody cancelled: a
-        # TaskGroup takes such a task for cancelled and drops it silently, and `await task`
-        # passes the cancellation on to whoever awaits it.
-        for fut in self.waiting.values():
-            if not fut.done():
-                fut.set_exception(Unavailable("the connection was closed before the reply came", endpoint=self.url))
-        self.waiting.clear()
-        for sock in self.sockets.values():
-            sock.close(linger=0)
-        self.sockets.clear()
-        self.ctx.term()
 
 
 @with_admin_calls(async_method)
@@ -274,6 +80,9 @@ class AsyncProducer:
                                  request_timeout=request_timeout)
         self.linger_s = linger_ms / 1000.0
         self.acc = self.core.acc
+        self.flow = ProducerFlow(self.core, self.conn.metadata, time.monotonic)  # = the event loop's clock
+        self._steps = {Endpoint: lambda step: self.conn.endpoint(step.topic, step.partition),
+                       Send: self._send_request, Coordinator: lambda step: self.conn.coordinator(step.msg, step.timeout)}
         self.waiting_for_window: collections.deque[PendingBatch] = collections.deque()
         self._replies: dict[int, asyncio.Future] = {}  # corr -> the future of a request in flight
         # Every batch failure so far, and the last one: a flush() raises if any failed while
@@ -365,19 +174,8 @@ class AsyncProducer:
                 if len(core.in_flight) < waiting:
                     for corr in [c for c in self._replies if c not in core.in_flight]:
                         self.conn.abandon(self._replies.pop(corr))  # a reply that comes after all is dropped
-            due, hints, topics = core.resends(now)
-            for topic, partition, endpoint in hints:  # the new leader, as the error named it
-                self.conn.metadata.redirect(topic, partition, endpoint)
-            try:
-                for topic in topics:
-                    with contextlib.suppress(ZBrokerError):
-                        await self.conn.refresh([topic])
-            except BaseException:
-                self._not_sent(due)
-                raise
-            admitted = core.admit_in_order(self.waiting_for_window)
-            if due or admitted:
-                await self._send_all(due + admitted)
+            await run_awaiting(self.flow.resend_due(also=lambda: core.admit_in_order(self.waiting_for_window)),
+                               self._steps)
             self._filed()
             if self._wake.is_set():
                 continue
@@ -388,38 +186,12 @@ class AsyncProducer:
             finally:
                 woken.cancel()
 
-    async def _send_all(self, batches: list[PendingBatch]) -> None:
-        """Send (or resend) batches admitted to the window, as `ProducerCore.requests` says."""
-        core, loop, routed = self.core, asyncio.get_running_loop(), []
-        for i, batch in enumerate(batches):
-            try:
-                routed.append((await self.conn.endpoint(batch.topic, batch.partition), batch))
-            except ZBrokerError as err:
-                core.unroutable(batch, err, loop.time())
-            except BaseException:  # cancelled (close gave up), or a bug: none of the rest was sent
-                self._not_sent([b for _e, b in routed] + batches[i:])
-                raise
-        requests = core.requests(routed)
-        for i, (endpoint, msg, frames, sent) in enumerate(requests):
-            try:
-                fut = await self.conn.send(endpoint, msg, frames)
-            except ZBrokerError as err:
-                core.send_failed(sent, err, loop.time())
-                continue
-            except asyncio.CancelledError:
-                for _e, _m, _f, unsent in requests[i:]:
-                    core.send_failed(unsent, _closing("sent"), loop.time())
-                raise
-            except Exception as exc:  # a bug or a broken socket: flush() must report it, not succeed
-                core.send_failed(sent, ProduceError(f"delivery failed: {exc!r}"), loop.time())
-                continue
-            core.sent(fut.corr_id, sent, loop.time())
-            self._replies[fut.corr_id] = fut
-            fut.add_done_callback(self._replied)
-
-    def _not_sent(self, batches: list[PendingBatch]) -> None:
-        for batch in batches:
-            self.core.unroutable(batch, _closing("sent"), asyncio.get_running_loop().time())
+    async def _send_request(self, step: Send) -> int:
+        """`ProducerFlow`'s Send: the reply's future files it with the core when it resolves."""
+        fut = await self.conn.send(step.endpoint, step.msg, step.frames)
+        self._replies[fut.corr_id] = fut
+        fut.add_done_callback(self._replied)
+        return fut.corr_id
 
     def _replied(self, fut: asyncio.Future) -> None:
         """A produce reply came (or the connection closed under it): the core files it."""
@@ -496,7 +268,7 @@ class AsyncProducer:
             # batch resolves its handles with an error rather than wait forever.
             unsent = [*self.waiting_for_window, *self.acc.drain()]
             self.waiting_for_window.clear()
-            for corr in self.core.give_up(_closing("acknowledged"), unsent):
+            for corr in self.core.give_up(not_sent("acknowledged"), unsent):
                 fut = self._replies.pop(corr, None)
                 if fut is not None:
                     self.conn.abandon(fut)
@@ -508,10 +280,6 @@ class AsyncProducer:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
-
-
-def _closing(what: str) -> ProduceError:
-    return ProduceError(f"the producer closed before the batch was {what}", code=ErrorCode.SHUTTING_DOWN)
 
 
 class AsyncConsumer(ConsumerDriver):
@@ -567,17 +335,7 @@ class AsyncConsumer(ConsumerDriver):
     # -- the steps of a flow, performed by awaiting ----------------------------------------------
 
     async def _run(self, flow: Any) -> Any:
-        """Run ``flow`` to its end (the caller holds the turn), performing each step by awaiting.
-        A step's error, CancelledError too, is the flow's: its cleanup runs, and it re-raises
-        what it does not handle."""
-        step = resume(flow, None, None)
-        while step.__class__ is not Done:
-            try:
-                result, error = await self._steps[step.__class__](step), None
-            except BaseException as err:  # noqa: B036
-                result, error = None, err
-            step = resume(flow, result, error)
-        return step.value
+        return await run_awaiting(flow, self._steps)  # the caller holds the turn
 
     async def _send(self, step: Send) -> int:
         return await self.conn.send_request(self.conn.url if step.endpoint is None else step.endpoint, step.msg)

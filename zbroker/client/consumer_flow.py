@@ -7,36 +7,13 @@ orders those decisions into what one call of the consumer does: a poll (the
 Poll in flight or a new one, the leases' fetches, read-ahead, poll-ahead and
 lease-ahead), an ack flush, a join, a group request and its retries, a nack,
 extend or reject, and closing. Each is a generator that yields *steps*, the
-blocking I/O it needs next, and is sent each step's result back (or has its
-error thrown in):
-
-=================  ===================================================  ==============
-step               what the driver does                                 result
-=================  ===================================================  ==============
-`Send`             send the request (to the coordinator when            correlation id
-                   ``endpoint`` is None); a followed fetch reserves
-                   the ids of its later replies
-`Wait`             wait for the reply to one id (others are kept in     the envelope
-                   `Correlation.early`); RequestTimeout when it does
-                   not come within ``timeout`` (None: the request
-                   timeout)
-`WaitAny`          wait until any reply arrives, or ``timeout``         None
-`Endpoint`         the partition's actor, asking the coordinator when   endpoint
-                   the metadata cache does not know it
-`Coordinator`      a request to the coordinator, following              the reply
-                   NOT_COORDINATOR (`transport.Coordinators`)
-`Sleep`            sleep                                                None
-`Notify`           call a rebalance callback (awaited if it returns a   None
-                   coroutine)
-`Connect`          connect to these actors now, in the background       None
-=================  ===================================================  ==============
-
-The sync driver performs a step by blocking and the asyncio driver by
-awaiting: that is all either does, so the two cannot drift apart. Between
-steps a flow reads replies that are already in from the connection's
-`transport.Correlation` (after ``conn.collect()``, which files what has
-arrived without waiting) and drops the ones it gave up on there. The clock is
-the driver's monotonic clock, passed in.
+blocking I/O it needs next (`steps`: Send, Wait, WaitAny, Endpoint,
+Coordinator, Sleep, Notify, Connect), which the sync driver performs by
+blocking and the asyncio driver by awaiting. Between steps a flow reads
+replies that are already in from the connection's `transport.Correlation`
+(after ``conn.collect()``, which files what has arrived without waiting) and
+drops the ones it gave up on there. The clock is the driver's monotonic
+clock, passed in.
 
 Cancellation (asyncio): the driver throws CancelledError into the flow at the
 step it was awaiting. Cleanup in the flows does no I/O: a Poll in flight stays
@@ -50,7 +27,7 @@ one), so a driver that runs one flow at a time never joins twice at once.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import structlog
 
@@ -59,57 +36,13 @@ from zbroker.client.consumer_core import (ACK_FAILED, ACK_REJOIN, ACK_STALE, FOL
                                           core_field, max_wait_ms)
 from zbroker.client.core import ChunkedSettle, ConsumedRecord, group_by_lease, in_request_sized_chunks
 from zbroker.client.fetch_round import FetchRound
+from zbroker.client.steps import (Connect, Coordinator, Endpoint, Flow, Notify, Send, Sleep, Wait, WaitAny,
+                                  step_methods)
 from zbroker.protocol import messages as m
 from zbroker.protocol.codec import Envelope
 from zbroker.protocol.errors import RequestTimeout, StaleLease, UnknownMember, ZBrokerError
 
 log = structlog.get_logger("zbroker.client")
-
-
-class Send(NamedTuple):
-    endpoint: str | None  # None: the coordinator the connection talks to now
-    msg: m.Message
-
-
-class Wait(NamedTuple):
-    corr: int
-    timeout: float | None = None  # None: the connection's request timeout
-
-
-class WaitAny(NamedTuple):
-    timeout: float
-
-
-class Endpoint(NamedTuple):
-    topic: str
-    partition: int
-
-
-class Coordinator(NamedTuple):
-    msg: m.Message
-    timeout: float | None = None
-
-
-class Sleep(NamedTuple):
-    seconds: float
-
-
-class Notify(NamedTuple):
-    callback: Callable[[list], Any]
-    partitions: list
-
-
-class Connect(NamedTuple):
-    topics: list[str]
-    assignment: list
-
-
-Flow = Any  # a generator of steps
-
-
-# Each step, and the method of a driver (`ConsumerDriver`) that performs it.
-STEP_METHODS = ((Send, "_send"), (Wait, "_wait"), (WaitAny, "_wait_any"), (Endpoint, "_endpoint"),
-                (Coordinator, "_coordinator"), (Sleep, "_sleep"), (Notify, "_notify"), (Connect, "_connect"))
 
 
 class ConsumerDriver:
@@ -138,21 +71,7 @@ class ConsumerDriver:
     session_timeout_ms = property(lambda self: self.flow.session_timeout_ms)
 
     def step_methods(self) -> dict[type, Callable]:
-        return {step: getattr(self, name) for step, name in STEP_METHODS}
-
-
-class Done(NamedTuple):
-    value: Any  # what the flow returned
-
-
-def resume(flow: Flow, result: Any, error: BaseException | None) -> Any:
-    """Give ``flow`` the last step's result (or throw it the step's error): its next step, or
-    `Done` with what it returned. The one loop both drivers run around their own way of
-    performing a step."""
-    try:
-        return flow.send(result) if error is None else flow.throw(error)
-    except StopIteration as stop:
-        return Done(stop.value)
+        return step_methods(self)
 
 
 class ConsumerFlow:

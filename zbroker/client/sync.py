@@ -1,13 +1,9 @@
 """The synchronous Python client: `Admin`, `Producer` and `Consumer`.
 
-A driver: the decisions live in `producer_core`, `consumer_core`,
-`fetch_round` and `transport` (the asyncio driver calls the same ones); this
-module reads the clock, sends, receives and waits. One `Connection` holds a DEALER socket per actor endpoint
-(the coordinator and each partition actor) and matches replies to requests by
-correlation id, so many requests can be in flight at once (pipelining).
-Sockets use ``ZMQ_IMMEDIATE``: nothing is queued towards a peer that is not
-connected, so a request to a dead actor fails fast and is retried after a
-metadata refresh instead of being delivered to its successor minutes later.
+A driver: what each call does is written once, for both drivers, in
+`consumer_flow` and `producer_flow` (the decisions under them in
+`consumer_core`, `producer_core` and `fetch_round`); this module performs
+their steps by blocking, on a `connections.Connection`, and reads the clock.
 """
 
 from __future__ import annotations
@@ -20,171 +16,29 @@ from typing import Any, Callable, Iterable, Iterator
 import structlog
 import zmq
 
+from zbroker.client import consumer_core
 from zbroker.client.admin_calls import sync_method, with_admin_calls
+from zbroker.client.connections import Connection
+from zbroker.client.consumer_core import AHEAD_RETRY_S, ConsumerCore, core_field, failure_reason, membership_lost
+from zbroker.client.consumer_flow import ConsumerDriver, ConsumerFlow
+from zbroker.client.core import (ConsumedRecord, DeliveryHandle, PendingBatch, checked_partition, checked_record,
+                                 checked_timestamp, checked_topics, record_size_estimate)
 from zbroker.client.keys import ClientKeys
-from zbroker.client.wire import recv_frames, send_frames
+from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore, failure_fields
+from zbroker.client.producer_flow import ProducerFlow
+from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
+from zbroker.client.steps import Connect, Coordinator, Endpoint, Notify, Send, Sleep, Wait, WaitAny, run_blocking
+from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS
 from zbroker.protocol import codec
 from zbroker.protocol import messages as m
 from zbroker.protocol.batch import decode_fetched
-from zbroker.protocol.errors import ErrorCode, RequestTimeout, Unavailable, ZBrokerError
-from zbroker.client.core import (ConsumedRecord, DeliveryHandle, MetadataCache, PendingBatch, checked_partition,
-                                 checked_record, checked_timestamp, checked_topics, record_size_estimate)
-from zbroker.client import consumer_core
-from zbroker.client.consumer_core import (AHEAD_RETRY_S, ConsumerCore, core_field, failure_reason,
-                                          membership_lost)
-from zbroker.client.consumer_flow import (Connect, ConsumerDriver, ConsumerFlow, Coordinator, Done, Endpoint, Notify,
-                                          Send, Sleep, Wait, WaitAny, resume)
-from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore, failure_fields
-from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
-from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS, Coordinators, Correlation
+from zbroker.protocol.errors import ErrorCode, RequestTimeout, ZBrokerError
 
 __all__ = ["Admin", "Connection", "Consumer", "DEFAULT_URL", "MAX_ORPHANS", "MAX_ORPHAN_RANGES", "ProduceError",
            "Producer", "RETRIABLE_PRODUCE", "AHEAD_RETRY_S", "client_dealer", "curve_from_env", "fetch", "poll_timeout_ms"]
 
 log = structlog.get_logger("zbroker.client")
 _time_ns, _monotonic = time.time_ns, time.monotonic  # module globals: read once per record sent
-
-
-class Connection:
-    """Sockets to the coordinator and the partition actors, with request/reply matching.
-
-    ``url`` may list several coordinators, comma-separated (`transport.Coordinators`):
-    coordinator requests follow a NOT_COORDINATOR answer or move on after a timeout."""
-
-    def __init__(self, url: str = DEFAULT_URL, *, request_timeout: float = 5.0,
-                 curve: ClientKeys | None = None) -> None:
-        self.coordinators = Coordinators(url)
-        self.request_timeout = request_timeout
-        self.curve = curve if curve is not None else curve_from_env()
-        self.ctx = zmq.Context()
-        self.sockets: dict[str, zmq.Socket] = {}
-        self.poller = zmq.Poller()
-        self.correlation = Correlation()
-        self._early = self.correlation.early  # replies kept for their waiters
-        self.metadata = MetadataCache()
-        self._closed = False
-
-    @property
-    def url(self) -> str:
-        """The coordinator this connection talks to now."""
-        return self.coordinators.current
-
-    def socket(self, endpoint: str) -> zmq.Socket:
-        sock = self.sockets.get(endpoint)
-        if sock is None:
-            sock = client_dealer(self.ctx, endpoint, self.request_timeout, self.curve)
-            self.sockets[endpoint] = sock
-            self.poller.register(sock, zmq.POLLIN)
-        return sock
-
-    def send(self, endpoint: str, msg: m.Message, frames: tuple = (), *, replies: int = 1) -> int:
-        """Send a request; returns its correlation id. A request answered more than once
-        (a fetch with `follow`) reserves the ids of its later replies: id + 1, id + 2, ..."""
-        follow = getattr(msg, "follow", 0)
-        corr = self.correlation.allocate(max(replies, 1 + follow) if follow else replies)
-        try:
-            send_frames(self.socket(endpoint), codec.encode_request(msg, corr, frames), copy=len(frames) == 0,
-                        block=True)  # up to SNDTIMEO: a connection still being made
-        except zmq.Again:
-            raise Unavailable(f"no connection to {endpoint} within {self.request_timeout}s",
-                              endpoint=endpoint) from None
-        return corr
-
-    def recv(self, timeout_s: float) -> codec.Envelope | None:
-        """The next reply from any socket, or None after ``timeout_s``."""
-        events = self.poller.poll(poll_timeout_ms(timeout_s))
-        for sock, _ in events:
-            frames = recv_frames(sock)
-            if frames is not None:
-                return codec.decode_reply(frames)
-        return None
-
-    def recv_nowait_all(self) -> list[codec.Envelope]:
-        out = []
-        for sock in self.sockets.values():
-            while (frames := recv_frames(sock)) is not None:
-                out.append(codec.decode_reply(frames))
-        return out
-
-    def collect(self) -> None:
-        """File every reply that is here now for its waiter (`Correlation.early`), without waiting."""
-        keep = self.correlation.keep
-        for env in self.recv_nowait_all():
-            keep(env)
-
-    def wait_for(self, corr: int, timeout: float | None = None) -> codec.Envelope:
-        """Wait for the reply to ``corr``; other replies are kept for their waiters."""
-        env = self._early.pop(corr, None)
-        if env is not None:
-            return env
-        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RequestTimeout(f"no reply within {self.request_timeout if timeout is None else timeout}s",
-                                     corr_id=corr)
-            env = self.recv(remaining)
-            if env is None:
-                continue
-            if env.corr_id == corr:
-                return env
-            self.correlation.keep(env)
-
-    def take_stashed(self) -> list[codec.Envelope]:
-        """The replies `wait_for` kept while it waited for another one (a pipelining
-        caller that itself calls `wait_for`, say for a metadata refresh, takes its
-        own replies back here)."""
-        if not self._early:
-            return []
-        stashed = list(self._early.values())
-        self._early.clear()
-        return stashed
-
-    def call(self, endpoint: str, msg: m.Message, frames: tuple = (), timeout: float | None = None) -> codec.Envelope:
-        env = self.wait_for(self.send(endpoint, msg, frames), timeout)
-        if env.error is not None:
-            raise env.error
-        return env
-
-    def coordinator(self, msg: m.Message, timeout: float | None = None) -> m.Message:
-        """A request to the coordinator, following NOT_COORDINATOR (and, with several
-        URLs, timeouts) to the next one after a capped backoff."""
-        coordinators = self.coordinators
-        for attempt in range(coordinators.attempts()):
-            try:
-                reply = self.call(self.url, msg, timeout=timeout).msg
-            except ZBrokerError as err:
-                wait = coordinators.retry_in(err, attempt)
-                if wait is None:
-                    raise
-                time.sleep(wait)
-                continue
-            coordinators.answered()
-            return reply
-        raise AssertionError("unreachable")
-
-    def refresh(self, topics: list[str] | None = None) -> None:
-        self.metadata.update(self.coordinator(m.Metadata(topics=topics)).topics)
-
-    def endpoint(self, topic: str, partition: int) -> str:
-        if topic not in self.metadata.topics:
-            self.refresh([topic])
-        endpoint = self.metadata.endpoint(topic, partition)
-        if endpoint is None:
-            self.refresh([topic])
-            endpoint = self.metadata.endpoint(topic, partition)
-        if endpoint is None:
-            raise Unavailable(f"partition {topic}/{partition} has no live owner", topic=topic, partition=partition)
-        return endpoint
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for sock in self.sockets.values():
-            sock.close(linger=0)
-        self.sockets.clear()
-        self.ctx.term()
 
 
 @with_admin_calls(sync_method)
@@ -235,6 +89,10 @@ class Producer:
         self._keyless_open = self.acc.keyless_open  # the accumulator's own dict, updated in place
         self._dispatches = 0
         self._topic_partitions = self.conn.metadata.topics  # the cache's own dict, updated in place
+        self.flow = ProducerFlow(self.core, self.conn.metadata, time.monotonic)
+        self._steps = {Endpoint: lambda step: self.conn.endpoint(step.topic, step.partition),
+                       Send: lambda step: self.conn.send(step.endpoint, step.msg, step.frames),
+                       Coordinator: lambda step: self.conn.coordinator(step.msg, step.timeout)}
         # Asked while a batch waits for room in a full window: True sends it at once instead
         # (the CLI's Ctrl-C, which must not wait for a hung partition's retries to run out).
         self.stop_waiting: Callable[[], bool] = lambda: False
@@ -359,20 +217,7 @@ class Producer:
         self._send_all(admitted)
 
     def _send_all(self, batches: list[PendingBatch]) -> None:
-        """Send (or resend) batches admitted to the window, as `ProducerCore.requests` says."""
-        core, routed = self.core, []
-        for batch in batches:
-            try:
-                routed.append((self.conn.endpoint(batch.topic, batch.partition), batch))
-            except ZBrokerError as err:
-                core.unroutable(batch, err, time.monotonic())
-        for endpoint, msg, frames, sent in core.requests(routed):
-            try:
-                corr = self.conn.send(endpoint, msg, frames)
-            except ZBrokerError as err:
-                core.send_failed(sent, err, time.monotonic())
-                continue
-            core.sent(corr, sent, time.monotonic())
+        run_blocking(self.flow.send(batches), self._steps)
 
     def send_many(self, topic: str, values: list[bytes], partition: int | None = None) -> None:
         """Fast path for key-less, header-less values: whole batches at once."""
@@ -418,7 +263,8 @@ class Producer:
         self._send(batch)
 
     def _send(self, batch: PendingBatch) -> None:
-        """Send (or resend) a batch admitted to the window."""
+        """Send a batch admitted to the window, alone: `ProducerFlow.send` for one batch, without
+        its grouping and steps (with linger_ms=0 this runs once per record)."""
         msg = self.core.produce_request(batch)
         if msg is None:
             return  # failed for good, now
@@ -429,18 +275,6 @@ class Producer:
             return
         self.core.sent(corr, batch, time.monotonic())
 
-    def _resend_due(self, now: float) -> None:
-        due, hints, topics = self.core.resends(now)
-        for topic, partition, endpoint in hints:  # the new leader, as the error named it
-            self.conn.metadata.redirect(topic, partition, endpoint)
-        for topic in topics:
-            try:
-                self.conn.refresh([topic])
-            except ZBrokerError:
-                pass
-        if due:
-            self._send_all(due)
-
     def _pump(self, timeout_s: float) -> None:
         stashed = self.conn.take_stashed()  # produce replies that came during a metadata refresh
         for env in stashed:
@@ -450,9 +284,9 @@ class Producer:
             self._on_reply(env)
         for env in self.conn.recv_nowait_all():
             self._on_reply(env)
-        now = time.monotonic()
-        self.core.timed_out(now)  # retried, or failed for good
-        self._resend_due(now)
+        self.core.timed_out(time.monotonic())  # retried, or failed for good
+        if self.core.retrying:
+            run_blocking(self.flow.resend_due(), self._steps)
         self._log_failed()
 
     def _log_failed(self) -> None:
@@ -603,17 +437,7 @@ class Consumer(ConsumerDriver):
     # -- the steps of a flow, performed by blocking ----------------------------------------------
 
     def _run(self, flow: Any) -> Any:
-        """Run ``flow`` to its end, performing each step by blocking. A step's error, any
-        (KeyboardInterrupt too), is the flow's: its cleanup runs, and it re-raises what it
-        does not handle."""
-        step = resume(flow, None, None)
-        while step.__class__ is not Done:
-            try:
-                result, error = self._steps[step.__class__](step), None
-            except BaseException as err:  # noqa: B036
-                result, error = None, err
-            step = resume(flow, result, error)
-        return step.value
+        return run_blocking(flow, self._steps)
 
     def _send(self, step: Send) -> int:
         return self.conn.send(self.conn.url if step.endpoint is None else step.endpoint, step.msg)
