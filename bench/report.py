@@ -611,15 +611,20 @@ def _render_replication(entry: dict[str, Any], notes: _Footnotes) -> str:
     def rate(row: str, role: str) -> str:
         value = r["rows"][row][role].get("msgs_s")
         return f"{value:,.0f}" if value else "n/a"
+    def ratio(role: str) -> str:
+        spread = (r.get("r3_over_r1_range") or {}).get(role)
+        return f"{r['r3_over_r1'].get(role)}" + (f" ({spread[0]}-{spread[1]})" if spread else "")
     lat1, lat3 = (r["latency"][row].get("latency_ms", {}) for row in ("R=1", "R=3 M=2"))
     fo = r["failover"]
+    rounds = r.get("rounds", 1)
     return "\n".join([
-        f"\nReplication ({entry.get('how')}): {r['records']:,} records of {r['record_bytes']} B, {r['layout']}.\n",
+        f"\nReplication ({entry.get('how')}): {r['records']:,} records of {r['record_bytes']} B, {r['layout']}. "
+        f"Throughput: {rounds} rounds, each R = 1 then R = 3 on fresh topics; a row is the round of median "
+        f"rec/s, the ratio the median of the rounds' ratios (their range in brackets).\n",
         "| | R = 1 | R = 3, M = 2 | R = 3 / R = 1 (goal: produce >= 0.5) |", "|---|---:|---:|---:|",
-        f"| produce rec/s | {rate('R=1', 'produce')} | {rate('R=3 M=2', 'produce')} | "
-        f"{r['r3_over_r1'].get('produce')} |",
+        f"| produce rec/s | {rate('R=1', 'produce')} | {rate('R=3 M=2', 'produce')} | {ratio('produce')} |",
         f"| consume + ack rec/s | {rate('R=1', 'consume_ack')} | {rate('R=3 M=2', 'consume_ack')} | "
-        f"{r['r3_over_r1'].get('consume_ack')} |",
+        f"{ratio('consume_ack')} |",
         f"| publish to receive p50 / p99 ms ({r['latency']['R=1'].get('rate')} rec/s) | "
         f"{lat1.get('p50')} / {lat1.get('p99')} | {lat3.get('p50')} / {lat3.get('p99')} | |",
         f"\nLeader failover (SIGKILL to the first acknowledged produce), over "
