@@ -149,6 +149,42 @@ def record_id_of(value: bytes) -> int | None:
     return int(head) if sep and head.isdigit() else None
 
 
+class LeaseClock:
+    """The earliest time each record a consumer holds can have been leased to it.
+
+    A poll() can hand out records of a lease granted before it was called: the reply
+    to a Poll sent ahead at the end of an earlier poll() (poll-ahead, lease-ahead), or
+    kept in flight past a poll() that returned empty, and records of a lease held back
+    by an earlier poll()'s max_records. Dated by the poll() that handed them out, a
+    redelivery granted before the offset was durably finished looked like one granted
+    after it (the checker's "deliveries of an offset already durably finished").
+    Each Poll is dated by the start of the poll() call that sent it (it was in flight
+    after that call and not before), and each lease by the Poll it came with."""
+
+    def __init__(self) -> None:
+        self._in_flight: Any = None  # the Poll in flight after the last call (the flow's object)
+        self._in_flight_sent_ns = 0  # the start of the poll() call that sent it
+        self._granted_after_ns = 0  # for leases first seen in the last call
+        self._lease_ns: dict[tuple[int, int], int] = {}  # (partition, lease id) -> leased after
+
+    def polled(self, started_ns: int, in_flight_before: Any, in_flight_after: Any) -> None:
+        """A poll() call that started at ``started_ns`` ended; the flow's Poll in flight before and after."""
+        carried = in_flight_before is not None and in_flight_before is self._in_flight
+        self._granted_after_ns = min(started_ns, self._in_flight_sent_ns) if carried else started_ns
+        if in_flight_after is None:
+            self._in_flight = None
+        elif in_flight_after is not in_flight_before or not carried:
+            self._in_flight, self._in_flight_sent_ns = in_flight_after, started_ns
+
+    def group(self, records: list) -> dict[int, list]:
+        """The records of the last call, by the earliest time their lease can have been granted."""
+        groups: dict[int, list] = {}
+        for r in records:
+            leased_after = self._lease_ns.setdefault((r.partition, r.lease_id), self._granted_after_ns)
+            groups.setdefault(leased_after, []).append(r)
+        return groups
+
+
 def _ranges(records: list) -> str:
     """'p:start-end,...' for a poll's records (offsets folded into runs)."""
     runs: list[list[int]] = []
@@ -248,21 +284,29 @@ def consumer_main(url: str, topic: str, group: str, journal_path: str, stop: Any
     consumer = None
     failures = 0
     membership: tuple = ()
+    leases = LeaseClock()
     while not stop.is_set():
         try:
             if consumer is None:
                 # Half of the consumers hold ahead leases once caught up (Consumer(lease_ahead=True)).
                 consumer = Consumer(url, group=group, topics=[topic], session_timeout_ms=session_timeout_ms,
                                     request_timeout=2.0, ack_interval_ms=5, lease_ahead=rng.random() < 0.5)
+                leases = LeaseClock()
             polled = time.monotonic_ns()
-            records = consumer.poll(max_records=rng.choice((10, 50, 100)), timeout=0.5)
+            in_flight_before = consumer.flow.poll_in_flight
+            try:
+                records = consumer.poll(max_records=rng.choice((10, 50, 100)), timeout=0.5)
+            finally:
+                leases.polled(polled, in_flight_before, consumer.flow.poll_in_flight)
             failures = 0
             if (consumer.member_id, consumer.generation) != membership:
                 membership = (consumer.member_id, consumer.generation)
                 journal.write([f"J {time.monotonic_ns()} {membership[0]} {membership[1]}\n"])
             if not records:
                 continue
-            journal.write([f"R {time.monotonic_ns()} {polled} {_ranges(records)}\n"])
+            now = time.monotonic_ns()
+            journal.write([f"R {now} {leased_after} {_ranges(part)}\n"
+                           for leased_after, part in leases.group(records).items()])
             rng.shuffle(records)
             cut = rng.randrange(len(records) + 1)
             for i, part in enumerate((records[:cut], records[cut:])):
