@@ -252,9 +252,15 @@ offset equals the log end of every partition, both in the
   already finished: what a lost ack or a revoked lease can make a consumer
   do twice. A coordinator kill's duplicates should come close to its
   *finished, not durable*, never far above it.
-- *deliveries of an offset already durably finished*: a record handed out
+- *deliveries of an offset already durably finished*: a record leased
   again although the table had already shown it below the committed offset
-  or in a stored hole. Allowed, but no crash explains it; expected 0.
+  or in a stored hole. Allowed, but no crash explains it; expected 0. A
+  lease is dated by the consumer's poll() call that sent its Poll (a Poll
+  sent ahead, or kept in flight past an empty poll(), was sent by an earlier
+  call than the one that hands its records out, and records held back by
+  max_records come out later still): dated by the handing-out call, as it
+  was until 2026-12-05, a redelivery granted before the offset was finished
+  counted here.
 
 ## The checker can fail
 

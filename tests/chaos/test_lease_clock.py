@@ -33,3 +33,10 @@ def test_without_a_poll_in_flight_a_lease_is_dated_by_the_call_itself():
     clock = LeaseClock()
     clock.polled(700, None, None)
     assert clock.group(records(10, 6)) == {700: records(10, 6)}
+
+
+def test_an_ahead_lease_is_dated_when_it_is_filed_not_when_its_records_arrive():
+    clock = LeaseClock()
+    clock.polled(800, None, None, {("t", 0): [[11, 50, 60]]})  # an ahead lease on offsets 50-59, none there yet
+    clock.polled(900, None, None, {("t", 0): [[11, 52, 60]]})  # its first records arrived and went out
+    assert clock.group(records(11, 50, 51)) == {800: records(11, 50, 51)}

@@ -155,11 +155,13 @@ class LeaseClock:
     A poll() can hand out records of a lease granted before it was called: the reply
     to a Poll sent ahead at the end of an earlier poll() (poll-ahead, lease-ahead), or
     kept in flight past a poll() that returned empty, and records of a lease held back
-    by an earlier poll()'s max_records. Dated by the poll() that handed them out, a
+    by an earlier poll()'s max_records; and an ahead lease (lease-ahead) is granted
+    before the records it covers exist. Dated by the poll() that handed them out, a
     redelivery granted before the offset was durably finished looked like one granted
     after it (the checker's "deliveries of an offset already durably finished").
     Each Poll is dated by the start of the poll() call that sent it (it was in flight
-    after that call and not before), and each lease by the Poll it came with."""
+    after that call and not before), and each lease by the Poll it came with: an
+    ahead lease when the consumer files it, before any of its records arrive."""
 
     def __init__(self) -> None:
         self._in_flight: Any = None  # the Poll in flight after the last call (the flow's object)
@@ -167,10 +169,15 @@ class LeaseClock:
         self._granted_after_ns = 0  # for leases first seen in the last call
         self._lease_ns: dict[tuple[int, int], int] = {}  # (partition, lease id) -> leased after
 
-    def polled(self, started_ns: int, in_flight_before: Any, in_flight_after: Any) -> None:
-        """A poll() call that started at ``started_ns`` ended; the flow's Poll in flight before and after."""
+    def polled(self, started_ns: int, in_flight_before: Any, in_flight_after: Any,
+               ahead_leases: dict | None = None) -> None:
+        """A poll() call that started at ``started_ns`` ended; the flow's Poll in flight before and
+        after, and the ahead leases the consumer holds now (`ConsumerCore.ahead_leases`)."""
         carried = in_flight_before is not None and in_flight_before is self._in_flight
         self._granted_after_ns = min(started_ns, self._in_flight_sent_ns) if carried else started_ns
+        for (_topic, partition), held in (ahead_leases or {}).items():
+            for lease_id, _position, _end in held:
+                self._lease_ns.setdefault((partition, lease_id), self._granted_after_ns)
         if in_flight_after is None:
             self._in_flight = None
         elif in_flight_after is not in_flight_before or not carried:
@@ -297,7 +304,7 @@ def consumer_main(url: str, topic: str, group: str, journal_path: str, stop: Any
             try:
                 records = consumer.poll(max_records=rng.choice((10, 50, 100)), timeout=0.5)
             finally:
-                leases.polled(polled, in_flight_before, consumer.flow.poll_in_flight)
+                leases.polled(polled, in_flight_before, consumer.flow.poll_in_flight, consumer.core.ahead_leases)
             failures = 0
             if (consumer.member_id, consumer.generation) != membership:
                 membership = (consumer.member_id, consumer.generation)
