@@ -28,6 +28,7 @@ Prints one JSON object when run as `python -m bench.replication`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from bench.adapter import Phase, ProduceSpec
 from bench.latency import LatencyRecorder, Pacer, PublisherProcess
@@ -50,6 +51,21 @@ FAILOVER_KILLS = 20
 THROUGHPUT_ROUNDS = 5
 # Bounds on waiting for a state the broker reports (never what is measured).
 WAIT_S = 120.0
+
+
+@contextlib.contextmanager
+def three_actor_broker(prefix: str) -> Iterator[Any]:
+    """`zbroker up --partition-actors 3 --actor-dirs` in a temporary data directory, stopped and
+    removed afterwards: the layout of every replication row."""
+    from zbroker.supervisor import start_broker
+
+    data = tempfile.mkdtemp(prefix=prefix)
+    broker = start_broker(data, partition_actors=3, extra_args=("--actor-dirs",))
+    try:
+        yield broker
+    finally:
+        broker.stop()
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def _wait(what: str, check, timeout_s: float = WAIT_S):
@@ -149,22 +165,16 @@ def _medians(rounds: list[dict]) -> tuple[dict, dict, dict]:
 
 def run(scale: float = 1.0) -> dict[str, Any]:
     from zbroker.client import Admin
-    from zbroker.supervisor import start_broker
 
     records = max(2_000, int(BASE_RECORDS * scale))
     seconds = max(1.0, BASE_LATENCY_S * scale)
-    data = tempfile.mkdtemp(prefix="zbroker-bench-repl-")
-    broker = start_broker(data, partition_actors=3, extra_args=("--actor-dirs",))
-    try:
+    with three_actor_broker("zbroker-bench-repl-") as broker:
         with Admin(broker.url) as admin:
             rounds = [{"R=1": _throughput(broker, admin, records, 1, i),
                        "R=3 M=2": _throughput(broker, admin, records, 3, i)} for i in range(THROUGHPUT_ROUNDS)]
             rows, ratios, ratio_ranges = _medians(rounds)
             latency = {"R=1": _latency(broker, admin, seconds, 1), "R=3 M=2": _latency(broker, admin, seconds, 3)}
             failover = _failover(broker, admin, FAILOVER_KILLS)
-    finally:
-        broker.stop()
-        shutil.rmtree(data, ignore_errors=True)
     return {"records": records, "record_bytes": RECORD_BYTES, "rows": rows, "r3_over_r1": ratios,
             "r3_over_r1_range": ratio_ranges, "rounds": len(rounds),
             "latency": latency, "failover": failover,

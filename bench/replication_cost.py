@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 
 from bench.adapter import ProduceSpec
 from bench.one_record import threads
-from bench.replication import RECORD_BYTES, _fully_in_sync, _phase, _wait
+from bench.replication import RECORD_BYTES, _fully_in_sync, _phase, _wait, three_actor_broker
 from bench.zbroker_adapter import PRODUCE_BATCH, _produce
 
 
@@ -50,26 +48,19 @@ def _row(broker, admin, actors: dict, topic: str, replication_factor: int, recor
 
 def main() -> None:
     from zbroker.client import Admin
-    from zbroker.supervisor import start_broker
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    data = tempfile.mkdtemp(prefix="zbroker-bench-repl-cost-")
-    broker = start_broker(data, partition_actors=3, extra_args=("--actor-dirs",))
-    try:
-        with Admin(broker.url) as admin:
-            actors = {a["actor_id"]: a["pid"] for a in admin.status()["actors"] if a.get("actor_id")}
-            for i in range(args.rounds):
-                rows = {rf: _row(broker, admin, actors, f"cost-r{rf}-{i}", rf, args.records) for rf in (1, 3)}
-                for rf, row in rows.items():
-                    print(f"R={rf}", row, flush=True)
-                print(f"R=3 / R=1 produce: {rows[3]['msgs_s'] / rows[1]['msgs_s']:.3f}  "
-                      f"(load average {os.getloadavg()[0]:.2f})", flush=True)
-    finally:
-        broker.stop()
-        shutil.rmtree(data, ignore_errors=True)
+    with three_actor_broker("zbroker-bench-repl-cost-") as broker, Admin(broker.url) as admin:
+        actors = {a["actor_id"]: a["pid"] for a in admin.status()["actors"] if a.get("actor_id")}
+        for i in range(args.rounds):
+            rows = {rf: _row(broker, admin, actors, f"cost-r{rf}-{i}", rf, args.records) for rf in (1, 3)}
+            for rf, row in rows.items():
+                print(f"R={rf}", row, flush=True)
+            print(f"R=3 / R=1 produce: {rows[3]['msgs_s'] / rows[1]['msgs_s']:.3f}  "
+                  f"(load average {os.getloadavg()[0]:.2f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import time
 
-from bench.replication import RECORD_BYTES, _fully_in_sync, _wait
+from bench.replication import RECORD_BYTES, _fully_in_sync, _wait, three_actor_broker
 from bench.zbroker_adapter import PRODUCE_BATCH
 
 WINDOW = 1000
@@ -76,23 +74,16 @@ def _row(url: str, admin, topic: str, replication_factor: int, records: int) -> 
 
 def main() -> None:
     from zbroker.client import Admin
-    from zbroker.supervisor import start_broker
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=300_000)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    data = tempfile.mkdtemp(prefix="zbroker-bench-repl-wait-")
-    broker = start_broker(data, partition_actors=3, extra_args=("--actor-dirs",))
-    try:
-        with Admin(broker.url) as admin:
-            for i in range(args.rounds):
-                for rf in (1, 3):
-                    print(_row(broker.url, admin, f"wait-r{rf}-{i}", rf, args.records), flush=True)
-                print(f"(load average {os.getloadavg()[0]:.2f})", flush=True)
-    finally:
-        broker.stop()
-        shutil.rmtree(data, ignore_errors=True)
+    with three_actor_broker("zbroker-bench-repl-wait-") as broker, Admin(broker.url) as admin:
+        for i in range(args.rounds):
+            for rf in (1, 3):
+                print(_row(broker.url, admin, f"wait-r{rf}-{i}", rf, args.records), flush=True)
+            print(f"(load average {os.getloadavg()[0]:.2f})", flush=True)
 
 
 if __name__ == "__main__":
