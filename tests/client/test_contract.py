@@ -37,9 +37,10 @@ class SyncDriver:
         self.closers: list = []
 
     def produce(self, url: str, topic: str, values: list[bytes], partition: int | None = None,
-                **options) -> list[int]:
-        with Producer(url, linger_ms=1, **options) as producer:
-            return [h.offset for h in producer.produce(topic, values, partition=partition)]
+                keys: list[bytes] | None = None, **options) -> list[int]:
+        with Producer(url, **{"linger_ms": 1, **options}) as producer:
+            records = values if keys is None else list(zip(keys, values))
+            return [h.offset for h in producer.produce(topic, records, partition=partition)]
 
     def admin(self, url: str, call: str, *args, **options):
         with Admin(url, **{k: options.pop(k) for k in ("curve", "request_timeout") if k in options}) as admin:
@@ -95,11 +96,12 @@ class AsyncDriver:
         return self.loop.run_until_complete(coro)
 
     def produce(self, url: str, topic: str, values: list[bytes], partition: int | None = None,
-                **options) -> list[int]:
+                keys: list[bytes] | None = None, **options) -> list[int]:
         async def go():
-            producer = AsyncProducer(url, linger_ms=1, **options)
+            producer = AsyncProducer(url, **{"linger_ms": 1, **options})
             try:
-                handles = [await producer.send(topic, v, partition=partition) for v in values]
+                handles = [await producer.send(topic, v, key=None if keys is None else keys[i], partition=partition)
+                           for i, v in enumerate(values)]
                 await producer.flush()
                 return [h.offset for h in handles]
             finally:
@@ -197,6 +199,28 @@ def check_produced_records_are_consumed_once_in_order_and_committed(driver, brok
                 if any(r.partition == p for r in got)}
         wait_committed(admin, "g1", {("c1", p): end for p, end in ends})
         assert consumer.poll(max_records=100, timeout=0.3) == []
+
+
+def check_keyed_records_sent_together_land_once_each_in_their_keys_order(driver, broker) -> None:
+    """With a linger longer than the sends, the flush sends the batches of every partition at
+    once (`ProducerFlow.send`: one produce_many for the actor): each record lands once, in its
+    key's partition, after the records of its key sent before it."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("c-keys", partitions=4)
+    keys = [b"k%d" % (i % 12) for i in range(240)]
+    values = [b"%d" % i for i in range(240)]
+    offsets = driver.produce(broker.url, "c-keys", values, keys=keys, linger_ms=60_000)
+    assert None not in offsets
+    consumer = driver.consumer(broker.url, group="g-keys", topics=["c-keys"], heartbeat=False)
+    got = poll_until(consumer, len(values))
+    assert sorted(r.value for r in got) == sorted(values)  # each once
+    partitions = {r.key: set() for r in got}
+    for r in got:
+        partitions[r.key].add(r.partition)
+    assert all(len(p) == 1 for p in partitions.values()) and len({p for ps in partitions.values() for p in ps}) > 1
+    for key in partitions:
+        in_log = [int(r.value) for r in sorted((r for r in got if r.key == key), key=lambda r: r.offset)]
+        assert in_log == sorted(in_log)  # the order it was sent in
 
 
 def check_a_nacked_record_comes_back_with_its_reason_and_a_second_attempt(driver, broker) -> None:
@@ -340,6 +364,7 @@ def check_a_url_list_follows_not_coordinator_to_the_leader_it_names(driver, brok
 
 
 CHECKS = [check_produced_records_are_consumed_once_in_order_and_committed,
+          check_keyed_records_sent_together_land_once_each_in_their_keys_order,
           check_a_nacked_record_comes_back_with_its_reason_and_a_second_attempt,
           check_a_rebalance_calls_back_and_hands_out_only_what_it_still_owns,
           check_run_acks_what_the_handler_returns_and_nacks_what_it_raises,
