@@ -51,6 +51,8 @@ QUEUE = "zbench"
 
 # Payloads are text for the JSON-based queues: the publish stamp as 19 decimal digits, padded.
 _STAMP_DIGITS = 19
+# How long a workload's leftover tasks get to stop once cancelled (`run_bounded`).
+CLEANUP_S = 10.0
 
 
 def text_stamp(size: int, now_ns: int) -> str:
@@ -129,17 +131,21 @@ class PgQueue(Adapter):
         return pids_by_name("postgres")
 
     # -- workloads -----------------------------------------------------------
+    # Each runs under `run_bounded`, not asyncio.run: procrastinate's listener task does not
+    # always stop when cancelled ("Abandoning tasks that did not stop when cancelled"), and
+    # asyncio.run then waits for it for ever (the 2026-12-05 04:33 UTC run hung 13 minutes in
+    # its latency row's cleanup until it was killed).
     def produce(self, spec: ProduceSpec, phase: Phase) -> None:
         if spec.workload != "produce":
             raise Skipped("the PostgreSQL queues run the produce, consume and latency rows only")
-        asyncio.run(self.enqueue(spec.count, spec.size, phase))
+        run_bounded(self.enqueue(spec.count, spec.size, phase))
 
     def prefill(self, count: int, size: int) -> None:
         phase = Phase(system=self.name, workload="prefill", target=count, timeout_s=600, server_pids=list)
-        asyncio.run(self.enqueue(count, size, phase))
+        run_bounded(self.enqueue(count, size, phase))
 
     def consume_ack(self, count: int, phase: Phase) -> None:
-        asyncio.run(self.complete(count, phase))
+        run_bounded(self.complete(count, phase))
 
     def latency(self, rate: float, seconds: float, size: int, phase: Phase) -> dict[str, Any]:
         # A fresh database: jobs an earlier phase left when it reached its time bound (at
@@ -151,7 +157,7 @@ class PgQueue(Adapter):
         publisher = PublisherProcess(paced_publisher, {"system": self.name, "dsn": self.dsn, "rate": rate,
                                                        "seconds": seconds, "size": size})
         expected = Pacer(rate, seconds, 0.0).total
-        asyncio.run(self.receive_stamps(expected, phase, recorder, publisher))
+        run_bounded(self.receive_stamps(expected, phase, recorder, publisher))
         return {**recorder.summary(), "publisher": publisher.finish()}
 
     # -- what each library does ------------------------------------------------
@@ -169,6 +175,25 @@ class PgQueue(Adapter):
     async def receive_stamps(self, expected: int, phase: Phase, recorder: LatencyRecorder,
                              publisher: PublisherProcess) -> None:
         raise NotImplementedError
+
+
+def run_bounded(coro: Any, cleanup_s: float = CLEANUP_S) -> Any:
+    """`asyncio.run`, except that the tasks still running when ``coro`` ends get ``cleanup_s``
+    seconds to stop once cancelled, and are then abandoned with the loop."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=cleanup_s))
+            for shutdown in (loop.shutdown_asyncgens(), loop.shutdown_default_executor()):
+                loop.run_until_complete(asyncio.wait([loop.create_task(shutdown)], timeout=cleanup_s))
+        finally:
+            loop.close()
 
 
 def _record_text(recorder: LatencyRecorder, payload: str) -> None:

@@ -63,3 +63,22 @@ def test_each_queue_enqueues_completes_times_and_drops_its_database(name):
     finally:
         adapter.teardown()
     assert adapter.database not in _databases()
+
+
+def test_a_task_that_ignores_its_cancellation_is_abandoned_not_waited_for():
+    """procrastinate's listener sometimes does not stop when cancelled; asyncio.run then hung."""
+    from bench.peers.pg_queues import run_bounded
+
+    async def stubborn():
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue  # refuses to stop
+
+    async def workload():
+        asyncio.get_running_loop().create_task(stubborn())
+        await asyncio.sleep(0)
+        return "measured"
+
+    assert run_bounded(workload(), cleanup_s=0.1) == "measured"  # asyncio.run never returns here
