@@ -145,3 +145,26 @@ def test_a_batch_over_the_frame_limit_fails_with_too_large_without_being_sent(mo
         assert producer.in_flight_records == 0 and producer.in_flight_bytes == 0
     finally:
         producer.conn.close()
+
+
+def test_a_send_interrupted_after_its_batch_was_admitted_leaves_the_batch_to_be_retried():
+    # Ctrl-C inside the socket send: the batch is in the window but was never filed as sent;
+    # left so, it was never sent and its handle never resolved.
+    producer = Producer("tcp://127.0.0.1:1", linger_ms=0)
+    producer.conn.metadata.update([{"name": "t", "partitions": [{"endpoint": "tcp://127.0.0.1:2"}]}])
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    producer.conn.send = interrupted
+    try:
+        try:
+            producer.send("t", b"v", partition=0)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the interrupt was swallowed")
+        assert [batch.partition for _at, batch in producer.core.retrying] == [0]
+        assert producer.in_flight_records == 1 and producer.core.take_failure() is None
+    finally:
+        producer.conn.close()

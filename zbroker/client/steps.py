@@ -88,8 +88,8 @@ STEP_METHODS = ((Send, "_send"), (Wait, "_wait"), (WaitAny, "_wait_any"), (Endpo
 
 
 def step_methods(driver: Any) -> dict[type, Callable]:
-    """The driver's methods that perform each step, by step class (the steps it has methods for)."""
-    return {step: getattr(driver, name) for step, name in STEP_METHODS if hasattr(driver, name)}
+    """The driver's methods that perform each step, by step class."""
+    return {step: getattr(driver, name) for step, name in STEP_METHODS}
 
 
 class Done(NamedTuple):

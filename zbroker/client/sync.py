@@ -25,7 +25,7 @@ from zbroker.client.core import (ConsumedRecord, DeliveryHandle, PendingBatch, c
                                  checked_timestamp, checked_topics, record_size_estimate)
 from zbroker.client.keys import ClientKeys
 from zbroker.client.producer_core import RETRIABLE_PRODUCE, ProduceError, ProducerCore, failure_fields
-from zbroker.client.producer_flow import ProducerFlow
+from zbroker.client.producer_flow import ProducerFlow, not_sent
 from zbroker.client.sockets import client_dealer, curve_from_env, poll_timeout_ms
 from zbroker.client.steps import Connect, Coordinator, Endpoint, Notify, Send, Sleep, Wait, WaitAny, run_blocking
 from zbroker.client.transport import DEFAULT_URL, MAX_ORPHAN_RANGES, MAX_ORPHANS
@@ -106,14 +106,7 @@ class Producer:
     max_in_flight_bytes = core_field("max_in_flight_bytes")
     errors = core_field("errors")
     results = core_field("results")
-
-    @property
-    def keep_results(self) -> bool:
-        return self.core.keep_results
-
-    @keep_results.setter
-    def keep_results(self, value: bool) -> None:
-        self.core.keep_results = value
+    keep_results = core_field("keep_results")
 
     def send(self, topic: str, value: bytes, key: bytes | None = None, headers: dict | None = None,
              partition: int | None = None, timestamp_ms: int | None = None) -> DeliveryHandle:
@@ -273,6 +266,9 @@ class Producer:
         except ZBrokerError as err:
             self.core.failed(batch, err, time.monotonic())
             return
+        except BaseException:  # Ctrl-C mid-send: retried by the next pump, as `ProducerFlow.send` does
+            self.core.failed(batch, not_sent(), time.monotonic())
+            raise
         self.core.sent(corr, batch, time.monotonic())
 
     def _pump(self, timeout_s: float) -> None:
