@@ -1115,10 +1115,13 @@ class Report(Message):
 
 def check_replica_states(op: str, states: list) -> None:
     for i, item in enumerate(states):
-        if not (isinstance(item, list) and len(item) == 5 and isinstance(item[0], str)
-                and all(_is_int(x) for x in item[1:])):
+        # The sixth item, keeping_up (int, or None from a follower), is optional: an older
+        # actor sends five.
+        if not (isinstance(item, list) and len(item) in (5, 6) and isinstance(item[0], str)
+                and all(_is_int(x) for x in item[1:5])
+                and (len(item) == 5 or item[5] is None or _is_int(item[5]))):
             raise ProtocolError("replica_states items must be [topic, partition, leader_epoch, log_end, "
-                                "high_watermark]", op=op, index=i, field="replica_states")
+                                "high_watermark, keeping_up]", op=op, index=i, field="replica_states")
 
 
 # ======================================================================================

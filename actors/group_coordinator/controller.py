@@ -28,15 +28,20 @@ calls these functions, and makes each decision durable before it takes effect.
 * **A restarted actor** (a new process, or back from the dead) may have lost
   the unsynced tail of its logs (``--fsync interval``): it leaves every ISR it
   was in (unless it is the last member), and a partition it led gets a new
-  leader, or itself again at a new epoch if no other ISR member lives, so that
-  no offset is ever written twice under one epoch. It rejoins the ISR when its
+  leader, or itself again at a new epoch if it is the only ISR member, so that
+  no offset is ever written twice under one epoch. If other ISR members exist
+  but none lives, the partition has no leader until one returns: they hold
+  what the restarted one may have lost with its disk or its unsynced tail. It rejoins the ISR when its
   leader sees it caught up. A coordinator knows a restart by a pid it saw before;
   after it took over (or restarted) it has seen none, so an actor it meets for the
   first time that reports no replica state while it holds replicas counts as new
   (one that ran through the takeover reports every replica it holds).
 * **ISR changes** come only from the current leader (`alter_isr`) at the
   current epoch; the leader may not drop itself, and the ISR stays a subset of
-  the replicas, kept in replica order.
+  the replicas, kept in replica order. A leader never proposes fewer than
+  min_insync members (replica.py, "ISR floor"), so that the ISR always names
+  M holders of everything below the HW; only a dead or restarted member's
+  removal here takes it lower.
 * **Reassignment** is online: the replica set first grows to target + old, the
   new replicas catch up and the leader adds them to the ISR; once every target
   replica is in the ISR the set shrinks to the target (a new leader from the
@@ -148,8 +153,11 @@ def restarted(rs: ReplicaSet, actor: str, live: set[str]) -> ReplicaSet:
         return rs
     if rs.leader == actor:
         new = elect(rs, live - {actor})
-        if new.leader is None:  # no other ISR member is live: it leads again, at a new epoch
-            return dataclasses.replace(new, leader=actor, isr=rs.isr)
+        if new.leader is None:
+            others = tuple(r for r in rs.isr if r != actor)
+            if others:  # they hold what it may have lost with its disk: none leads until one is back
+                return dataclasses.replace(new, isr=others)
+            return dataclasses.replace(new, leader=actor, isr=rs.isr)  # the only copy: it leads again
         return new
     if actor in rs.isr and len(rs.isr) > 1:
         return dataclasses.replace(rs, isr=tuple(r for r in rs.isr if r != actor))

@@ -117,6 +117,9 @@ class PartitionInfo:
     proposed: ReplicaSet | None = None  # replicated: decided, its write not confirmed yet
     replica_log_ends: dict = dataclasses.field(default_factory=dict)  # actor_id -> log end it reported
     high_watermark: int | None = None  # replicated: as the current leader last reported it
+    # replicated: how many ISR members keep up, as the current leader last reported it (None:
+    # not reported). Below min_insync it refuses produce though the recorded ISR holds M.
+    keeping_up: int | None = None
     bytes_appended: int = 0  # payload bytes its owner appended since that process started
 
     @property
@@ -317,6 +320,7 @@ class TopicRegistry:
                 continue
             if part.replication is not None and part.replication.leader != rs.leader:
                 part.high_watermark = None
+                part.keeping_up = None
             part.replication = rs
             part.owner = rs.leader
             if part.proposed is rs:
@@ -456,6 +460,7 @@ class TopicRegistry:
             part.replica_log_ends[actor_id] = log_end
             if actor_id == rs.leader:
                 part.high_watermark = high_watermark
+                part.keeping_up = item[5] if len(item) > 5 else None
 
     def replicas_for(self, actor_id: str) -> list[list]:
         """`assign`'s `replicas` entries for one actor: the effective state of each replica it holds."""
@@ -488,11 +493,15 @@ class TopicRegistry:
         out = []
         for (t, p), part in sorted(self.partitions.items()):
             rs = part.replication
-            if rs is None or not (rs.under_replicated or rs.leader is None):
+            lagging = part.keeping_up is not None and rs is not None and part.keeping_up < len(rs.isr)
+            if rs is None or not (rs.under_replicated or rs.leader is None or lagging):
                 continue
+            keeping_up = len(rs.isr) if part.keeping_up is None else min(part.keeping_up, len(rs.isr))
             out.append({"topic": t, "partition": p, "leader": rs.leader, "leader_epoch": rs.leader_epoch,
                         "replicas": list(rs.replicas), "isr": list(rs.isr), "min_insync": rs.min_insync,
-                        "below_min_insync": rs.below_min_insync, "offline": rs.leader is None})
+                        "keeping_up": keeping_up,
+                        "below_min_insync": rs.below_min_insync or keeping_up < rs.min_insync,
+                        "offline": rs.leader is None})
         return out
 
     def require_topic(self, name: str) -> dict:

@@ -1025,7 +1025,10 @@ class PartitionActorCore:
             effects += self._sync_replicas(now_ms)
         if self.replicas:
             for key, replica in self.replicas.items():
+                keeping_up = replica.keeping_up
                 effects += self._replica_effects(key, replica.tick(now_ms), now_ms)
+                if replica.keeping_up != keeping_up:  # `zbroker status` shows it (state_row)
+                    self._changed.add(key)
                 if any(fetch.due_ms <= now_ms for fetch in self._parked_replica.get(key, ())):
                     effects += self._wake_replica_fetches(key, now_ms)
             effects += self.replica_fetches(now_ms)

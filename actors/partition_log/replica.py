@@ -33,6 +33,20 @@ Leader
     only when the controller has recorded it, so until then the HW still
     waits for the laggard; an expansion counts the newcomer for the HW at
     once (KIP-497's "maximal ISR"): both err on the side of waiting.
+ISR floor
+    A shrink never proposes fewer than ``min_insync`` members: the laggards
+    holding the most stay in to make up M, and the HW waits for them. The
+    ISR is what the controller elects from, so it must always name M
+    replicas holding everything below the HW. Proposing the leader alone
+    lost 131 acknowledged records in the replicated chaos run (seed
+    649481172): a 1.8 s network cut, then the leader's host lost with its
+    disk; back empty as the only ISR member, it led again and its
+    followers, which held every record, truncated to it. While fewer than M
+    members keep up (`keeping_up`, reported in `state_row` for `zbroker
+    status`), produce is refused with NOT_ENOUGH_REPLICAS and held batches
+    fail, as they did when the ISR itself shrank. Nor does the HW move while
+    the recorded ISR is below M (the controller removed a dead or restarted
+    member): it would cover records on fewer than M replicas.
 Follower
     Sends one fetch at a time (`next_fetch`); on the reply it either resets
     its log (it holds nothing the leader still has), truncates to where it
@@ -218,6 +232,8 @@ class Replica:
         self._seq = itertools.count()
         self._proposed: tuple[str, ...] | None = None
         self._proposed_at_ms = 0
+        self._lagging: set[str] = set()  # ISR members the last tick found lagging (leader)
+        self.short_of_insync = False  # fewer than min_insync of the ISR keep up (leader)
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
         self._fetched_from: int | None = None  # the log end the latest fetch was sent from
@@ -250,6 +266,8 @@ class Replica:
     def _start(self, now_ms: int) -> None:
         self._followers = {}
         self._proposed = None
+        self._lagging = set()
+        self.short_of_insync = False
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
         self.hw_established = False
@@ -327,6 +345,10 @@ class Replica:
             return NotEnoughReplicas("fewer replicas in sync than min_insync", topic=self.topic,
                                      partition=self.partition, isr=list(self.state.isr),
                                      min_insync=self.state.min_insync)
+        if self.short_of_insync:
+            return NotEnoughReplicas("fewer in-sync replicas than min_insync are keeping up", topic=self.topic,
+                                     partition=self.partition, isr=list(self.state.isr),
+                                     lagging=sorted(self._lagging), min_insync=self.state.min_insync)
         return None
 
     def hold(self, token: Any, end_offset: int, now_ms: int) -> list:
@@ -355,7 +377,9 @@ class Replica:
             self._bytes_before_recent = recent.popleft()[1]
 
     def _advance(self, effects: list) -> list:
-        if not self.is_leader:
+        if not self.is_leader or len(self.state.isr) < self.state.min_insync:
+            # Below min_insync the HW stays: what it would cover is on too few replicas for
+            # consumers to see (and commit past), and the ISR's absentees may lead next.
             return effects
         counted = set(self.state.isr) | set(self._proposed or ())
         ends = [self._local_end]
@@ -469,6 +493,9 @@ class Replica:
             follower.caught_up_ms = max(follower.caught_up_ms, follower.last_fetch_ms)
         follower.last_fetch_ms = now_ms
         follower.leader_end_at_last_fetch = log_end
+        if replica in self._lagging and not self._lags(replica, now_ms):
+            self._lagging.discard(replica)
+            self.short_of_insync = self.keeping_up < self.state.min_insync
         effects: list = []
         if (replica not in self.state.isr and replica in self.state.replicas and self._proposed is None
                 and fetch_offset >= self.high_watermark and fetch_offset >= self._epoch_start):
@@ -483,19 +510,59 @@ class Replica:
         return ProposeIsr(m.AlterIsr(self.topic, self.partition, self.state.leader_epoch, list(isr)))
 
     def tick(self, now_ms: int) -> list:
-        """Periodic leader work: ISR shrink proposals, and resending an unanswered one."""
+        """Periodic leader work: noting which ISR members lag, ISR shrink proposals, and
+        resending an unanswered one."""
         if not self.is_leader:
             return []
         self._note_caught_up(now_ms)
+        self._lagging = {r for r in self.state.isr if self._lags(r, now_ms)}
+        effects = self._note_keeping_up()
         if self._proposed is not None:
             if now_ms - self._proposed_at_ms >= ISR_RETRY_MS:
-                return [self._propose(self._proposed, now_ms)]
-            return []
-        lagging = [r for r in self.state.isr if r != self.actor_id and r in self._followers
-                   and now_ms - self._followers[r].caught_up_ms > self.replica_lag_ms]
-        if not lagging:
-            return []
-        return [self._propose(tuple(r for r in self.state.isr if r not in lagging), now_ms)]
+                effects.append(self._propose(self._proposed, now_ms))
+            return effects
+        if self._lagging:
+            shrunk = self._shrunk_isr()
+            if shrunk != self.state.isr:
+                effects.append(self._propose(shrunk, now_ms))
+        return effects
+
+    def _lags(self, replica: str, now_ms: int) -> bool:
+        follower = self._followers.get(replica)
+        return (replica != self.actor_id and follower is not None
+                and now_ms - follower.caught_up_ms > self.replica_lag_ms)
+
+    def _shrunk_isr(self) -> tuple[str, ...]:
+        """The ISR without its laggards, but never below min_insync (see "ISR floor"): the
+        laggards that hold the most stay in."""
+        isr, lagging = self.state.isr, self._lagging
+        keep = {r for r in isr if r not in lagging}
+        missing = self.state.min_insync - len(keep)
+        if missing > 0:
+            def held(r: str) -> int:
+                end = self._followers[r].log_end
+                return -1 if end is None else end
+            laggards = sorted((r for r in isr if r in lagging), key=held, reverse=True)  # stable: replica order
+            keep.update(laggards[:missing])
+        return tuple(r for r in isr if r in keep)
+
+    @property
+    def keeping_up(self) -> int:
+        """How many ISR members (this leader included) are keeping up with the log end."""
+        return len(self.state.isr) - len(self._lagging & set(self.state.isr))
+
+    def _note_keeping_up(self) -> list:
+        """Fewer than min_insync keeping up: produce is refused, and the held batches fail
+        (retriable), since they cannot reach min_insync copies before a laggard catches up."""
+        short = self.keeping_up < self.state.min_insync
+        effects: list = []
+        if short and not self.short_of_insync and self._held:
+            effects = self._fail_held(NotEnoughReplicas(
+                "fewer in-sync replicas than min_insync are keeping up; the batch was not replicated",
+                topic=self.topic, partition=self.partition, isr=list(self.state.isr),
+                lagging=sorted(self._lagging), min_insync=self.state.min_insync))
+        self.short_of_insync = short
+        return effects
 
     def on_isr_recorded(self, reply: m.AlterIsrReply, now_ms: int) -> list:
         """The controller recorded an ISR (perhaps not the one proposed): adopt it."""
@@ -515,6 +582,8 @@ class Replica:
             for replica in state.replicas:
                 if replica != self.actor_id and replica not in self._followers:
                     self._followers[replica] = _Follower(caught_up_ms=now_ms)
+            self._lagging &= set(state.isr)
+            self.short_of_insync = self.keeping_up < state.min_insync
             if len(state.isr) < state.min_insync and self._held:
                 # Held batches cannot reach min_insync copies until the ISR grows again; the
                 # producer retries (and finds its batch by sequence) instead of hanging.
@@ -542,7 +611,7 @@ class Replica:
             end = self.log.log_end
             times = [(max(f.caught_up_ms, f.waiting_until_ms) if f.log_end is not None and f.log_end >= end
                       else f.caught_up_ms) + self.replica_lag_ms + 1
-                     for r in self.state.isr if (f := self._followers.get(r)) is not None]
+                     for r in self.state.isr if (f := self._followers.get(r)) is not None and r not in self._lagging]
             return min(times, default=None)
         if self.state.leader is not None and not self._fetch_in_flight:
             return self._next_fetch_ms
@@ -618,8 +687,10 @@ class Replica:
     # -- introspection -------------------------------------------------------------------------
 
     def state_row(self) -> list:
-        """`replica_states` item: [topic, partition, leader_epoch, log_end, high_watermark]."""
-        return [self.topic, self.partition, self.state.leader_epoch, self.log.log_end, self.high_watermark]
+        """`replica_states` item: [topic, partition, leader_epoch, log_end, high_watermark,
+        keeping_up] (keeping_up: a leader's count of ISR members keeping up, else None)."""
+        return [self.topic, self.partition, self.state.leader_epoch, self.log.log_end, self.high_watermark,
+                self.keeping_up if self.is_leader else None]
 
     def follower_log_ends(self) -> dict[str, int | None]:
         return {replica: follower.log_end for replica, follower in self._followers.items()}

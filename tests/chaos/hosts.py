@@ -7,7 +7,7 @@ listening on 127.0.0.12 at the same port, which the actor advertises
 and consumers all dial the link, and cutting the link cuts the host off the
 data plane. Its own connection to the coordinator does not go through the
 link: a cut leader still heartbeats, so the controller keeps it as leader and
-its ISR shrinks below min-insync (produce is refused until the link heals).
+fewer than min-insync of its ISR keep up (produce is refused until the link heals).
 A host that loses the coordinator too is what SIGSTOP shows.
 
 A host's actor is started by the test, not by a supervisor: the nemesis

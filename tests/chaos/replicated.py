@@ -23,8 +23,9 @@ seeded RNG:
   on an empty disk (it rebuilds from the leaders);
 * ``wipe-restart``: stop a host cleanly (SIGTERM), delete its data, restart;
 * ``cut-leader``: cut a leader's network link (reset or blackhole) for 1–8 s,
-  past ``--replica-lag-ms`` at times: its followers cannot fetch, the ISR
-  shrinks below M, produce is refused until the link heals;
+  past ``--replica-lag-ms`` at times: its followers cannot fetch, fewer
+  than M keep up (the ISR itself stops at M), produce is refused until the
+  link heals;
 * ``pause-leader``: SIGSTOP a leader until the controller has elected a new
   leader for every partition it led (the registration lapses after 5 s),
   then SIGCONT it: it must acknowledge nothing more (its followers refuse

@@ -91,7 +91,7 @@ full ISR (so no fault meets a second that R = 3, M = 2 does not promise to
 survive): SIGKILL a host (restarted on its disk 0.5–6 s later), SIGKILL a
 host and delete its data directory (restarted on an empty disk), stop a host
 cleanly and restart it on an empty disk, cut a leader's link (reset or
-blackhole, 1–8 s: the ISR shrinks below M and produce is refused), SIGSTOP a
+blackhole, 1–8 s: fewer than M keep up and produce is refused), SIGSTOP a
 leader until the controller has replaced it, then SIGCONT it.
 
 ### Result: {s['verdict']}

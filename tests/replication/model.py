@@ -114,6 +114,13 @@ def check_agreement(replicas: dict[str, tuple[MemoryLog, int]]) -> None:
                 raise InvariantViolated(f"replicas {a} and {b} disagree below offset {below}")
 
 
+def check_isr_floor(isr: tuple, proposed: tuple, min_insync: int) -> None:
+    """A leader never proposes an ISR below min_insync (unless it already was): the ISR is
+    what an election picks from, and must name min_insync holders of everything below the HW."""
+    if len(proposed) < min(min_insync, len(isr)):
+        raise InvariantViolated(f"ISR {isr} shrunk to {proposed}, below min_insync {min_insync}")
+
+
 def check_epochs_never_go_back(seen: dict[str, int], name: str, epoch: int) -> None:
     if epoch < seen.get(name, -1):
         raise InvariantViolated(f"{name}'s leader epoch went back from {seen[name]} to {epoch}")
@@ -208,6 +215,7 @@ class Cluster:
     def alter_isr(self, request: m.AlterIsr) -> m.AlterIsrReply:
         if request.leader_epoch != self.epoch:
             raise StaleEpoch("not the current leader epoch", epoch=self.epoch, got=request.leader_epoch)
+        check_isr_floor(self.isr, tuple(request.isr), self.min_insync)
         self.isr = tuple(request.isr)
         return m.AlterIsrReply(request.topic, request.partition, self.epoch, list(self.isr))
 

@@ -48,11 +48,12 @@ def produce(core, value, topic="t", now=1, pid=0, seq=-1):
     return effects + core.end_turn(now)
 
 
-def pump(follower, leader, now=2, rounds=6):
-    """Carry the follower's fetches to the leader and back, as the shells do, until the
-    leader parks one (the follower is caught up)."""
+def pump(follower, leader, now=2, rounds=6, queue=None):
+    """Carry the follower's fetches (`queue`: the ones it just asked to send, else the ones
+    due now) to the leader and back, as the shells do, until the leader parks one (the
+    follower is caught up)."""
     released = []
-    queue = follower.replica_fetches(now)
+    queue = follower.replica_fetches(now) if queue is None else queue
     for _ in range(rounds):
         if not queue:
             break
@@ -91,11 +92,12 @@ def test_produce_is_acknowledged_once_the_follower_has_the_batch(pair):
     assert [row[0] for row in registration.partitions] == ["plain"]
     # The fetch that moved the HW waits at the log end: the follower learns the HW with the
     # next answer (the next append, or here the end of the long poll), as in Kafka.
-    assert registration.replica_states == [["t", 0, 0, 1, 0]]
+    assert registration.replica_states == [["t", 0, 0, 1, 0, None]]  # keeping_up: a leader's only
+    assert a.registration(endpoint="x", storage_id="s", pid=1).replica_states == [["t", 0, 0, 1, 1, 2]]
     [answer] = [e for e in a.tick(2 + 500) if getattr(e, "token", None) == "follower"]
     wire = codec.decode_reply(codec.encode_reply(answer.msg, 7, answer.frames))
     b.on_replica_fetch_reply(("t", 0), wire.msg, wire.frames, None, 2 + 500)
-    assert b.registration(endpoint="x", storage_id="s", pid=1).replica_states == [["t", 0, 0, 1, 1]]
+    assert b.registration(endpoint="x", storage_id="s", pid=1).replica_states == [["t", 0, 0, 1, 1, None]]
 
 
 @pytest.mark.parametrize("carried", [None, 1])
@@ -124,17 +126,42 @@ def test_a_follower_refuses_produce_and_fetch_with_the_leader(pair):
     assert isinstance(ok, Reply)
 
 
-def test_below_min_insync_nothing_is_appended_and_an_isr_shrink_is_proposed(pair):
+def test_a_lagging_follower_stays_in_the_isr_at_min_insync_and_produce_is_refused_meanwhile(pair):
+    """The ISR floor (docs/SEMANTICS.md): at R = M = 2 the laggard is not proposed out, so an
+    election still finds every acknowledged record on an ISR member; the leader refuses produce
+    and fails what it held until the laggard keeps up again."""
     a, b = pair
-    proposals = [e for e in a.tick(20_000) if isinstance(e, SendToCoordinator)]
-    assert [p.msg.isr for p in proposals] == [["a"]]
-    held = produce(a, b"before")
-    assert held == []
-    effects = a.on_alter_isr_reply(("t", 0), m.AlterIsrReply("t", 0, 0, ["a"]), None, 20_001)
+    assert produce(a, b"before") == []  # held for b
+    effects = a.tick(20_000)
+    assert not [e for e in effects if isinstance(e, SendToCoordinator)]  # no ISR below M proposed
+    assert [e.error.code for e in effects if hasattr(e, "error")] == [ErrorCode.NOT_ENOUGH_REPLICAS]
+    end = a.logs[("t", 0)].log_end
+    [err] = produce(a, b"after", now=20_001)
+    assert err.error.code is ErrorCode.NOT_ENOUGH_REPLICAS and a.logs[("t", 0)].log_end == end
+    assert err.error.data["lagging"] == ["b"]
+    assert a.registration(endpoint="x", storage_id="s", pid=1).replica_states[0][5] == 1  # keeping up
+    # b fetches again and keeps up: produce goes on, and the retried batch is acknowledged.
+    pump(b, a, now=20_002)
+    assert a.replicas[("t", 0)].keeping_up == 2
+    [woken] = produce(a, b"after", now=20_003)  # held; b's parked fetch is answered with it
+    wire = codec.decode_reply(codec.encode_reply(woken.msg, 7, woken.frames))
+    queue = b.on_replica_fetch_reply(("t", 0), wire.msg, wire.frames, None, 20_003)
+    assert [e.msg.base_offset for e in pump(b, a, now=20_004, queue=queue) if isinstance(e, Reply)] == [1]
+
+
+def test_below_min_insync_in_the_recorded_isr_nothing_is_appended_and_the_held_fail(pair):
+    """The controller may still record an ISR below M (a dead or restarted member removed)."""
+    a, b = pair
+    assert produce(a, b"before") == []
+    effects = a.on_alter_isr_reply(("t", 0), m.AlterIsrReply("t", 0, 0, ["a"]), None, 2)
     assert [e.error.code for e in effects] == [ErrorCode.NOT_ENOUGH_REPLICAS]  # the held one fails
     end = a.logs[("t", 0)].log_end
     [err] = produce(a, b"after")
     assert err.error.code is ErrorCode.NOT_ENOUGH_REPLICAS and a.logs[("t", 0)].log_end == end
+    # The HW stays below what is on a alone: consumers neither see nor commit past it.
+    a.tick(3)
+    [fetched] = a.handle("c", env(m.Fetch(topic="t", partition=0, offset=0)), 3)
+    assert fetched.msg.log_end == 0 and a.replicas[("t", 0)].high_watermark == 0
 
 
 def test_an_older_coordinator_or_leader_epoch_is_refused(pair):

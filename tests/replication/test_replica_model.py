@@ -10,7 +10,7 @@ from zbroker.actors.partition_log.replica import FETCH_WAIT_MS, Acknowledge, Rep
 from zbroker.protocol import messages as m
 from zbroker.protocol.errors import NotEnoughReplicas, NotLeader, StaleEpoch
 from tests.replication.model import (Cluster, InvariantViolated, MemoryLog, check_acknowledged_on_m,
-                                     check_agreement, check_epochs_never_go_back)
+                                     check_agreement, check_epochs_never_go_back, check_isr_floor)
 
 NAMES = Cluster.NAMES
 name = st.sampled_from(NAMES)
@@ -103,12 +103,13 @@ def test_acks_wait_for_the_isr_and_nothing_is_appended_below_min_insync():
     assert cluster.acknowledged == {}  # on one replica only
     settle(cluster, "b", "c")
     assert cluster.acknowledged == {0: (0, 2)}
-    # b and c stop fetching: after their last fetch's wait at the log end and the lag, they
-    # leave the ISR, and produce is refused.
+    # b and c stop fetching: after their last fetch's wait at the log end and the lag, c
+    # leaves the ISR, b stays in it to keep it at min_insync (the ISR floor: an election must
+    # find the acknowledged batch on an ISR member), and produce is refused.
     cluster.tick(FETCH_WAIT_MS + 1000 + 1)
     leader = cluster.nodes["a"].core
-    assert leader.isr == ("a",) == cluster.isr
-    assert isinstance(leader.check_produce(), NotEnoughReplicas)
+    assert leader.isr == ("a", "b") == cluster.isr
+    assert isinstance(leader.check_produce(), NotEnoughReplicas) and leader.keeping_up == 1
     end = cluster.nodes["a"].log.log_end
     cluster.produce("a", 1)
     assert cluster.nodes["a"].log.log_end == end
@@ -242,6 +243,20 @@ def test_the_epoch_check_catches_an_epoch_going_back():
         check_epochs_never_go_back(seen, "a", 0)
 
 
+def test_the_isr_floor_check_catches_a_shrink_below_min_insync():
+    check_isr_floor(("a", "b", "c"), ("a", "b"), 2)
+    check_isr_floor(("a",), ("a",), 2)  # already below (the controller removed a dead member)
+    with pytest.raises(InvariantViolated):
+        check_isr_floor(("a", "b", "c"), ("a",), 2)
+
+
+class _ShrinksToWhoKeepsUp(Replica):
+    """A broken leader (zbroker before the ISR floor): every laggard is proposed out."""
+
+    def _shrunk_isr(self):
+        return tuple(r for r in self.state.isr if r not in self._lagging)
+
+
 class _AcksAtItsOwnEnd(Replica):
     """A broken leader: its high watermark ignores the followers."""
 
@@ -273,6 +288,13 @@ def test_the_model_catches_a_leader_that_acknowledges_before_replicating():
     cluster.produce("a", 1)
     with pytest.raises(InvariantViolated, match="durable copies"):
         cluster.sync("a")
+
+
+def test_the_model_catches_a_leader_that_shrinks_the_isr_below_min_insync():
+    cluster = Cluster(2, replica_lag_ms=1000, replica_class=_ShrinksToWhoKeepsUp)
+    settle(cluster, "b", "c")
+    with pytest.raises(InvariantViolated, match="below min_insync"):
+        cluster.tick(FETCH_WAIT_MS + 1000 + 1)
 
 
 def test_the_model_catches_a_follower_that_keeps_a_divergent_tail():

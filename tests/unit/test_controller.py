@@ -351,6 +351,17 @@ def test_a_restarted_leader_hands_over_and_a_restarted_follower_leaves_the_isr()
     assert reg.register("c", reg.actors["c"].endpoint, reg.actors["c"].storage_id, 997, [], 13) == []
 
 
+def test_a_restarted_leader_whose_isr_peers_are_all_dead_waits_for_one_of_them():
+    """It may have come back on an empty disk; leading again would make the peers, which hold
+    every acknowledged record, truncate to it when they return."""
+    rs = ctl.ReplicaSet(("a", "b", "c"), "a", 4, ("a", "b"), 2)
+    waiting = ctl.restarted(rs, "a", live={"a", "c"})
+    assert (waiting.leader, waiting.leader_epoch, waiting.isr) == (None, 5, ("b",))
+    assert ctl.elect(waiting, {"a", "c"}) == waiting  # neither a nor c may lead it
+    back = ctl.elect(waiting, {"a", "b", "c"})
+    assert (back.leader, back.leader_epoch, back.isr) == ("b", 6, ("b",))
+
+
 def test_a_restarted_leader_is_not_told_to_lead_its_old_epoch_while_its_replacement_is_written():
     """The host-loss chaos run (2026-12-05 00:00 UTC): a leader restarted on a wiped disk was
     told by its registration reply to lead the epoch being replaced (the new election not yet
