@@ -493,10 +493,11 @@ class TopicRegistry:
         out = []
         for (t, p), part in sorted(self.partitions.items()):
             rs = part.replication
-            lagging = part.keeping_up is not None and rs is not None and part.keeping_up < len(rs.isr)
-            if rs is None or not (rs.under_replicated or rs.leader is None or lagging):
+            if rs is None:
                 continue
             keeping_up = len(rs.isr) if part.keeping_up is None else min(part.keeping_up, len(rs.isr))
+            if not (rs.under_replicated or rs.leader is None or keeping_up < len(rs.isr)):
+                continue
             out.append({"topic": t, "partition": p, "leader": rs.leader, "leader_epoch": rs.leader_epoch,
                         "replicas": list(rs.replicas), "isr": list(rs.isr), "min_insync": rs.min_insync,
                         "keeping_up": keeping_up,

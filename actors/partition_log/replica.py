@@ -233,7 +233,6 @@ class Replica:
         self._proposed: tuple[str, ...] | None = None
         self._proposed_at_ms = 0
         self._lagging: set[str] = set()  # ISR members the last tick found lagging (leader)
-        self.short_of_insync = False  # fewer than min_insync of the ISR keep up (leader)
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
         self._fetched_from: int | None = None  # the log end the latest fetch was sent from
@@ -267,7 +266,6 @@ class Replica:
         self._followers = {}
         self._proposed = None
         self._lagging = set()
-        self.short_of_insync = False
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
         self.hw_established = False
@@ -495,7 +493,6 @@ class Replica:
         follower.leader_end_at_last_fetch = log_end
         if replica in self._lagging and not self._lags(replica, now_ms):
             self._lagging.discard(replica)
-            self.short_of_insync = self.keeping_up < self.state.min_insync
         effects: list = []
         if (replica not in self.state.isr and replica in self.state.replicas and self._proposed is None
                 and fetch_offset >= self.high_watermark and fetch_offset >= self._epoch_start):
@@ -551,18 +548,20 @@ class Replica:
         """How many ISR members (this leader included) are keeping up with the log end."""
         return len(self.state.isr) - len(self._lagging & set(self.state.isr))
 
+    @property
+    def short_of_insync(self) -> bool:
+        return self.keeping_up < self.state.min_insync
+
     def _note_keeping_up(self) -> list:
         """Fewer than min_insync keeping up: produce is refused, and the held batches fail
-        (retriable), since they cannot reach min_insync copies before a laggard catches up."""
-        short = self.keeping_up < self.state.min_insync
-        effects: list = []
-        if short and not self.short_of_insync and self._held:
-            effects = self._fail_held(NotEnoughReplicas(
-                "fewer in-sync replicas than min_insync are keeping up; the batch was not replicated",
-                topic=self.topic, partition=self.partition, isr=list(self.state.isr),
-                lagging=sorted(self._lagging), min_insync=self.state.min_insync))
-        self.short_of_insync = short
-        return effects
+        (retriable), since they cannot reach min_insync copies before a laggard catches up.
+        (Any held then were appended before: check_produce admits none meanwhile.)"""
+        if not (self.short_of_insync and self._held):
+            return []
+        return self._fail_held(NotEnoughReplicas(
+            "fewer in-sync replicas than min_insync are keeping up; the batch was not replicated",
+            topic=self.topic, partition=self.partition, isr=list(self.state.isr),
+            lagging=sorted(self._lagging), min_insync=self.state.min_insync))
 
     def on_isr_recorded(self, reply: m.AlterIsrReply, now_ms: int) -> list:
         """The controller recorded an ISR (perhaps not the one proposed): adopt it."""
@@ -583,7 +582,6 @@ class Replica:
                 if replica != self.actor_id and replica not in self._followers:
                     self._followers[replica] = _Follower(caught_up_ms=now_ms)
             self._lagging &= set(state.isr)
-            self.short_of_insync = self.keeping_up < state.min_insync
             if len(state.isr) < state.min_insync and self._held:
                 # Held batches cannot reach min_insync copies until the ISR grows again; the
                 # producer retries (and finds its batch by sequence) instead of hanging.
