@@ -232,7 +232,9 @@ class Replica:
         self._seq = itertools.count()
         self._proposed: tuple[str, ...] | None = None
         self._proposed_at_ms = 0
-        self._lagging: set[str] = set()  # ISR members the last tick found lagging (leader)
+        # ISR members the last tick found lagging (leader); always a subset of the ISR, so
+        # `keeping_up` is a subtraction.
+        self._lagging: set[str] = set()
         self._fetch_in_flight = False
         self._next_fetch_ms = 0
         self._fetched_from: int | None = None  # the log end the latest fetch was sent from
@@ -292,6 +294,7 @@ class Replica:
         effects: list = []
         if self.deposed and state.leader_epoch == self.state.leader_epoch:
             self.state = state  # still older than the epoch we have heard of: stay deposed
+            self._lagging &= set(state.isr)
             return effects
         if state.leader_epoch == self.state.leader_epoch and state.leader == self.state.leader:
             # Same leadership, perhaps another ISR (the controller recorded a change).
@@ -344,9 +347,7 @@ class Replica:
                                      partition=self.partition, isr=list(self.state.isr),
                                      min_insync=self.state.min_insync)
         if self.short_of_insync:
-            return NotEnoughReplicas("fewer in-sync replicas than min_insync are keeping up", topic=self.topic,
-                                     partition=self.partition, isr=list(self.state.isr),
-                                     lagging=sorted(self._lagging), min_insync=self.state.min_insync)
+            return self._not_keeping_up("fewer in-sync replicas than min_insync are keeping up")
         return None
 
     def hold(self, token: Any, end_offset: int, now_ms: int) -> list:
@@ -546,7 +547,7 @@ class Replica:
     @property
     def keeping_up(self) -> int:
         """How many ISR members (this leader included) are keeping up with the log end."""
-        return len(self.state.isr) - len(self._lagging & set(self.state.isr))
+        return len(self.state.isr) - len(self._lagging)
 
     @property
     def short_of_insync(self) -> bool:
@@ -558,10 +559,12 @@ class Replica:
         (Any held then were appended before: check_produce admits none meanwhile.)"""
         if not (self.short_of_insync and self._held):
             return []
-        return self._fail_held(NotEnoughReplicas(
-            "fewer in-sync replicas than min_insync are keeping up; the batch was not replicated",
-            topic=self.topic, partition=self.partition, isr=list(self.state.isr),
-            lagging=sorted(self._lagging), min_insync=self.state.min_insync))
+        return self._fail_held(self._not_keeping_up(
+            "fewer in-sync replicas than min_insync are keeping up; the batch was not replicated"))
+
+    def _not_keeping_up(self, message: str) -> NotEnoughReplicas:
+        return NotEnoughReplicas(message, topic=self.topic, partition=self.partition, isr=list(self.state.isr),
+                                 lagging=sorted(self._lagging), min_insync=self.state.min_insync)
 
     def on_isr_recorded(self, reply: m.AlterIsrReply, now_ms: int) -> list:
         """The controller recorded an ISR (perhaps not the one proposed): adopt it."""
@@ -575,13 +578,13 @@ class Replica:
     def _adopt_isr(self, state: ReplicaState, now_ms: int) -> list:
         """Same leadership, the ISR (or replica set) the controller recorded."""
         self.state = state
+        self._lagging &= set(state.isr)
         if self._proposed is not None and set(self._proposed) == set(state.isr):
             self._proposed = None
         if self.is_leader:
             for replica in state.replicas:
                 if replica != self.actor_id and replica not in self._followers:
                     self._followers[replica] = _Follower(caught_up_ms=now_ms)
-            self._lagging &= set(state.isr)
             if len(state.isr) < state.min_insync and self._held:
                 # Held batches cannot reach min_insync copies until the ISR grows again; the
                 # producer retries (and finds its batch by sequence) instead of hanging.
